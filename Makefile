@@ -1,0 +1,46 @@
+# Two commands for a fresh machine with Python 3.11 and pip: `make demo` and `make test`.
+# Each creates .venv itself; re-running is quick once .venv is complete (stamp files).
+PYTHON ?= python3
+VENV := .venv
+LATEST := .venv-latest
+PIP_FLAGS := -q --disable-pip-version-check
+# The newest torch, installed without torch_xla, proves the core does not need it.
+LATEST_TORCH := torch==2.13.0
+
+# pytest exits 5 when it collected no test: a run that tests nothing must not pass.
+PYTEST_STATUS = rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+.PHONY: demo test test-xla-stack test-latest lint clean
+
+$(VENV)/.stamp: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install $(PIP_FLAGS) -e ".[xla,test]"
+	touch $@
+
+$(LATEST)/.stamp: pyproject.toml Makefile
+	$(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/pip install $(PIP_FLAGS) $(LATEST_TORCH)
+	$(LATEST)/bin/pip install $(PIP_FLAGS) -e ".[test]" $(LATEST_TORCH)
+	touch $@
+
+demo: $(VENV)/.stamp
+	PJRT_DEVICE=CPU $(VENV)/bin/tiekit demo
+
+lint: $(VENV)/.stamp
+	$(VENV)/bin/ruff check tiekit tests examples benchmarks
+	$(VENV)/bin/ruff format --check tiekit tests examples benchmarks
+	$(VENV)/bin/mypy
+
+# Everything on the pinned XLA stack (torch 2.9.1 + torch_xla 2.9.0, XLA:CPU devices).
+test-xla-stack: $(VENV)/.stamp
+	PJRT_DEVICE=CPU TIEKIT_REQUIRE_XLA=1 $(VENV)/bin/pytest -q -p no:cacheprovider; $(PYTEST_STATUS)
+
+# The non-XLA tests on the newest torch, torch_xla absent.
+test-latest: $(LATEST)/.stamp
+	$(LATEST)/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch_xla') is not None)"
+	$(LATEST)/bin/pytest -q -p no:cacheprovider -m "not xla"; $(PYTEST_STATUS)
+
+test: lint test-xla-stack test-latest
+
+clean:
+	rm -rf $(VENV) $(LATEST)

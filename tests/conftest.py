@@ -1,0 +1,26 @@
+import importlib.util
+import os
+
+import pytest
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+HAVE_XLA = importlib.util.find_spec("torch_xla") is not None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HAVE_XLA:
+        return
+    if os.environ.get("TIEKIT_REQUIRE_XLA"):
+        raise pytest.UsageError("TIEKIT_REQUIRE_XLA is set but torch_xla is not installed")
+    skip = pytest.mark.skip(reason="torch_xla is not installed")
+    for item in items:
+        if "xla" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def xla_device():  # type: ignore[no-untyped-def]
+    import torch_xla
+
+    return torch_xla.device()

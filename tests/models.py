@@ -1,0 +1,110 @@
+"""Models the tests share: the seeds' WeightSharingModule and small HF models from configs."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import tiekit
+
+
+class WeightSharingModule(nn.Module):
+    """The seeds' example, verbatim apart from the base class."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer_1 = nn.Linear(32, 10, bias=False)
+        self.layer_2 = nn.Linear(10, 32, bias=False)
+        self.layer_3 = nn.Linear(32, 10, bias=False)
+        self.layer_3.weight = self.layer_1.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layer_1(x)
+        x = self.layer_2(x)
+        x = self.layer_3(x)
+        return x
+
+
+class MixinWeightSharingModule(tiekit.TPUMixin, WeightSharingModule):
+    pass
+
+
+class ViewBuffers(nn.Module):
+    """A parameter with buffers that are views of it: transposed, sliced and reshaped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 6))
+        self.register_buffer("wt", self.w.detach().t())
+        self.register_buffer("ws", self.w.detach()[:, 2:5])
+        self.register_buffer("wv", self.w.detach().view(24))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.wt + x @ self.w.t()
+
+
+def gpt2(**overrides: object) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = dict(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=32, use_cache=False, bos_token_id=0, eos_token_id=0
+    )
+    config.update(overrides)
+    return GPT2LMHeadModel(GPT2Config(**config))
+
+
+def llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(
+        LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=96,
+            tie_word_embeddings=True,
+            use_cache=False,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
+    )
+
+
+def t5() -> nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    return T5ForConditionalGeneration(
+        T5Config(
+            d_model=32,
+            d_ff=64,
+            num_layers=2,
+            num_heads=2,
+            d_kv=16,
+            vocab_size=96,
+            tie_word_embeddings=True,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+            eos_token_id=1,
+        )
+    )
+
+
+def albert() -> nn.Module:
+    from transformers import AlbertConfig, AlbertForMaskedLM
+
+    return AlbertForMaskedLM(
+        AlbertConfig(
+            embedding_size=16,
+            hidden_size=32,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            intermediate_size=64,
+            vocab_size=96,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=0,
+        )
+    )

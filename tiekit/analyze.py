@@ -1,0 +1,324 @@
+"""`find_ties`: walk a module tree once and record every name that aliases another.
+
+Three kinds of alias are found:
+
+* the same tensor object under several names (``layer_3.weight = layer_1.weight``, a submodule
+  registered twice, a ModuleList holding one block several times), by identity;
+* distinct tensor objects whose memory overlaps (a buffer that is ``w.t()``, ``w[:, :k]`` or
+  ``w.view(...)``), by comparing byte ranges of the tensors' data; recorded with their view
+  geometry so they can be rebuilt on another device;
+* optionally, ties declared by the model (``{target: source}``) and not present in memory yet.
+
+Identity works on every device, meta and XLA included. Memory overlap is only visible where a
+tensor has a data pointer (CPU, CUDA); on meta and XLA such views cannot be seen, which is why a
+plan is made *before* a move.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiekit._slots import resolve
+from tiekit.errors import TieError
+from tiekit.plan import MemberKind, TieGroup, TieMember, TiePlan, ViewGeometry
+
+# (name, kind, tensor, registration index) of the first name under which a tensor was met
+_Slot = tuple[str, MemberKind, torch.Tensor, int]
+
+
+def find_ties(
+    model: nn.Module,
+    *,
+    buffers: bool = True,
+    trace: bool = False,
+    check_values: bool = False,
+    declared: Mapping[str, str] | None = None,
+    example_inputs: tuple[Any, ...] | None = None,
+) -> TiePlan:
+    """Return the `TiePlan` of ``model``: every group of names that share a tensor or its memory.
+
+    ``buffers`` includes buffers as well as parameters. ``trace`` records, per group, the graph
+    nodes that read it and the tensors read outside their owning module, with ``torch.fx`` (or
+    ``torch.export`` when ``example_inputs`` is given). ``check_values`` also reports distinct
+    tensors with bit-identical values, the trace a move leaves when it broke a tie.
+    ``declared`` adds ties the model declares as ``{target: source}`` names.
+    """
+    try:
+        first, extra, total_params, shared = _collect(model, buffers)
+    except RecursionError as exc:
+        raise TieError(
+            f"cannot walk {type(model).__name__}: its module graph has a cycle or is deeper than "
+            "Python's recursion limit"
+        ) from exc
+    groups = _identity_and_storage_groups(first, extra, shared)
+    unique_params = _count_unique_params(first, extra)
+    if declared:
+        groups, unique_params = _merge_declared(model, groups, declared, unique_params, buffers)
+    groups.sort(key=lambda pair: pair[0])
+    tie_groups = [g for _, g in groups]
+    suspected: tuple[tuple[str, ...], ...] = ()
+    if check_values:
+        suspected = _suspected_broken_ties(first, {n for g in tie_groups for n in g.names[1:]})
+    plan = TiePlan(groups=tuple(tie_groups), unique_count=unique_params, total_count=total_params, suspected=suspected)
+    if trace:
+        from tiekit.trace import trace_uses
+
+        plan = trace_uses(model, plan, example_inputs)
+    return plan
+
+
+def _collect(
+    model: nn.Module, buffers: bool
+) -> tuple[dict[int, _Slot], dict[int, list[tuple[str, MemberKind]]], int, list[list[int]]]:
+    # One pass in registration order. `first` keeps every distinct tensor once (dicts keep
+    # insertion order, which makes group order the same in every process); `extra` only the
+    # repeated names, so the common untied case allocates nothing per name.
+    first: dict[int, _Slot] = {}
+    extra: dict[int, list[tuple[str, MemberKind]]] = {}
+    total_params = 0
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = prefix + "." if prefix else ""
+        for attr, t in module._parameters.items():
+            if t is None:
+                continue
+            total_params += 1
+            key = id(t)
+            if key in first:
+                extra.setdefault(key, []).append((dot + attr, "parameter"))
+            else:
+                first[key] = (dot + attr, "parameter", t, len(first))
+        if buffers and module._buffers:
+            for attr, t in module._buffers.items():
+                if t is None:
+                    continue
+                key = id(t)
+                if key in first:
+                    extra.setdefault(key, []).append((dot + attr, "buffer"))
+                else:
+                    first[key] = (dot + attr, "buffer", t, len(first))
+    return first, extra, total_params, _shared_storages(first)
+
+
+def _shared_storages(first: dict[int, _Slot]) -> list[list[int]]:
+    """Keys of distinct tensors that live in one storage, one list per such storage."""
+    keys = list(first)
+    try:
+        storages: list[int | None] = [slot[2].untyped_storage()._cdata for slot in first.values()]
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        storages = [_storage_key(slot[2]) for slot in first.values()]
+    if len(set(storages)) == len(storages):  # the common case: nothing shares memory
+        return []
+    by_storage: dict[int, list[int]] = {}
+    for key, storage in zip(keys, storages, strict=True):
+        if storage is not None:
+            by_storage.setdefault(storage, []).append(key)
+    return [ks for ks in by_storage.values() if len(ks) > 1]
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    # The StorageImpl address: equal for a tensor and all its views on every device (CPU,
+    # CUDA, meta, and XLA's functional storage).
+    try:
+        return int(t.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return None  # sparse and some tensor subclasses have no storage to compare
+
+
+def _count_unique_params(first: dict[int, _Slot], extra: dict[int, list[tuple[str, MemberKind]]]) -> int:
+    count = 0
+    for key, (_, kind, _, _) in first.items():
+        if kind == "parameter" or any(k == "parameter" for _, k in extra.get(key, ())):
+            count += 1
+    return count
+
+
+def _span(t: torch.Tensor) -> tuple[int, int] | None:
+    """Byte range [start, end) of the tensor's elements within its storage; None if empty."""
+    if t.numel() == 0:
+        return None
+    start = int(t.storage_offset()) * t.element_size()
+    extent = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
+    return start, start + int(extent) * t.element_size()
+
+
+def _identity_and_storage_groups(
+    first: dict[int, _Slot], extra: dict[int, list[tuple[str, MemberKind]]], shared: list[list[int]]
+) -> list[tuple[int, TieGroup]]:
+    clusters = [c for keys in shared for c in _overlapping_clusters(keys, first)]
+    in_cluster = {key for cluster in clusters for key in cluster}
+    groups: list[tuple[int, TieGroup]] = []
+    for key, names in extra.items():
+        if key in in_cluster:
+            continue
+        name, kind, t, index = first[key]
+        members = tuple(TieMember(n, k) for n, k in [(name, kind), *names])
+        group_kind = "parameter" if isinstance(t, nn.Parameter) else "buffer"
+        groups.append(
+            (index, TieGroup(name, members, group_kind, tuple(t.shape), _dtype_name(t.dtype)))  # type: ignore[arg-type]
+        )
+    for cluster in clusters:
+        groups.append(_view_group(cluster, first, extra))
+    return groups
+
+
+def _overlapping_clusters(keys: list[int], first: dict[int, _Slot]) -> list[list[int]]:
+    """Split tensors of one storage into groups whose elements overlap."""
+    if any(first[k][2].device.type == "xla" for k in keys):
+        # XLA reports every tensor as contiguous from offset 0, so view geometry cannot be
+        # read there; views are found when the plan is made before the move, as it should be.
+        return []
+    spans: list[tuple[int, int, int]] = []
+    for key in keys:
+        span = _span(first[key][2])
+        if span is not None:
+            spans.append((span[0], span[1], key))
+    spans.sort()
+    clusters: list[list[int]] = []
+    current: list[int] = []
+    end = -1
+    for start, stop, key in spans:
+        if start < end:
+            current.append(key)
+            end = max(end, stop)
+        else:
+            if len(current) > 1:
+                clusters.append(current)
+            current, end = [key], stop
+    if len(current) > 1:
+        clusters.append(current)
+    return clusters
+
+
+def _view_group(
+    cluster: list[int], first: dict[int, _Slot], extra: dict[int, list[tuple[str, MemberKind]]]
+) -> tuple[int, TieGroup]:
+    cluster = sorted(cluster, key=lambda k: first[k][3])
+    spans = {k: _span(first[k][2]) for k in cluster}
+    lo = min(s[0] for s in spans.values() if s)
+    hi = max(s[1] for s in spans.values() if s)
+    # The source must hold every element of the shared memory contiguously, so that the
+    # other members can be rebuilt as strided views of it once it lives on another device.
+    covering = [k for k in cluster if spans[k] == (lo, hi) and first[k][2].is_contiguous()]
+    source_key = covering[0] if covering else cluster[0]
+    src_name, src_kind, src, _ = first[source_key]
+    members = [TieMember(n, k) for n, k in [(src_name, src_kind), *extra.get(source_key, ())]]
+    for key in cluster:
+        if key == source_key:
+            continue
+        name, kind, t, _ = first[key]
+        if t.dtype != src.dtype:
+            # A reinterpreting view (w.view(torch.int32)) cannot be rebuilt with as_strided.
+            continue
+        geometry = ViewGeometry(
+            offset=int(t.storage_offset()) - int(src.storage_offset()),
+            size=tuple(t.shape),
+            stride=tuple(t.stride()),
+        )
+        grad = bool(t.requires_grad) and isinstance(t, nn.Parameter)
+        for n, k in [(name, kind), *extra.get(key, ())]:
+            members.append(TieMember(n, k, geometry, grad))
+    index = min(first[k][3] for k in cluster)
+    group = TieGroup(src_name, tuple(members), "view", tuple(src.shape), _dtype_name(src.dtype))
+    return index, group
+
+
+def _merge_declared(
+    model: nn.Module,
+    groups: list[tuple[int, TieGroup]],
+    declared: Mapping[str, str],
+    unique_params: int,
+    buffers: bool,
+) -> tuple[list[tuple[int, TieGroup]], int]:
+    by_name = {n: i for i, (_, g) in enumerate(groups) for n in g.names}
+    order = {name: i for i, (name, _) in enumerate(_named_tensors(model, buffers))}
+    for target, source in declared.items():
+        seen = {target}
+        while source in declared:  # follow chains a -> b -> c to the root source
+            if source in seen:
+                raise TieError(f"declared ties form a cycle through {source!r}")
+            seen.add(source)
+            source = declared[source]
+        _, _, target_t, target_kind = resolve(model, target, "declared tie target")
+        _, _, source_t, source_kind = resolve(model, source, "declared tie source")
+        if target_t.shape != source_t.shape or target_t.dtype != source_t.dtype:
+            raise TieError(
+                f"declared tie {target!r} -> {source!r}: {target!r} is {_describe(target_t)} but "
+                f"{source!r} is {_describe(source_t)}"
+            )
+        target_group = by_name.get(target)
+        source_group = by_name.get(source)
+        if target_group is not None:
+            if target_group == source_group:
+                continue
+            raise TieError(
+                f"declared tie {target!r} -> {source!r} conflicts with the detected tie "
+                f"{target!r} = {groups[target_group][1].source!r}"
+            )
+        if target_t is not source_t and target_kind == "parameter":
+            unique_params -= 1
+        member = TieMember(target, target_kind)
+        if source_group is None:
+            group = TieGroup(
+                source,
+                (TieMember(source, source_kind), member),
+                "parameter" if isinstance(source_t, nn.Parameter) else "buffer",
+                tuple(source_t.shape),
+                _dtype_name(source_t.dtype),
+            )
+            groups.append((min(order[source], order[target]), group))
+            by_name[source] = by_name[target] = len(groups) - 1
+        else:
+            index, group = groups[source_group]
+            group = TieGroup(group.source, (*group.members, member), group.kind, group.shape, group.dtype)
+            groups[source_group] = (min(index, order[target]), group)
+            by_name[target] = source_group
+    return groups, unique_params
+
+
+def _named_tensors(model: nn.Module, buffers: bool) -> list[tuple[str, torch.Tensor]]:
+    named: list[tuple[str, torch.Tensor]] = []
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = prefix + "." if prefix else ""
+        named.extend((dot + a, t) for a, t in module._parameters.items() if t is not None)
+        if buffers:
+            named.extend((dot + a, t) for a, t in module._buffers.items() if t is not None)
+    return named
+
+
+def _suspected_broken_ties(first: dict[int, _Slot], tied: set[str]) -> tuple[tuple[str, ...], ...]:
+    # Only tensors that share shape and dtype can be broken copies of one another, so hash
+    # just those buckets; constant tensors (fresh LayerNorm weights, zero biases) are equal
+    # by construction, not by a broken tie, and are left out.
+    buckets: dict[tuple[tuple[int, ...], torch.dtype], list[tuple[str, torch.Tensor]]] = {}
+    for name, _, t, _ in first.values():
+        if name in tied or t.is_meta or t.numel() < 2:
+            continue
+        buckets.setdefault((tuple(t.shape), t.dtype), []).append((name, t))
+    found: list[tuple[str, ...]] = []
+    for candidates in buckets.values():
+        if len(candidates) < 2:
+            continue
+        by_hash: dict[bytes, list[tuple[str, torch.Tensor]]] = {}
+        for name, t in candidates:
+            host = t.detach().to("cpu").contiguous().reshape(-1)
+            if bool((host == host[0]).all()):
+                continue
+            digest = hashlib.blake2b(host.view(torch.uint8).numpy().tobytes(), digest_size=16).digest()
+            by_hash.setdefault(digest, []).append((name, host))
+        for same in by_hash.values():
+            if len(same) > 1 and all(torch.equal(same[0][1], h) for _, h in same[1:]):
+                found.append(tuple(n for n, _ in same))
+    return tuple(sorted(found))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)} {_dtype_name(t.dtype)}"

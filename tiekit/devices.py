@@ -1,0 +1,91 @@
+"""Everything device-specific, torch_xla above all, lives here; the rest of tiekit asks this module.
+
+torch_xla takes seconds to import and is optional, so it is imported only when an XLA
+device is actually asked for, never by ``import tiekit``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from types import ModuleType
+from typing import Any
+
+import torch
+
+
+def xla_available() -> bool:
+    """True when torch_xla is installed (does not import it)."""
+    return importlib.util.find_spec("torch_xla") is not None
+
+
+def xla() -> ModuleType:
+    """The imported ``torch_xla`` module; a clear ImportError when it is not installed."""
+    try:
+        import torch_xla
+    except ImportError as exc:
+        raise ImportError(
+            "an XLA device was requested but torch_xla is not installed; "
+            "install tiekit[xla] (torch==2.9.1, torch_xla==2.9.0)"
+        ) from exc
+    return torch_xla
+
+
+def is_xla(device: torch.device | str | None) -> bool:
+    """True if ``device`` names an XLA device ("xla", "xla:0", torch.device("xla", 1))."""
+    if device is None:
+        return False
+    return torch.device(device).type == "xla"
+
+
+def resolve_device(device: torch.device | str | int | None) -> torch.device | None:
+    """Turn "xla" into the current process's XLA device (importing torch_xla); pass others through."""
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return torch.device(device)
+    dev = torch.device(device)
+    if dev.type == "xla":
+        torch_xla = xla()
+        resolved: torch.device = torch_xla.device() if dev.index is None else torch_xla.device(dev.index)
+        return resolved
+    return dev
+
+
+def memory_visible(t: torch.Tensor) -> bool:
+    """True where a tensor has a real data pointer, so storage sharing can be observed."""
+    return t.device.type in ("cpu", "cuda") and not t.is_meta
+
+
+def xla_data_id(t: torch.Tensor) -> int:
+    """torch_xla's id of the device buffer behind ``t``: equal ids mean one buffer on the device."""
+    torch_xla = xla()
+    return int(torch_xla._XLAC._xla_get_tensor_id(t))
+
+
+def sync() -> None:
+    """Cut and run the pending XLA graph (no-op when torch_xla was never imported)."""
+    import sys
+
+    if "torch_xla" in sys.modules:
+        sys.modules["torch_xla"].sync()
+
+
+def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copy tensors to CPU; XLA tensors cross in one batched transfer."""
+    xla_tensors = [t for t in tensors if t.device.type == "xla"]
+    if not xla_tensors:
+        return [t.detach().cpu() for t in tensors]
+    torch_xla = xla()
+    host = iter(torch_xla._XLAC._xla_get_cpu_tensors(xla_tensors))
+    return [next(host) if t.device.type == "xla" else t.detach().cpu() for t in tensors]
+
+
+def to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Copy host tensors to ``device``; onto XLA in one batched transfer."""
+    if device.type != "xla":
+        return [t.to(device) for t in tensors]
+    xla()
+    import torch_xla.core.xla_model as xm
+
+    moved: Any = xm.send_cpu_data_to_device(tensors, device)
+    return list(moved)

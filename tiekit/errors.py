@@ -1,0 +1,19 @@
+"""tiekit's exception and warning hierarchy."""
+
+from __future__ import annotations
+
+
+class TiekitError(Exception):
+    """Base class of every error tiekit raises on purpose."""
+
+
+class TieError(TiekitError):
+    """A tie could not be found, applied or verified; the message names the module path."""
+
+
+class CheckpointError(TiekitError):
+    """A checkpoint could not be written or read; the message names the file and key."""
+
+
+class TieWarning(UserWarning):
+    """A tie problem reported with ``on_error="warn"`` instead of raised."""

@@ -1,0 +1,283 @@
+"""`TiePlan`: an immutable, serializable record of which names alias which tensor.
+
+A plan is made by :func:`tiekit.find_ties` before a move and applied by
+:func:`tiekit.retie` after it. Checkpoints embed its JSON, so the format is versioned:
+``from_dict`` accepts every version up to :data:`PLAN_VERSION` and refuses newer ones.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from tiekit.errors import TieError
+
+PLAN_VERSION = 1
+
+GroupKind = Literal["parameter", "buffer", "view"]
+MemberKind = Literal["parameter", "buffer"]
+
+
+@dataclass(frozen=True)
+class ViewGeometry:
+    """Where a view member sits inside its group's source.
+
+    ``offset`` is counted in elements from the source's first element, so the view can be
+    rebuilt on any device as ``source.as_strided(size, stride, source.storage_offset() + offset)``.
+    """
+
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TieMember:
+    """One name in a tie group: a parameter or buffer slot, and how it relates to the source.
+
+    ``view is None`` means the slot holds the very same tensor object as the source.
+    """
+
+    name: str
+    kind: MemberKind
+    view: ViewGeometry | None = None
+    requires_grad: bool = False
+
+
+@dataclass(frozen=True)
+class TieUse:
+    """A place in a traced graph that reads a tied tensor.
+
+    ``op`` is the fx node op (``"call_module"`` or ``"get_attr"``), ``target`` the node's target
+    and ``module`` the path of the module whose ``forward`` performs the read ("" for the root).
+    """
+
+    op: str
+    target: str
+    module: str
+
+
+@dataclass(frozen=True)
+class CrossModuleUse:
+    """A tensor read by a module that does not own any of its names (FSDP/pipeline must keep them together)."""
+
+    name: str
+    reader: str
+
+
+@dataclass(frozen=True)
+class TieGroup:
+    """Names that must refer to one tensor (or to views of one tensor) after every move."""
+
+    source: str
+    members: tuple[TieMember, ...]
+    kind: GroupKind
+    shape: tuple[int, ...]
+    dtype: str
+    uses: tuple[TieUse, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """All member names, source first."""
+        return tuple(m.name for m in self.members)
+
+    def member(self, name: str) -> TieMember:
+        """The member called ``name``; `TieError` if it is not in this group."""
+        for m in self.members:
+            if m.name == name:
+                return m
+        raise TieError(f"{name!r} is not a member of the tie group of {self.source!r}")
+
+
+@dataclass(frozen=True)
+class TiePlan:
+    """Every tie group of a model, plus the parameter counts a verified move must reproduce.
+
+    ``unique_count`` is the number of distinct parameter tensors (``len(list(model.parameters()))``
+    once the plan is applied) and ``total_count`` the number of parameter names.
+    """
+
+    groups: tuple[TieGroup, ...]
+    unique_count: int
+    total_count: int
+    suspected: tuple[tuple[str, ...], ...] = ()
+    cross_module: tuple[CrossModuleUse, ...] = ()
+    trace_status: str = "not traced"
+    _index: Mapping[str, TieGroup] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        index: dict[str, TieGroup] = {}
+        for group in self.groups:
+            for name in group.names:
+                if name in index:
+                    raise TieError(f"{name!r} is in two tie groups ({index[name].source!r} and {group.source!r})")
+                index[name] = group
+        object.__setattr__(self, "_index", index)
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def __iter__(self) -> Iterator[TieGroup]:
+        return iter(self.groups)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._index
+
+    @property
+    def tied_names(self) -> tuple[str, ...]:
+        """Every name that is not its group's source: the names a de-duplicated file omits."""
+        return tuple(n for g in self.groups for n in g.names[1:])
+
+    def group_of(self, name: str) -> TieGroup | None:
+        """The group ``name`` belongs to, or None if it is not tied."""
+        return self._index.get(name)
+
+    def source_of(self, name: str) -> str:
+        """The source name of ``name``'s group; an untied name is its own source."""
+        group = self._index.get(name)
+        return name if group is None else group.source
+
+    # -- serialization -------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict, tagged with :data:`PLAN_VERSION`."""
+        return {
+            "version": PLAN_VERSION,
+            "unique_count": self.unique_count,
+            "total_count": self.total_count,
+            "trace_status": self.trace_status,
+            "groups": [
+                {
+                    "source": g.source,
+                    "kind": g.kind,
+                    "shape": list(g.shape),
+                    "dtype": g.dtype,
+                    "members": [_member_to_dict(m) for m in g.members],
+                    "uses": [[u.op, u.target, u.module] for u in g.uses],
+                }
+                for g in self.groups
+            ],
+            "suspected": [list(s) for s in self.suspected],
+            "cross_module": [[c.name, c.reader] for c in self.cross_module],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TiePlan:
+        """Rebuild a plan from :meth:`to_dict` output; `TieError` on anything malformed."""
+        try:
+            version = data["version"]
+            if not isinstance(version, int) or version < 1:
+                raise TieError(f"tie plan has an invalid version {version!r}")
+            if version > PLAN_VERSION:
+                raise TieError(
+                    f"tie plan version {version} is newer than this tiekit understands ({PLAN_VERSION}); upgrade tiekit"
+                )
+            groups = tuple(
+                TieGroup(
+                    source=_str(g["source"]),
+                    kind=_kind(g["kind"], ("parameter", "buffer", "view")),  # type: ignore[arg-type]
+                    shape=_ints(g["shape"]),
+                    dtype=_str(g["dtype"]),
+                    members=tuple(_member_from_dict(m) for m in g["members"]),
+                    uses=tuple(TieUse(_str(op), _str(t), _str(mod)) for op, t, mod in g.get("uses", [])),
+                )
+                for g in data["groups"]
+            )
+            for g in groups:
+                if not g.members or g.members[0].name != g.source:
+                    raise TieError(f"tie group {g.source!r}: the source must be the first member")
+            return cls(
+                groups=groups,
+                unique_count=_int(data["unique_count"]),
+                total_count=_int(data["total_count"]),
+                suspected=tuple(tuple(_str(n) for n in s) for s in data.get("suspected", [])),
+                cross_module=tuple(CrossModuleUse(_str(n), _str(r)) for n, r in data.get("cross_module", [])),
+                trace_status=_str(data.get("trace_status", "not traced")),
+            )
+        except TieError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise TieError(f"malformed tie plan: {type(exc).__name__}: {exc}") from exc
+
+    def to_json(self) -> str:
+        """Compact, key-sorted JSON (stable bytes for the same plan)."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> TiePlan:
+        """Inverse of :meth:`to_json`; `TieError` on invalid JSON or content."""
+        try:
+            data = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise TieError(f"tie plan is not valid JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise TieError("tie plan JSON must be an object")
+        return cls.from_dict(data)
+
+    def __str__(self) -> str:
+        header = ("source", "kind", "shape", "dtype", "tied names")
+        rows = [
+            (g.source, g.kind, "x".join(map(str, g.shape)) or "scalar", g.dtype, ", ".join(g.names[1:]))
+            for g in self.groups
+        ]
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
+        lines = [
+            f"TiePlan: {len(self.groups)} group(s), {self.unique_count} unique parameter(s) "
+            f"under {self.total_count} name(s)"
+        ]
+        for r in [header, *rows]:
+            lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[4])
+        if self.suspected:
+            lines.append("suspected broken ties (distinct tensors, identical values):")
+            lines.extend("  " + ", ".join(s) for s in self.suspected)
+        if self.cross_module:
+            lines.append("read outside their owner:")
+            lines.extend(f"  {c.name} by {c.reader or '<root>'}" for c in self.cross_module)
+        return "\n".join(lines)
+
+
+def _member_to_dict(m: TieMember) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": m.name, "kind": m.kind}
+    if m.view is not None:
+        out["view"] = {"offset": m.view.offset, "size": list(m.view.size), "stride": list(m.view.stride)}
+        out["requires_grad"] = m.requires_grad
+    return out
+
+
+def _member_from_dict(d: Mapping[str, Any]) -> TieMember:
+    view = d.get("view")
+    geometry = None
+    if view is not None:
+        geometry = ViewGeometry(_int(view["offset"]), _ints(view["size"]), _ints(view["stride"]))
+        if len(geometry.size) != len(geometry.stride):
+            raise TieError(f"view member {d['name']!r}: size and stride differ in length")
+    return TieMember(
+        name=_str(d["name"]),
+        kind=_kind(d["kind"], ("parameter", "buffer")),  # type: ignore[arg-type]
+        view=geometry,
+        requires_grad=bool(d.get("requires_grad", False)),
+    )
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, got {value!r}")
+    return value
+
+
+def _int(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"expected an integer, got {value!r}")
+    return value
+
+
+def _ints(values: Any) -> tuple[int, ...]:
+    return tuple(_int(v) for v in values)
+
+
+def _kind(value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"kind {value!r} is not one of {allowed}")
+    return str(value)

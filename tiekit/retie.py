@@ -1,0 +1,257 @@
+"""Apply a `TiePlan` after a move (`retie`), check it (`verify`), and the two wrappers users call.
+
+`move` and `preserve_ties` are for models you cannot subclass; `tiekit.TPUMixin` does the
+same inside ``nn.Module._apply`` for models you can.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from tiekit import devices
+from tiekit._slots import assign, resolve
+from tiekit.analyze import find_ties
+from tiekit.errors import TieError, TieWarning
+from tiekit.plan import TieGroup, TieMember, TiePlan
+
+OnError = Literal["raise", "warn"]
+
+
+def retie(model: nn.Module, plan: TiePlan) -> tuple[str, ...]:
+    """Point every member of every group of ``plan`` at its source's current tensor.
+
+    View members are rebuilt as strided views of the source. Returns the names that were
+    re-pointed. Raises `TieError` (before changing anything) when a name no longer resolves or
+    its shape or dtype no longer matches.
+    """
+    changes: list[tuple[nn.Module, str, torch.Tensor, TieMember]] = []
+    for group in plan.groups:
+        changes.extend(_group_changes(model, group))
+    with torch.no_grad():
+        for module, attr, source, member in changes:
+            tensor = source if member.view is None else _rebuild_view(source, member)
+            assign(module, attr, tensor, member.kind)
+    return tuple(member.name for _, _, _, member in changes)
+
+
+def _group_changes(model: nn.Module, group: TieGroup) -> list[tuple[nn.Module, str, torch.Tensor, TieMember]]:
+    _, _, source, source_kind = resolve(model, group.source, f"tie source of group {group.source!r}:")
+    if tuple(source.shape) != group.shape:
+        raise TieError(f"tie source {group.source!r} has shape {tuple(source.shape)}, the plan expects {group.shape}")
+    changes = []
+    for member in group.members[1:]:
+        module, attr, current, _ = resolve(model, member.name, f"tied name (source {group.source!r}):")
+        expected = group.shape if member.view is None else member.view.size
+        if tuple(current.shape) != expected:
+            raise TieError(
+                f"{member.name!r} has shape {tuple(current.shape)}, expected {expected} to tie it to {group.source!r}"
+            )
+        if current.dtype != source.dtype:
+            raise TieError(f"{member.name!r} is {current.dtype} but its tie source {group.source!r} is {source.dtype}")
+        if member.view is None:
+            if member.kind == "parameter" and not isinstance(source, nn.Parameter):
+                raise TieError(f"parameter {member.name!r} is tied to {group.source!r}, which is not a parameter")
+            if current is not source:
+                changes.append((module, attr, source, member))
+        else:
+            if not source.is_contiguous():
+                raise TieError(f"cannot rebuild view {member.name!r}: its source {group.source!r} is not contiguous")
+            view = member.view
+            extent = 1 + sum((s - 1) * st for s, st in zip(view.size, view.stride, strict=True))
+            if view.offset < 0 or view.offset + extent > source.numel():
+                raise TieError(
+                    f"cannot rebuild view {member.name!r}: it reaches outside its source {group.source!r} "
+                    "(no named tensor covers the shared memory)"
+                )
+            if not _is_view_of(current, source, member):
+                changes.append((module, attr, source, member))
+    del source_kind
+    return changes
+
+
+def _rebuild_view(source: torch.Tensor, member: TieMember) -> torch.Tensor:
+    assert member.view is not None
+    v = member.view
+    # Called under no_grad: the view does not require grad, yet keeps `_base is source`,
+    # which is how a view is recognised on XLA, where there is no data pointer.
+    view = source.as_strided(v.size, v.stride, source.storage_offset() + v.offset)
+    if member.kind == "parameter":
+        return nn.Parameter(view, requires_grad=member.requires_grad)
+    return view
+
+
+def _is_view_of(t: torch.Tensor, source: torch.Tensor, member: TieMember) -> bool:
+    assert member.view is not None
+    if tuple(t.stride()) != member.view.stride:
+        return False
+    if devices.memory_visible(t) and devices.memory_visible(source):
+        return t.data_ptr() == source.data_ptr() + member.view.offset * source.element_size()
+    # No data pointer on XLA: a view we built keeps its base.
+    return t._base is source or (t._base is not None and t._base is source._base and source._base is not None)
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """Outcome of `verify`: parameter counts before (the plan's) and after, and broken ties."""
+
+    before: int
+    after: int
+    broken: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        """True when every tie holds and the parameter count is unchanged."""
+        return not self.broken and self.before == self.after
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    @property
+    def message(self) -> str:
+        """The user-facing explanation, empty when ``ok``."""
+        if self.ok:
+            return ""
+        lines = [
+            "tiekit: tied weights are no longer shared. The model parameters do not match "
+            f"the tie plan. Before: {self.before} After: {self.after}."
+        ]
+        lines.extend(f"  {b}" for b in self.broken)
+        lines.append(
+            "Re-tie after moving with tiekit.retie(model, plan), or move with tiekit.move(...) / "
+            "TPUMixin; see docs/ties.md#when-the-check-fires."
+        )
+        return "\n".join(lines)
+
+
+def verify(model: nn.Module, plan: TiePlan, *, on_error: OnError = "raise") -> VerifyReport:
+    """Check that every group of ``plan`` is one tensor again and the parameter count is the plan's.
+
+    On failure raises `TieError` (``on_error="raise"``) or warns with `TieWarning` ("warn").
+    """
+    if on_error not in ("raise", "warn"):
+        raise ValueError(f"on_error must be 'raise' or 'warn', not {on_error!r}")
+    broken: list[str] = []
+    for group in plan.groups:
+        try:
+            _, _, source, _ = resolve(model, group.source, "tie source")
+        except TieError as exc:
+            broken.append(str(exc))
+            continue
+        for member in group.members[1:]:
+            try:
+                _, _, current, _ = resolve(model, member.name, "tied name")
+            except TieError as exc:
+                broken.append(str(exc))
+                continue
+            if member.view is None and current is not source:
+                broken.append(f"{member.name} is not {group.source}")
+            elif member.view is not None and not _is_view_of(current, source, member):
+                broken.append(f"{member.name} is not a view of {group.source}")
+    after = sum(1 for _ in model.parameters())
+    report = VerifyReport(plan.unique_count, after, tuple(broken))
+    if not report.ok:
+        if on_error == "raise":
+            raise TieError(report.message)
+        warnings.warn(report.message, TieWarning, stacklevel=2)
+    return report
+
+
+def move(
+    model: nn.Module,
+    device: torch.device | str | int | None = None,
+    dtype: torch.dtype | None = None,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    plan: TiePlan | None = None,
+    on_error: OnError = "raise",
+) -> nn.Module:
+    """Move/cast ``model`` keeping its ties: plan, ``.to``, retie, verify. Returns ``model``.
+
+    ``device="xla"`` means this process's XLA device. With ``optimizer``, its param groups and
+    state are re-bound, by name, to the moved parameters.
+    """
+    if device is None and dtype is None:
+        raise ValueError("tiekit.move needs a device, a dtype or both")
+    target = devices.resolve_device(device)
+    plan = find_ties(model) if plan is None else plan
+    names = {id(p): n for n, p in model.named_parameters()} if optimizer is not None else {}
+    kwargs: dict[str, object] = {}
+    if target is not None:
+        kwargs["device"] = target
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    model.to(**kwargs)  # type: ignore[call-overload]
+    retie(model, plan)
+    verify(model, plan, on_error=on_error)
+    if optimizer is not None:
+        rebind_optimizer(optimizer, model, names)
+    return model
+
+
+def rebind_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, names: Mapping[int, str]) -> None:
+    """Re-point ``optimizer``'s params and state at the model's current parameters.
+
+    ``names`` maps ``id(old_param)`` to its name, taken before the move while the old
+    parameters were alive.
+    """
+    current = dict(model.named_parameters())
+    state = optimizer.state
+    unknown = 0
+    for group in optimizer.param_groups:
+        rebound = []
+        for p in group["params"]:
+            name = names.get(id(p))
+            if name is None or name not in current:
+                unknown += 1
+                rebound.append(p)
+                continue
+            new = current[name]
+            if p in state:
+                old_state = state.pop(p)
+                state[new] = {k: _state_to(v, new, k) for k, v in old_state.items()}
+            rebound.append(new)
+        group["params"] = rebound
+    if unknown:
+        warnings.warn(
+            f"tiekit.move: the optimizer holds {unknown} tensor(s) that are not parameters of the "
+            "model; they were left where they are and will not follow the move",
+            TieWarning,
+            stacklevel=3,
+        )
+
+
+def _state_to(value: object, param: torch.Tensor, key: str) -> object:
+    # Same policy as Optimizer.load_state_dict: a CPU scalar `step` stays put; other
+    # floating state follows the parameter's device and dtype.
+    if not isinstance(value, torch.Tensor):
+        return value
+    if key == "step" and value.dim() == 0 and value.device.type == "cpu":
+        return value
+    dtype = param.dtype if value.is_floating_point() else None
+    return value.to(device=param.device, dtype=dtype)
+
+
+@contextmanager
+def preserve_ties(
+    model: nn.Module,
+    *,
+    plan: TiePlan | None = None,
+    declared: Mapping[str, str] | None = None,
+    on_error: OnError = "raise",
+) -> Iterator[TiePlan]:
+    """Plan on entry; retie and verify on a normal exit. Yields the plan.
+
+    For code that replaces tensors behind the model's back: ``.to(xla)``, ``to_empty``,
+    ``load_state_dict(assign=True)``, third-party wrappers.
+    """
+    plan = find_ties(model, declared=declared) if plan is None else plan
+    yield plan
+    retie(model, plan)
+    verify(model, plan, on_error=on_error)
