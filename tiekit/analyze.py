@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tiekit import devices
 from tiekit._slots import resolve
 from tiekit.errors import TieError
 from tiekit.plan import MemberKind, TieGroup, TieMember, TiePlan, ViewGeometry
@@ -110,7 +111,7 @@ def _shared_storages(first: dict[int, _Slot]) -> list[list[int]]:
     try:
         storages: list[int | None] = [slot[2].untyped_storage()._cdata for slot in first.values()]
     except (RuntimeError, NotImplementedError, TypeError, AttributeError):
-        storages = [_storage_key(slot[2]) for slot in first.values()]
+        storages = [devices.storage_key(slot[2]) for slot in first.values()]
     if len(set(storages)) == len(storages):  # the common case: nothing shares memory
         return []
     by_storage: dict[int, list[int]] = {}
@@ -118,15 +119,6 @@ def _shared_storages(first: dict[int, _Slot]) -> list[list[int]]:
         if storage is not None:
             by_storage.setdefault(storage, []).append(key)
     return [ks for ks in by_storage.values() if len(ks) > 1]
-
-
-def _storage_key(t: torch.Tensor) -> int | None:
-    # The StorageImpl address: equal for a tensor and all its views on every device (CPU,
-    # CUDA, meta, and XLA's functional storage).
-    try:
-        return int(t.untyped_storage()._cdata)
-    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
-        return None  # sparse and some tensor subclasses have no storage to compare
 
 
 def _count_unique_params(first: dict[int, _Slot], extra: dict[int, list[tuple[str, MemberKind]]]) -> int:

@@ -56,10 +56,20 @@ def memory_visible(t: torch.Tensor) -> bool:
     return t.device.type in ("cpu", "cuda") and not t.is_meta
 
 
-def xla_data_id(t: torch.Tensor) -> int:
-    """torch_xla's id of the device buffer behind ``t``: equal ids mean one buffer on the device."""
+def storage_key(t: torch.Tensor) -> int | None:
+    """Address of the tensor's StorageImpl: equal for a tensor and all its views on every device
+    (CPU, CUDA, meta, and XLA's functional storage); None where there is no storage (sparse)."""
+    try:
+        return int(t.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return None
+
+
+def xla_buffer_handles(tensors: list[torch.Tensor]) -> list[int]:
+    """torch_xla's device-data handle of each tensor: equal handles mean one buffer in device memory."""
     torch_xla = xla()
-    return int(torch_xla._XLAC._xla_get_tensor_id(t))
+    torch_xla.sync()  # materialise pending computations so every tensor is backed by device data
+    return [int(h) for h in torch_xla._XLAC._get_tensors_handle(tensors)]
 
 
 def sync() -> None:

@@ -79,9 +79,9 @@ def _group_changes(model: nn.Module, group: TieGroup) -> list[tuple[nn.Module, s
 def _rebuild_view(source: torch.Tensor, member: TieMember) -> torch.Tensor:
     assert member.view is not None
     v = member.view
-    # Called under no_grad: the view does not require grad, yet keeps `_base is source`,
-    # which is how a view is recognised on XLA, where there is no data pointer.
-    view = source.as_strided(v.size, v.stride, source.storage_offset() + v.offset)
+    # Detached, as the user built it (`w.detach().t()`): a view that required grad would
+    # drag the source's autograd history into every step that reads the buffer.
+    view = source.detach().as_strided(v.size, v.stride, source.storage_offset() + v.offset)
     if member.kind == "parameter":
         return nn.Parameter(view, requires_grad=member.requires_grad)
     return view
@@ -89,12 +89,15 @@ def _rebuild_view(source: torch.Tensor, member: TieMember) -> torch.Tensor:
 
 def _is_view_of(t: torch.Tensor, source: torch.Tensor, member: TieMember) -> bool:
     assert member.view is not None
-    if tuple(t.stride()) != member.view.stride:
-        return False
     if devices.memory_visible(t) and devices.memory_visible(source):
-        return t.data_ptr() == source.data_ptr() + member.view.offset * source.element_size()
-    # No data pointer on XLA: a view we built keeps its base.
-    return t._base is source or (t._base is not None and t._base is source._base and source._base is not None)
+        return (
+            tuple(t.stride()) == member.view.stride
+            and t.data_ptr() == source.data_ptr() + member.view.offset * source.element_size()
+        )
+    # XLA has no data pointers and reports every tensor as contiguous, but a view still
+    # shares its base's (functional) storage object.
+    key = devices.storage_key(t)
+    return tuple(t.shape) == member.view.size and key is not None and key == devices.storage_key(source)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,297 @@
+"""retie / verify / move / preserve_ties / TPUMixin on CPU and meta: every case also shows the break."""
+
+from __future__ import annotations
+
+import warnings
+from typing import ClassVar
+
+import pytest
+import torch
+from models import MixinWeightSharingModule, ViewBuffers, WeightSharingModule, gpt2
+from torch import nn
+
+import tiekit
+from tiekit import TieError, TieWarning, find_ties
+
+FLAGS = [False, True]
+
+
+@pytest.fixture(params=FLAGS, ids=["swap_off", "swap_on"])
+def swap_flag(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """Run with and without torch.__future__.set_swap_module_params_on_conversion."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(request.param)
+    yield request.param
+    torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+def unique_params(model: nn.Module) -> int:
+    return len(list(model.parameters()))
+
+
+def shares_memory(view: torch.Tensor, base: torch.Tensor) -> bool:
+    return view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+
+
+# -- to_empty from meta ---------------------------------------------------------------------
+
+
+def test_to_empty_from_meta_breaks_ties_and_preserve_ties_keeps_them() -> None:
+    with torch.device("meta"):
+        plain = WeightSharingModule()
+        kept = WeightSharingModule()
+    plain.to_empty(device="cpu")
+    assert plain.layer_1.weight is not plain.layer_3.weight  # the bug tiekit exists for
+    assert unique_params(plain) == 3
+
+    with tiekit.preserve_ties(kept) as plan:
+        kept.to_empty(device="cpu")
+    assert kept.layer_1.weight is kept.layer_3.weight
+    assert unique_params(kept) == plan.unique_count == 2
+
+
+def test_mixin_to_empty_from_meta(swap_flag: bool) -> None:
+    with torch.device("meta"):
+        model = MixinWeightSharingModule()
+    model.to_empty(device="cpu")
+    assert model.layer_1.weight is model.layer_3.weight and model.layer_1.weight.device.type == "cpu"
+    assert unique_params(model) == 2
+
+
+def test_views_rebuilt_after_to_empty() -> None:
+    with torch.device("meta"):
+        model = ViewBuffers()
+    with tiekit.preserve_ties(model):
+        model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.w.copy_(torch.arange(24.0).view(4, 6))
+    assert torch.equal(model.wt, model.w.t()) and torch.equal(model.ws, model.w[:, 2:5])
+    assert torch.equal(model.wv, model.w.reshape(24))
+
+
+# -- dtype casts -----------------------------------------------------------------------------
+
+
+def test_dtype_cast_breaks_view_buffers_and_move_rebuilds_them() -> None:
+    plain = ViewBuffers()
+    plain.to(torch.float64)
+    assert not shares_memory(plain.wt, plain.w)  # .to(dtype) replaced the buffers with copies
+
+    model = ViewBuffers()
+    tiekit.move(model, dtype=torch.float64)
+    assert model.wt.dtype == torch.float64 and shares_memory(model.wt, model.w)
+    with torch.no_grad():
+        model.w.mul_(2)
+    assert torch.equal(model.wt, model.w.t()) and torch.equal(model.ws, model.w[:, 2:5])
+    assert not model.wt.requires_grad and model.w.requires_grad
+
+
+@pytest.mark.parametrize("cast", ["half", "bfloat16", "double"])
+def test_mixin_dtype_casts_keep_ties(cast: str, swap_flag: bool) -> None:
+    model = MixinWeightSharingModule()
+    getattr(model, cast)()
+    assert model.layer_1.weight is model.layer_3.weight
+    assert model.layer_1.weight.dtype == getattr(torch, {"half": "float16"}.get(cast, cast)) or cast == "double"
+
+
+# -- load_state_dict(assign=True) ---------------------------------------------------------------
+
+
+def test_assign_load_breaks_ties_and_mixin_keeps_them() -> None:
+    state = {k: v.clone() for k, v in WeightSharingModule().state_dict().items()}
+    plain = WeightSharingModule()
+    plain.load_state_dict(state, assign=True)
+    assert plain.layer_1.weight is not plain.layer_3.weight
+
+    model = MixinWeightSharingModule()
+    model.load_state_dict(state, assign=True)
+    assert model.layer_1.weight is model.layer_3.weight
+    assert torch.equal(model.layer_1.weight, state["layer_1.weight"])
+    assert unique_params(model) == 2
+
+
+def test_preserve_ties_around_assign_load_of_gpt2() -> None:
+    model = gpt2()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with tiekit.preserve_ties(model):
+        model.load_state_dict(state, assign=True)
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
+# -- retie errors leave the model untouched ---------------------------------------------------
+
+
+def test_retie_missing_name_raises_and_changes_nothing() -> None:
+    model = WeightSharingModule()
+    plan = find_ties(model)
+    model.to_empty(device="cpu")
+    del model.layer_3
+    before = {n: p for n, p in model.named_parameters()}
+    with pytest.raises(TieError, match=r"'layer_3\.weight'.*no module at 'layer_3'"):
+        tiekit.retie(model, plan)
+    assert {n: p for n, p in model.named_parameters()} == before
+
+
+def test_retie_shape_mismatch_names_the_path_and_changes_nothing() -> None:
+    model = nn.Module()
+    model.a = nn.Linear(3, 3)
+    model.b = nn.Linear(3, 3)
+    model.b.weight = model.a.weight
+    model.c = nn.Linear(3, 3)
+    model.c.bias = model.a.bias
+    plan = find_ties(model)
+    model.c.bias = nn.Parameter(torch.zeros(3))
+    model.b.weight = nn.Parameter(torch.zeros(4, 3))
+    with pytest.raises(TieError, match=r"'b\.weight' has shape \(4, 3\), expected \(3, 3\)"):
+        tiekit.retie(model, plan)
+    assert model.c.bias is not model.a.bias  # the valid group was not applied either
+
+
+def test_retie_dtype_mismatch() -> None:
+    model = WeightSharingModule()
+    plan = find_ties(model)
+    model.layer_3.weight = nn.Parameter(model.layer_1.weight.detach().double())
+    with pytest.raises(TieError, match=r"'layer_3\.weight' is torch\.float64 but its tie source"):
+        tiekit.retie(model, plan)
+
+
+# -- verify -------------------------------------------------------------------------------
+
+
+def test_verify_message_uses_lightning_counts_and_lists_groups() -> None:
+    model = WeightSharingModule()
+    plan = find_ties(model)
+    model.layer_3.weight = nn.Parameter(model.layer_1.weight.detach().clone())
+    with pytest.raises(TieError) as info:
+        tiekit.verify(model, plan)
+    message = str(info.value)
+    assert "Before: 2 After: 3" in message
+    assert "layer_3.weight is not layer_1.weight" in message
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = tiekit.verify(model, plan, on_error="warn")
+    assert not report and (report.before, report.after) == (2, 3)
+    assert [w.category for w in caught] == [TieWarning]
+    tiekit.retie(model, plan)
+    assert tiekit.verify(model, plan).ok
+
+
+def test_verify_rejects_unknown_on_error() -> None:
+    model = WeightSharingModule()
+    with pytest.raises(ValueError, match="on_error"):
+        tiekit.verify(model, find_ties(model), on_error="ignore")  # type: ignore[arg-type]
+
+
+# -- move --------------------------------------------------------------------------------
+
+
+def test_move_requires_a_target() -> None:
+    with pytest.raises(ValueError, match="needs a device, a dtype"):
+        tiekit.move(WeightSharingModule())
+
+
+def test_move_rebinds_an_optimizer_by_name_and_warns_about_strangers() -> None:
+    with torch.device("meta"):
+        model = WeightSharingModule()
+    model.to_empty(device="cpu")
+    tiekit.retie(model, find_ties(WeightSharingModule()))
+    stranger = nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.Adam([*model.parameters(), stranger], lr=0.1)
+    model(torch.ones(1, 32)).sum().backward()
+    optimizer.step()
+    old_state = optimizer.state[model.layer_1.weight]["exp_avg"].clone()
+    with pytest.warns(TieWarning, match="1 tensor"):
+        tiekit.move(model, dtype=torch.float64, optimizer=optimizer)
+    params = optimizer.param_groups[0]["params"]
+    assert params[0] is model.layer_1.weight and params[1] is model.layer_2.weight and params[2] is stranger
+    state = optimizer.state[model.layer_1.weight]
+    assert state["exp_avg"].dtype == torch.float64 and torch.allclose(state["exp_avg"].float(), old_state)
+    assert state["step"].device.type == "cpu"
+
+
+# -- mixin details ---------------------------------------------------------------------------
+
+
+class DeclaredTies(tiekit.TPUMixin, nn.Module):
+    tied_weights: ClassVar[dict[str, str]] = {"head.weight": "embed.weight"}
+
+    def __init__(self, tie: bool = True) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 4)
+        self.head = nn.Linear(4, 11, bias=False)
+        if tie:
+            self.tie_weights()
+
+
+def test_declared_ties_apply_on_request_and_after_moves() -> None:
+    untied = DeclaredTies(tie=False)
+    assert untied.head.weight is not untied.embed.weight
+    model = DeclaredTies()
+    assert model.head.weight is model.embed.weight
+    with torch.device("meta"):
+        meta = DeclaredTies(tie=False)  # built untied on meta: the declaration still ties it
+    meta.to_empty(device="cpu")
+    assert meta.head.weight is meta.embed.weight and unique_params(meta) == 1
+
+
+def test_declared_tie_conflict_is_a_tie_error() -> None:
+    class Conflict(DeclaredTies):
+        tied_weights: ClassVar[dict[str, str]] = {"head.weight": "other.weight"}
+
+        def __init__(self) -> None:
+            super().__init__(tie=False)
+            self.other = nn.Embedding(11, 4)
+            self.head.weight = self.embed.weight
+
+    with pytest.raises(TieError, match="conflicts"):
+        Conflict().tie_weights()
+
+
+def test_nested_mixin_modules_plan_once_at_the_top(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Inner(tiekit.TPUMixin, nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+    class Outer(tiekit.TPUMixin, nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = Inner()
+            self.b = Inner()
+            self.b.lin.weight = self.a.lin.weight
+
+    calls: list[str] = []
+    real = tiekit.mixin.find_ties
+
+    def counting(model: nn.Module, **kwargs: object) -> tiekit.TiePlan:
+        calls.append(type(model).__name__)
+        return real(model, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tiekit.mixin, "find_ties", counting)
+    with torch.device("meta"):
+        model = Outer()
+    model.to_empty(device="cpu")
+    assert calls == ["Outer"]
+    assert model.b.lin.weight is model.a.lin.weight
+
+
+def test_mixin_with_gradients_from_both_uses_accumulating() -> None:
+    with torch.device("meta"):
+        model = MixinWeightSharingModule()
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    for p in model.parameters():
+        nn.init.normal_(p)
+    x = torch.randn(5, 32)
+    model(x).sum().backward()
+    grad = model.layer_1.weight.grad
+    assert grad is not None and model.layer_3.weight.grad is grad
+    h1 = x @ model.layer_1.weight.t()
+    h2 = h1 @ model.layer_2.weight.t()
+    # d/dW of sum(h2 @ W.T) plus the path through layer_1: both uses land in one gradient.
+    expected_layer_3 = torch.ones(5, 10).t() @ h2
+    assert not torch.allclose(grad, expected_layer_3)
+    w = model.layer_1.weight.detach().clone().requires_grad_(True)
+    out = ((x @ w.t()) @ model.layer_2.weight.detach().t()) @ w.t()
+    out.sum().backward()
+    assert torch.allclose(grad, w.grad)
