@@ -24,3 +24,12 @@ def xla_device():  # type: ignore[no-untyped-def]
     import torch_xla
 
     return torch_xla.device()
+
+
+if HAVE_XLA:
+    # torch's autograd engine sizes its per-device queues at the first backward; the XLA
+    # runtime must be up before that, or a later backward on XLA hits an internal assert
+    # ("device_ready_queues_"). CPU tests in this process run backward, so start XLA first.
+    import torch_xla
+
+    torch_xla.device()

@@ -121,6 +121,25 @@ def _shared_storages(first: dict[int, _Slot]) -> list[list[int]]:
     return [ks for ks in by_storage.values() if len(ks) > 1]
 
 
+def count_parameters(model: nn.Module) -> int:
+    """``len(list(model.parameters()))`` without building names or a generator chain: the
+    count check runs after every move, so it must cost far less than the move."""
+    seen: set[int] = set()
+    params: set[int] = set()
+    add = params.add
+    stack: list[nn.Module | None] = [model]
+    while stack:
+        module = stack.pop()
+        if module is None or id(module) in seen:
+            continue
+        seen.add(id(module))
+        for p in module._parameters.values():
+            if p is not None:
+                add(id(p))
+        stack.extend(module._modules.values())
+    return len(params)
+
+
 def _count_unique_params(first: dict[int, _Slot], extra: dict[int, list[tuple[str, MemberKind]]]) -> int:
     count = 0
     for key, (_, kind, _, _) in first.items():

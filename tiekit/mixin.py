@@ -23,6 +23,35 @@ from tiekit.retie import retie, verify
 # tiekit conversion" must be per thread, not a module attribute or a global.
 _state = threading.local()
 
+# A plan stays valid until some module registers a parameter, buffer or submodule (which is
+# how ties are made and unmade: `a.weight = b.weight`, `add_module`, `register_buffer`).
+# torch's global registration hooks bump this counter, so a mixin model can reuse its plan
+# across moves instead of walking the whole tree before each one.
+_registrations = [0]
+_hooks_installed = threading.Lock()
+_hook_handles: list[Any] = []
+
+
+def _count_registration(*_: Any) -> None:
+    _registrations[0] += 1
+
+
+def _watch_registrations() -> None:
+    if _hook_handles:
+        return
+    from torch.nn.modules import module as torch_module
+
+    with _hooks_installed:
+        if not _hook_handles:
+            _hook_handles.extend(
+                register(_count_registration)
+                for register in (
+                    torch_module.register_module_parameter_registration_hook,
+                    torch_module.register_module_buffer_registration_hook,
+                    torch_module.register_module_module_registration_hook,
+                )
+            )
+
 
 @contextmanager
 def _outermost() -> Iterator[bool]:
@@ -32,6 +61,11 @@ def _outermost() -> Iterator[bool]:
         yield depth == 0
     finally:
         _state.depth = depth
+
+
+def forget_plans() -> None:
+    """Invalidate every cached mixin plan (after writing into ``_parameters`` by hand)."""
+    _registrations[0] += 1
 
 
 class TPUMixin:
@@ -46,9 +80,22 @@ class TPUMixin:
     tied_weights: ClassVar[Mapping[str, str]] = {}
 
     def tie_plan(self) -> TiePlan:
-        """The current plan of this module: detected ties merged with ``tied_weights``."""
+        """The current plan of this module: detected ties merged with ``tied_weights``.
+
+        Cached until any module registers a parameter, buffer or submodule; code that writes
+        into ``module._parameters`` directly should call ``tie_plan`` only after
+        ``tiekit.mixin.forget_plans()``.
+        """
         assert isinstance(self, nn.Module)
-        return find_ties(self, declared=self.tied_weights)
+        _watch_registrations()
+        key = (_registrations[0], id(self.tied_weights))
+        cached = self.__dict__.get("_tiekit_plan")
+        if cached is not None and cached[0] == key:
+            plan: TiePlan = cached[1]
+            return plan
+        plan = find_ties(self, declared=self.tied_weights)
+        self.__dict__["_tiekit_plan"] = (key, plan)
+        return plan
 
     def tie_weights(self, *args: Any, **kwargs: Any) -> None:
         """Apply the declared ``tied_weights`` now (and a parent class's ``tie_weights``, if any)."""

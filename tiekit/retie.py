@@ -17,7 +17,7 @@ from torch import nn
 
 from tiekit import devices
 from tiekit._slots import assign, resolve
-from tiekit.analyze import find_ties
+from tiekit.analyze import count_parameters, find_ties
 from tiekit.errors import TieError, TieWarning
 from tiekit.plan import TieGroup, TieMember, TiePlan
 
@@ -157,7 +157,7 @@ def verify(model: nn.Module, plan: TiePlan, *, on_error: OnError = "raise") -> V
                 broken.append(f"{member.name} is not {group.source}")
             elif member.view is not None and not _is_view_of(current, source, member):
                 broken.append(f"{member.name} is not a view of {group.source}")
-    after = sum(1 for _ in model.parameters())
+    after = count_parameters(model)
     report = VerifyReport(plan.unique_count, after, tuple(broken))
     if not report.ok:
         if on_error == "raise":
