@@ -334,3 +334,15 @@ def test_cyclic_module_graph_is_a_tie_error() -> None:
     inner.back = outer
     with pytest.raises(TieError, match="cycle"):
         find_ties(outer)
+
+
+def test_lazy_and_sparse_tensors() -> None:
+    model = nn.Sequential(nn.LazyLinear(3), nn.Linear(3, 3))
+    assert len(find_ties(model, check_values=True)) == 0  # uninitialized and untied: nothing to say
+    model[1].bias = model[0].bias
+    with pytest.raises(TieError, match=r"'0\.bias' is tied to '1\.bias' but is an uninitialized lazy"):
+        find_ties(model)
+    sparse = nn.Module()
+    sparse.register_buffer("a", torch.eye(3).to_sparse())
+    sparse.register_buffer("b", sparse.a)
+    assert [g.names for g in find_ties(sparse, check_values=True).groups] == [("a", "b")]

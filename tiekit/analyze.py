@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from tiekit import devices
 from tiekit._slots import resolve
@@ -110,7 +111,7 @@ def _shared_storages(first: dict[int, _Slot]) -> list[list[int]]:
     keys = list(first)
     try:
         storages: list[int | None] = [slot[2].untyped_storage()._cdata for slot in first.values()]
-    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+    except Exception:  # noqa: BLE001 - lazy, sparse or exotic tensors: ask one by one
         storages = [devices.storage_key(slot[2]) for slot in first.values()]
     if len(set(storages)) == len(storages):  # the common case: nothing shares memory
         return []
@@ -167,6 +168,11 @@ def _identity_and_storage_groups(
         if key in in_cluster:
             continue
         name, kind, t, index = first[key]
+        if is_lazy(t):
+            raise TieError(
+                f"{name!r} is tied to {names[0][0]!r} but is an uninitialized lazy parameter: "
+                "run one forward pass (or initialize the lazy modules) before planning ties"
+            )
         members = tuple(TieMember(n, k) for n, k in [(name, kind), *names])
         group_kind = "parameter" if isinstance(t, nn.Parameter) else "buffer"
         groups.append(
@@ -307,7 +313,7 @@ def _suspected_broken_ties(first: dict[int, _Slot], tied: set[str]) -> tuple[tup
     # by construction, not by a broken tie, and are left out.
     buckets: dict[tuple[tuple[int, ...], torch.dtype], list[tuple[str, torch.Tensor]]] = {}
     for name, _, t, _ in first.values():
-        if name in tied or t.is_meta or t.numel() < 2:
+        if name in tied or is_lazy(t) or t.is_meta or t.layout != torch.strided or t.numel() < 2:
             continue
         buckets.setdefault((tuple(t.shape), t.dtype), []).append((name, t))
     found: list[tuple[str, ...]] = []
