@@ -25,10 +25,16 @@ def test_seed_module_loses_its_tie_on_xla_without_tiekit(xla_device: torch.devic
     assert model.layer_1.weight is not model.layer_3.weight
 
 
-def test_seed_module_with_mixin_keeps_its_tie_on_xla(xla_device: torch.device) -> None:
+@pytest.mark.parametrize("swap", [False, True], ids=["swap_off", "swap_on"])
+def test_seed_module_with_mixin_keeps_its_tie_on_xla(xla_device: torch.device, swap: bool) -> None:
     model = MixinWeightSharingModule()
     assert unique_params(model) == 2
-    model.to(xla_device)
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(swap)
+    try:
+        model.to(xla_device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
     assert unique_params(model) == 2
     assert model.layer_1.weight is model.layer_3.weight
     assert model.layer_1.weight.device.type == "xla"
