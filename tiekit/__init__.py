@@ -1,6 +1,7 @@
 """tiekit: keep tied weights tied through device moves, dtype casts and checkpoints."""
 
 from tiekit.analyze import find_ties
+from tiekit.checkpoint import LoadResult, load_checkpoint, load_model, save_checkpoint, save_model
 from tiekit.errors import CheckpointError, TieError, TiekitError, TieWarning
 from tiekit.mixin import TPUMixin
 from tiekit.plan import PLAN_VERSION, CrossModuleUse, TieGroup, TieMember, TiePlan, TieUse, ViewGeometry
@@ -12,6 +13,7 @@ __all__ = [
     "PLAN_VERSION",
     "CheckpointError",
     "CrossModuleUse",
+    "LoadResult",
     "TPUMixin",
     "TieError",
     "TieGroup",
@@ -24,9 +26,13 @@ __all__ = [
     "ViewGeometry",
     "__version__",
     "find_ties",
+    "load_checkpoint",
+    "load_model",
     "move",
     "preserve_ties",
     "rebind_optimizer",
     "retie",
+    "save_checkpoint",
+    "save_model",
     "verify",
 ]

@@ -1,0 +1,197 @@
+"""Tied checkpoints against plain safetensors, GPT-2 small (124M parameters, tied), issue 4 targets:
+
+* ``tiekit.save_model`` at least 0.9x the throughput of ``safetensors.torch.save_file`` on the
+  de-duplicated state dict (tiekit also fsyncs and renames; the fsync is timed on its own);
+* ``tiekit.load_model`` at most 1.1x the time of ``safetensors.torch.load_model`` into a tied model;
+* peak resident memory while loading at most model bytes + 20% (measured in fresh subprocesses,
+  VmHWM reset after the model is built, against the RSS before the model existed).
+
+    .venv/bin/python benchmarks/bench_checkpoint.py [--repeats 7] [--small] [--dir DIR]
+
+The files go to ``--dir`` (default: a temporary folder next to this script, on the same disk
+as a user's checkpoints would be, not tmpfs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import best_times
+
+import tiekit
+import tiekit.checkpoint
+
+
+def gpt2_small(small: bool) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    size = dict(n_layer=2, n_embd=128, n_head=2) if small else dict(n_layer=12, n_embd=768, n_head=12)
+    config = GPT2Config(vocab_size=50257, n_positions=1024, use_cache=False, **size)
+    return GPT2LMHeadModel(config).eval()
+
+
+def model_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
+        b.numel() * b.element_size() for b in model.buffers()
+    )
+
+
+def fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def time_save_and_load(folder: Path, repeats: int, small: bool) -> None:
+    from safetensors.torch import load_model, save_file
+
+    model = gpt2_small(small)
+    size = model_bytes(model)
+    print(f"GPT-2 {'(reduced)' if small else 'small'}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M")
+    print(f"unique parameters, {size / 1e6:.0f} MB, tied wte/lm_head; files in {folder}")
+    dedup = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    plain, ours = folder / "plain.safetensors", folder / "tiekit.safetensors"
+
+    def save_file_fsync() -> None:
+        save_file(dedup, plain)
+        fsync(plain)
+
+    def tiekit_without_fsync() -> None:
+        # Benchmark-only: tiekit's own work (plan, dedup, header, temp file, rename) without
+        # the durability wait, to separate tiekit's overhead from the disk's.
+        real = tiekit.checkpoint._fsync
+        tiekit.checkpoint._fsync = lambda path: None  # type: ignore[assignment]
+        try:
+            tiekit.save_model(model, ours)
+        finally:
+            tiekit.checkpoint._fsync = real
+
+    save = best_times(
+        {
+            "safetensors.save_file (dedup)": lambda: save_file(dedup, plain),
+            "safetensors.save_file + fsync": save_file_fsync,
+            "tiekit.save_model": lambda: tiekit.save_model(model, ours),
+            "tiekit.save_model, fsync patched out": tiekit_without_fsync,
+        },
+        repeats,
+    )
+    assert os.path.getsize(ours) - os.path.getsize(plain) < 64 * 1024, "tiekit's file should be the dedup size"
+    base = save["safetensors.save_file (dedup)"]
+    for name, t in save.items():
+        print(f"  {name:34s} {t * 1e3:8.1f} ms  {size / t / 1e9:5.2f} GB/s  throughput {base / t:4.2f}x save_file")
+    synced = save["safetensors.save_file + fsync"]
+    print(
+        f"  fsync alone costs {(synced - base) * 1e3:.1f} ms; tiekit.save_model throughput vs "
+        f"save_file + fsync: {synced / save['tiekit.save_model']:4.2f}x"
+    )
+
+    target = gpt2_small(small)
+    load = best_times(
+        {
+            "safetensors.load_model (tied)": lambda: load_model(target, ours),
+            "tiekit.load_model (tied)": lambda: tiekit.load_model(target, ours),
+        },
+        repeats,
+    )
+    assert target.lm_head.weight is target.transformer.wte.weight
+    base = load["safetensors.load_model (tied)"]
+    for name, t in load.items():
+        print(f"  {name:34s} {t * 1e3:8.1f} ms  {t / base:4.2f}x safetensors.load_model time")
+
+
+MEMORY_PROBE = r"""
+import gc, json, sys, torch
+sys.path.insert(0, {bench!r})
+from bench_checkpoint import gpt2_small, model_bytes
+import tiekit
+from safetensors.torch import load_model
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+mode, path, small = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+import transformers.models.gpt2  # imported before the baseline: its own memory is not the load's
+gpt2_small(True)
+gc.collect()
+before = status("VmRSS:")
+if mode == "tiekit meta":
+    with torch.device("meta"):
+        model = gpt2_small(small)
+else:
+    model = gpt2_small(small)
+size = model_bytes(model) if mode != "tiekit meta" else sum(p.numel() * p.element_size() for p in model.parameters())
+gc.collect()
+built = status("VmRSS:")
+open("/proc/self/clear_refs", "w").write("5")  # reset VmHWM: the peak of building the model does not count
+if mode == "safetensors":
+    load_model(model, path)
+else:
+    tiekit.load_model(model, path)
+peak = status("VmHWM:")
+assert model.lm_head.weight is model.transformer.wte.weight
+print(json.dumps({{"before": before, "built": built, "peak": peak, "size": size}}))
+"""
+
+
+def measure_memory(folder: Path, small: bool) -> None:
+    path = folder / "tiekit.safetensors"
+    if not path.exists():
+        tiekit.save_model(gpt2_small(small), path)
+    probe = MEMORY_PROBE.format(bench=str(Path(__file__).resolve().parent))
+    print("peak resident memory while loading (RSS before the model existed subtracted):")
+    for mode in ("tiekit (tied CPU model)", "tiekit meta", "safetensors"):
+        out = subprocess.run(
+            [sys.executable, "-c", probe, mode, str(path), "1" if small else "0"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        r = json.loads(out.strip().splitlines()[-1])
+        used = r["peak"] - r["before"]
+        print(
+            f"  {mode:26s} {used / 1e6:7.0f} MB for {r['size'] / 1e6:.0f} MB of model: "
+            f"model bytes + {100 * (used / r['size'] - 1):5.1f}% "
+            f"(the load itself added {(r['peak'] - r['built']) / 1e6:.0f} MB over the built model)"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--small", action="store_true", help="a reduced model, for a quick check")
+    parser.add_argument("--dir", type=Path, default=None, help="where to write the files")
+    parser.add_argument("--skip-memory", action="store_true")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    folder = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir or Path(__file__).resolve().parent))
+    try:
+        start = time.perf_counter()
+        time_save_and_load(folder, args.repeats, args.small)
+        gc.collect()
+        if not args.skip_memory:
+            measure_memory(folder, args.small)
+        print(f"({time.perf_counter() - start:.0f} s)")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

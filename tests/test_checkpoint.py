@@ -1,0 +1,444 @@
+"""save_model / load_model on CPU and meta: the file format, re-tying in every model state,
+plain safetensors files, and bad input that must leave the model untouched."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+import safetensors.torch
+import torch
+from models import ViewBuffers, WeightSharingModule, gpt2
+from safetensors import safe_open
+from torch import nn
+
+import tiekit
+from tiekit import CheckpointError, find_ties, load_model, save_model
+
+IDS = torch.tensor([[1, 5, 9, 2, 7, 3]])
+
+
+def untied_weight_sharing() -> WeightSharingModule:
+    model = WeightSharingModule()
+    model.layer_3.weight = nn.Parameter(model.layer_3.weight.detach().clone())
+    return model
+
+
+def snapshot(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    return {n: (t, t.detach().clone()) for n, t in model.state_dict(keep_vars=True).items()}
+
+
+def assert_unchanged(model: nn.Module, before: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    now = model.state_dict(keep_vars=True)
+    assert list(now) == list(before)
+    for name, (tensor, values) in before.items():
+        assert now[name] is tensor, f"{name} was replaced"
+        assert torch.equal(now[name], values), f"{name} was modified"
+
+
+def assert_same_state(a: nn.Module, b: nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    for name in sa:
+        assert torch.equal(sa[name], sb[name]), name
+
+
+def header_of(path: Path) -> tuple[dict[str, object], bytes]:
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8 : 8 + length]), raw[8 + length :]
+
+
+def write_file(path: Path, header: dict[str, object], data: bytes) -> None:
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+# -- the format -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("build", [WeightSharingModule, ViewBuffers, gpt2])
+def test_file_is_plain_safetensors_with_one_tensor_per_tie_group(
+    tmp_path: Path, build: Callable[[], nn.Module]
+) -> None:
+    model = build()
+    plan = find_ties(model)
+    path = tmp_path / "model.safetensors"
+    save_model(model, path)
+
+    loaded = safetensors.torch.load_file(path)  # any reader opens it
+    expected = [n for n in model.state_dict() if n not in plan.tied_names]
+    assert sorted(loaded) == sorted(expected)
+    for name in expected:
+        assert torch.equal(loaded[name], model.state_dict()[name])
+    with safe_open(path, framework="pt") as f:
+        metadata = f.metadata()
+    assert metadata["format"] == "pt"
+    assert tiekit.TiePlan.from_json(metadata["tiekit.plan"]) == plan
+    header_length = struct.unpack("<Q", path.read_bytes()[:8])[0]
+    unique_bytes = sum(t.numel() * t.element_size() for t in loaded.values())
+    assert path.stat().st_size == 8 + header_length + unique_bytes
+    assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]  # no temporary file left
+
+
+def test_folder_path_and_user_metadata(tmp_path: Path) -> None:
+    model = WeightSharingModule()
+    save_model(model, tmp_path, metadata={"run": "7"})
+    with safe_open(tmp_path / "model.safetensors", framework="pt") as f:
+        assert f.metadata()["run"] == "7"
+    fresh = untied_weight_sharing()
+    load_model(fresh, tmp_path)
+    assert fresh.layer_3.weight is fresh.layer_1.weight
+    for bad in ({"tiekit.plan": "x"}, {"format": "tf"}, {"n": 1}):
+        with pytest.raises(CheckpointError, match="metadata"):
+            save_model(model, tmp_path / "other.safetensors", metadata=bad)  # type: ignore[arg-type]
+    assert not (tmp_path / "other.safetensors").exists()
+
+
+def test_saving_a_meta_model_is_refused(tmp_path: Path) -> None:
+    with torch.device("meta"):
+        model = WeightSharingModule()
+    with pytest.raises(CheckpointError, match=re.escape("'layer_1.weight' is on the meta device")):
+        save_model(model, tmp_path / "m.safetensors")
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- loading re-ties, in every case ---------------------------------------------------------
+
+
+def test_load_into_fresh_tied_model_copies_in_place(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    source = gpt2().eval()
+    save_model(source, tmp_path / "m.safetensors")
+    torch.manual_seed(1)
+    target = gpt2().eval()
+    params = list(target.parameters())
+    optimizer = torch.optim.SGD(target.parameters(), lr=0.1)
+    result = load_model(target, tmp_path / "m.safetensors")
+    assert result.plan_origin == "tiekit" and result.missing == result.unexpected == ()
+    assert [g.names for g in result.retied] == [("transformer.wte.weight", "lm_head.weight")]
+    assert list(target.parameters()) == params and all(a is b for a, b in zip(target.parameters(), params, strict=True))
+    assert optimizer.param_groups[0]["params"][0] is target.transformer.wte.weight
+    assert_same_state(source, target)
+    assert torch.equal(source(IDS).logits, target(IDS).logits)
+
+
+def test_load_into_untied_model_reties_it_where_safetensors_cannot(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    source = WeightSharingModule()
+    save_model(source, path)
+
+    plain = untied_weight_sharing()
+    with pytest.raises(RuntimeError, match=re.escape('Missing key(s) in state_dict: "layer_3.weight"')):
+        safetensors.torch.load_model(plain, path)
+    assert plain.layer_3.weight is not plain.layer_1.weight  # without tiekit the tie stays broken
+
+    model = untied_weight_sharing()
+    assert len(list(model.parameters())) == 3
+    load_model(model, path)
+    assert model.layer_3.weight is model.layer_1.weight
+    assert len(list(model.parameters())) == 2 == find_ties(source).unique_count
+    assert_same_state(source, model)
+
+    hf = gpt2(tie_word_embeddings=False)  # a config that does not tie: the file's plan ties it
+    save_model(gpt2(), tmp_path / "g.safetensors")
+    load_model(hf, tmp_path / "g.safetensors")
+    assert hf.lm_head.weight is hf.transformer.wte.weight
+
+
+def test_meta_model_gets_one_tensor_per_unique_weight(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    source = gpt2().eval()
+    save_model(source, tmp_path / "m.safetensors")
+    with torch.device("meta"):
+        target = gpt2().eval()
+    load_model(target, tmp_path / "m.safetensors")
+    state = target.state_dict(keep_vars=True)
+    assert not any(t.is_meta for t in state.values())
+    assert target.lm_head.weight is target.transformer.wte.weight
+    storages = {t.untyped_storage().data_ptr() for t in state.values()}
+    assert len(storages) == len(safetensors.torch.load_file(tmp_path / "m.safetensors"))
+    assert len(list(target.parameters())) == find_ties(source).unique_count
+    assert all(p.requires_grad for p in target.parameters())
+    assert torch.equal(source(IDS).logits, target(IDS).logits)
+
+
+def test_meta_load_peak_memory_is_one_copy_of_the_tied_weight(tmp_path: Path) -> None:
+    """A 128 MB embedding tied to a head, loaded into a meta model: the process grows by one
+    copy (a second allocation of the tied weight would show as 256 MB)."""
+    script = textwrap.dedent(
+        """
+        import sys, torch, tiekit
+        from torch import nn
+
+        class Tied(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed = nn.Embedding(32768, 1024)
+                self.head = nn.Linear(1024, 32768, bias=False)
+                self.head.weight = self.embed.weight
+
+        def rss(key):
+            return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key))
+
+        path = sys.argv[1]
+        saved = Tied()
+        tiekit.save_model(saved, path)
+        del saved  # large blocks go back to the system: the baseline below is without a model
+        with torch.device("meta"):
+            model = Tied()
+        before = rss("VmRSS:")
+        open("/proc/self/clear_refs", "w").write("5")
+        tiekit.load_model(model, path)
+        assert model.head.weight is model.embed.weight
+        print((rss("VmHWM:") - before) / (32768 * 1024 * 4))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "big.safetensors")], check=True, capture_output=True, text=True
+    )
+    growth = float(out.stdout.strip())
+    assert 0.9 < growth < 1.2, growth
+
+
+def test_device_argument_materialises_on_cpu(tmp_path: Path) -> None:
+    save_model(WeightSharingModule(), tmp_path / "m.safetensors")
+    with torch.device("meta"):
+        model = WeightSharingModule()
+    load_model(model, tmp_path / "m.safetensors", device="cpu")
+    assert model.layer_1.weight.device.type == "cpu" and model.layer_3.weight is model.layer_1.weight
+
+
+def test_view_buffers_are_rebuilt_as_views(tmp_path: Path) -> None:
+    source = ViewBuffers()
+    save_model(source, tmp_path / "v.safetensors")
+    assert list(safetensors.torch.load_file(tmp_path / "v.safetensors")) == ["w"]
+    for target in (ViewBuffers(), torch.device("meta")):
+        if isinstance(target, torch.device):
+            with target:
+                target = ViewBuffers()
+        load_model(target, tmp_path / "v.safetensors")
+        assert find_ties(target) == find_ties(source)
+        assert target.wt.data_ptr() == target.w.data_ptr()
+        assert_same_state(source, target)
+        with torch.no_grad():
+            target.w[0, 0] = 42.0
+        assert target.wt[0, 0] == 42.0 and target.wv[0] == 42.0  # views of the parameter, not copies
+
+
+class Declared(tiekit.TPUMixin, nn.Module):
+    tied_weights: ClassVar[dict[str, str]] = {"head.weight": "embed.weight"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(12, 4)
+        self.head = nn.Linear(4, 12, bias=False)
+
+
+def test_declared_ties_tie_a_meta_model_and_plain_files(tmp_path: Path) -> None:
+    source = Declared()
+    source.tie_weights()
+    # A plain safetensors file without any tie metadata: the model's declared ties fill in.
+    safetensors.torch.save_file({"embed.weight": source.embed.weight.detach()}, tmp_path / "plain.safetensors")
+    with torch.device("meta"):
+        model = Declared()
+    assert model.head.weight is not model.embed.weight
+    result = load_model(model, tmp_path / "plain.safetensors")
+    assert result.plan_origin == "model"
+    assert model.head.weight is model.embed.weight and torch.equal(model.embed.weight, source.embed.weight)
+
+
+# -- files written without tiekit ---------------------------------------------------------
+
+
+def test_safetensors_save_model_metadata_is_used(tmp_path: Path) -> None:
+    source = gpt2().eval()
+    path = tmp_path / "st.safetensors"
+    safetensors.torch.save_model(source, str(path))  # keeps lm_head.weight, drops the embedding
+    model = gpt2(tie_word_embeddings=False)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        safetensors.torch.load_model(gpt2(tie_word_embeddings=False), path)
+    result = load_model(model, path)
+    assert result.plan_origin == "safetensors"
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert torch.equal(source(IDS).logits, model.eval()(IDS).logits)
+
+
+def test_hf_style_file_without_metadata_uses_the_model_plan(tmp_path: Path) -> None:
+    source = gpt2().eval()
+    state = {k: v for k, v in source.state_dict().items() if k != "lm_head.weight"}
+    safetensors.torch.save_file(state, tmp_path / "hf.safetensors")
+    model = gpt2().eval()
+    result = load_model(model, tmp_path / "hf.safetensors")
+    assert result.plan_origin == "model" and not result.missing
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert torch.equal(source(IDS).logits, model(IDS).logits)
+
+
+def test_file_with_duplicated_tied_tensor(tmp_path: Path) -> None:
+    source = gpt2()
+    state = {k: v.clone() for k, v in source.state_dict().items()}  # both names stored
+    safetensors.torch.save_file(state, tmp_path / "dup.safetensors")
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        safetensors.torch.load_model(gpt2(), tmp_path / "dup.safetensors")
+    model = gpt2()
+    assert load_model(model, tmp_path / "dup.safetensors").unexpected == ()
+    assert_same_state(source, model)
+
+    state["lm_head.weight"] = state["lm_head.weight"] + 1  # now they disagree: one would be lost
+    safetensors.torch.save_file(state, tmp_path / "diff.safetensors")
+    model = gpt2()
+    before = snapshot(model)
+    with pytest.raises(
+        CheckpointError, match=re.escape("'lm_head.weight' and 'transformer.wte.weight' with different values")
+    ):
+        load_model(model, tmp_path / "diff.safetensors")
+    assert_unchanged(model, before)
+
+
+def test_strict_false_reports_missing_and_unexpected(tmp_path: Path) -> None:
+    source = WeightSharingModule()
+    state = {"layer_1.weight": source.layer_1.weight.detach(), "stray": torch.zeros(2)}
+    safetensors.torch.save_file(state, tmp_path / "partial.safetensors")
+    model = WeightSharingModule()
+    before = snapshot(model)
+    with pytest.raises(CheckpointError, match=re.escape("missing 'layer_2.weight'; unexpected 'stray'")):
+        load_model(model, tmp_path / "partial.safetensors")
+    assert_unchanged(model, before)
+    result = load_model(model, tmp_path / "partial.safetensors", strict=False)
+    assert (result.missing, result.unexpected) == (("layer_2.weight",), ("stray",))
+    assert torch.equal(model.layer_3.weight, source.layer_1.weight)
+    assert torch.equal(model.layer_2.weight, before["layer_2.weight"][1])
+
+
+# -- bad input: CheckpointError naming the file and key, the model untouched ----------------
+
+
+def corrupt_truncate(path: Path) -> str:
+    path.write_bytes(path.read_bytes()[:-10])
+    return "truncated: key"
+
+
+def corrupt_header_bytes(path: Path) -> str:
+    raw = bytearray(path.read_bytes())
+    raw[8:20] = b"#" * 12
+    path.write_bytes(bytes(raw))
+    return "corrupted header"
+
+
+def corrupt_oversized(path: Path) -> str:
+    raw = bytearray(path.read_bytes())
+    raw[:8] = struct.pack("<Q", 2**40)
+    path.write_bytes(bytes(raw))
+    return "oversized header"
+
+
+def corrupt_offsets(path: Path) -> str:
+    header, data = header_of(path)
+    entry = header["layer_2.weight"]
+    assert isinstance(entry, dict)
+    entry["data_offsets"] = [entry["data_offsets"][0] + 4, entry["data_offsets"][1] + 4]
+    write_file(path, header, data)
+    return "offsets lie at key 'layer_2.weight'"
+
+
+def corrupt_drop_source(path: Path) -> str:
+    header, data = header_of(path)
+    header.pop("layer_1.weight")  # the plan still names it as the tie source
+    entry = header["layer_2.weight"]
+    assert isinstance(entry, dict)
+    start, end = entry["data_offsets"]
+    entry["data_offsets"] = [0, end - start]
+    write_file(path, header, data[start:end])
+    return "the tie metadata names key 'layer_1.weight'"
+
+
+def corrupt_plan(path: Path) -> str:
+    header, data = header_of(path)
+    metadata = header["__metadata__"]
+    assert isinstance(metadata, dict)
+    metadata["tiekit.plan"] = metadata["tiekit.plan"].replace('"version":1', '"version":99')
+    write_file(path, header, data)
+    return "invalid tie plan in 'tiekit.plan'"
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [corrupt_truncate, corrupt_header_bytes, corrupt_oversized, corrupt_offsets, corrupt_drop_source, corrupt_plan],
+)
+def test_damaged_files_raise_and_leave_the_model_unchanged(tmp_path: Path, corrupt: Callable[[Path], str]) -> None:
+    path = tmp_path / "m.safetensors"
+    save_model(WeightSharingModule(), path)
+    message = corrupt(path)
+    for model in (WeightSharingModule(), untied_weight_sharing()):
+        before = snapshot(model)
+        with pytest.raises(CheckpointError) as info:
+            load_model(model, path)
+        assert str(path) in str(info.value) and message in str(info.value)
+        assert_unchanged(model, before)
+
+
+class Wider(nn.Module):
+    def __init__(self, dtype: torch.dtype = torch.float32, out: int = 32) -> None:
+        super().__init__()
+        self.layer_1 = nn.Linear(32, 10, bias=False, dtype=dtype)
+        self.layer_2 = nn.Linear(10, out, bias=False, dtype=dtype)
+        self.layer_3 = nn.Linear(32, 10, bias=False, dtype=dtype)
+        self.layer_3.weight = self.layer_1.weight
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        (Wider(out=33), "shape mismatch for 'layer_2.weight': the file has (32, 10), the model (33, 10)"),
+        (Wider(torch.float64), "dtype mismatch for 'layer_1.weight': the file has float32, the model float64"),
+    ],
+)
+def test_shape_and_dtype_mismatch(tmp_path: Path, model: nn.Module, message: str) -> None:
+    save_model(WeightSharingModule(), tmp_path / "m.safetensors")
+    before = snapshot(model)
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        load_model(model, tmp_path / "m.safetensors")
+    assert_unchanged(model, before)
+
+
+def test_plan_disagreeing_with_declared_ties(tmp_path: Path) -> None:
+    untied = Declared()  # saved while its declared tie does not hold: two tensors in the file
+    save_model(untied, tmp_path / "u.safetensors")
+    assert tiekit.TiePlan.from_json(safe_open(tmp_path / "u.safetensors", "pt").metadata()["tiekit.plan"]).groups == ()
+    model = Declared()
+    model.tie_weights()
+    before = snapshot(model)
+    with pytest.raises(
+        CheckpointError, match=re.escape("tie plan disagrees with Declared: it stores 'head.weight' and 'embed")
+    ):
+        load_model(model, tmp_path / "u.safetensors")
+    assert_unchanged(model, before)
+
+
+def test_missing_file_and_ambiguous_folder(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="no such checkpoint file"):
+        load_model(WeightSharingModule(), tmp_path / "nope.safetensors")
+    with pytest.raises(CheckpointError, match="no safetensors file or index"):
+        load_model(WeightSharingModule(), tmp_path)
+    save_model(WeightSharingModule(), tmp_path / "a.safetensors")
+    save_model(WeightSharingModule(), tmp_path / "b.safetensors")
+    with pytest.raises(CheckpointError, match="several checkpoints in this folder"):
+        load_model(WeightSharingModule(), tmp_path)
+
+
+def test_stale_temporary_files_of_dead_savers_are_removed(tmp_path: Path) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".model.safetensors.tiekit-tmp-{dead.stdout.strip()}-0123abcd"
+    stale.write_bytes(b"half a file")
+    save_model(WeightSharingModule(), tmp_path / "model.safetensors")
+    assert sorted(os.listdir(tmp_path)) == ["model.safetensors"]
