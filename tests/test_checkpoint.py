@@ -439,6 +439,9 @@ def test_missing_file_and_ambiguous_folder(tmp_path: Path) -> None:
 def test_stale_temporary_files_of_dead_savers_are_removed(tmp_path: Path) -> None:
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = tmp_path / f".model.safetensors.tiekit-tmp-{dead.stdout.strip()}-0123abcd"
-    stale.write_bytes(b"half a file")
+    stale.mkdir()
+    (stale / ".tmpAbC123").write_bytes(b"half a file")  # as a killed safetensors writer leaves it
+    alive = tmp_path / f".model.safetensors.tiekit-tmp-{os.getppid()}-0123abcd"  # a running saver's
+    alive.mkdir()
     save_model(WeightSharingModule(), tmp_path / "model.safetensors")
-    assert sorted(os.listdir(tmp_path)) == ["model.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == [alive.name, "model.safetensors"]

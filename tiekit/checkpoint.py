@@ -25,6 +25,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -309,8 +310,8 @@ def _write_single(target: Path, state: dict[str, torch.Tensor], header: dict[str
     # A sharded save that this file now replaces: drop it, or a loader might still pick it.
     index = target.with_name(target.name + INDEX_SUFFIX)
     if index.exists():
-        old = _weight_map_files(index)
-        _remove(target.parent, [index.name, *old])
+        _remove(target.parent, [index.name, *_weight_map_files(index)])
+    _remove(target.parent, _backups(target))
 
 
 def _write_sharded(
@@ -326,17 +327,14 @@ def _write_sharded(
     save_id = secrets.token_hex(8)
     shard_header = {k: v for k, v in header.items() if k != PLAN_KEY}
     shard_header[SAVE_ID_KEY] = save_id
-    temps: list[Path] = []
+    work = _work_folder(index_path)
     try:
         for file, keys in zip(files, shards, strict=True):
-            tmp = _temp_path(folder / file)
-            temps.append(tmp)
-            _save_tensors({k: state[k] for k in keys}, tmp, shard_header)
-            _fsync(tmp)
+            _save_tensors({k: state[k] for k in keys}, work / file, shard_header)
+            _fsync(work / file)
         backups = _protect_previous(index_path, old_files, set(files))
-        for tmp, file in zip(temps, files, strict=True):
-            os.replace(tmp, folder / file)
-        temps = []
+        for file in files:
+            os.replace(work / file, folder / file)
         _fsync(folder)
         index = {
             "metadata": {
@@ -347,16 +345,14 @@ def _write_sharded(
             },
             "weight_map": {key: file for file, keys in zip(files, shards, strict=True) for key in keys},
         }
-        text = json.dumps(index, indent=2, sort_keys=False)
+        text = json.dumps(index, indent=2)
         _commit_file(index_path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
     except OSError as exc:
         raise CheckpointError(f"{index_path}: cannot write the sharded checkpoint: {exc}") from exc
     finally:
-        for tmp in temps:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
+        shutil.rmtree(work, ignore_errors=True)
     # Committed: the previous save's leftovers and a single file this save replaces go.
-    _remove(folder, [f for f in [*old_files, *backups, target.name] if f not in files])
+    _remove(folder, [f for f in [*old_files, *backups, *_backups(target), target.name] if f not in files])
 
 
 def _split(state: dict[str, torch.Tensor], limit: int) -> list[list[str]]:
@@ -399,6 +395,13 @@ def _protect_previous(index_path: Path, old_files: list[str], new_files: set[str
     return list(renamed.values())
 
 
+def _backups(target: Path) -> list[str]:
+    """Backup links of shards of ``target`` left by a save killed after its index was committed."""
+    stem = target.name.removesuffix(".safetensors")
+    pattern = re.compile(re.escape(f".{stem}-") + r".+" + re.escape(_BACKUP_TAG) + r"[0-9a-f]+")
+    return [p.name for p in target.parent.iterdir() if pattern.fullmatch(p.name)]
+
+
 def _weight_map_files(index_path: Path) -> list[str]:
     """Shard files an existing index names, when they are plain names inside its folder."""
     try:
@@ -417,12 +420,15 @@ def _prepare_folder(target: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CheckpointError(f"{target}: cannot create the folder: {exc.strerror or exc}") from exc
-    # Temporary files of saves that were killed (their process is gone) are garbage.
+    # Work folders of saves that were killed (their process is gone) are garbage.
     for entry in folder.iterdir():
         match = _TEMP_RE.fullmatch(entry.name)
         if match and not _alive(int(match.group(1))):
-            with contextlib.suppress(OSError):
-                entry.unlink()
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    entry.unlink()
 
 
 def _alive(pid: int) -> bool:
@@ -437,14 +443,25 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _temp_path(target: Path) -> Path:
-    return target.with_name(f".{target.name}{_TEMP_TAG}{os.getpid()}-{secrets.token_hex(4)}")
+def _work_folder(target: Path) -> Path:
+    """A private folder next to ``target`` (same filesystem, so renames out of it are atomic).
+
+    Writers put their own temporary files in it (safetensors does), and one ``rmtree`` removes
+    whatever a crash left there.
+    """
+    work = target.with_name(f".{target.name}{_TEMP_TAG}{os.getpid()}-{secrets.token_hex(4)}")
+    work.mkdir()
+    return work
 
 
 def _commit_file(target: Path, write: Callable[[Path], object]) -> None:
-    """Write through a temporary file in the same folder, fsync it, rename it over ``target``."""
-    tmp = _temp_path(target)
+    """Write in a work folder, fsync, rename over ``target``, fsync the folder."""
     try:
+        work = _work_folder(target)
+    except OSError as exc:
+        raise CheckpointError(f"{target}: cannot write: {exc.strerror or exc}") from exc
+    try:
+        tmp = work / target.name
         write(tmp)
         _fsync(tmp)
         os.replace(tmp, target)
@@ -452,8 +469,7 @@ def _commit_file(target: Path, write: Callable[[Path], object]) -> None:
     except OSError as exc:
         raise CheckpointError(f"{target}: cannot write: {exc.strerror or exc}") from exc
     finally:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _save_tensors(state: dict[str, torch.Tensor], path: Path, header: dict[str, str]) -> None:

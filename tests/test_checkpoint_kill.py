@@ -1,0 +1,96 @@
+"""Nothing lost: a process saving in a loop is SIGKILLed at random moments, again and again;
+the checkpoint at the path always loads intact and equals one of the saved versions.
+
+Children come from a forkserver that has imported torch once, so each of the kills costs
+milliseconds instead of a fresh interpreter start.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tiekit import load_model, save_model
+
+KILLS = 12
+SHARD = 1_500_000  # bytes: the sharded copy has 2 shards
+
+
+class KillModel(nn.Module):
+    """About 5 MB of weights (saving takes tens of ms, so kills land inside saves), tied."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(1024, 512)
+        self.mix = nn.Linear(512, 512)
+        self.head = nn.Linear(512, 1024, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def fill(model: nn.Module, version: int) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(version)
+
+
+def save_forever(folder: str, first_version: int) -> None:
+    model = KillModel()
+    version = first_version
+    while True:
+        fill(model, version)
+        save_model(model, Path(folder) / "single.safetensors")
+        save_model(model, Path(folder) / "sharded", max_shard_size=SHARD)
+        version += 1
+
+
+def loaded_version(path: Path) -> int:
+    model = KillModel()
+    load_model(model, path)  # raises if anything is half-written
+    assert model.head.weight is model.embed.weight
+    values = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).unique()
+    assert values.numel() == 1, f"{path} mixes versions {values.tolist()[:5]}"
+    return int(values.item())
+
+
+def test_sigkill_during_saves_never_loses_the_previous_checkpoint(tmp_path: Path) -> None:
+    single, sharded = tmp_path / "single.safetensors", tmp_path / "sharded"
+    model = KillModel()
+    fill(model, 0)
+    save_model(model, single)
+    save_model(model, sharded, max_shard_size=SHARD)
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "tiekit", "safetensors.torch"])
+    rng = random.Random(4)
+    versions: list[tuple[int, int]] = []
+    leftovers = 0
+    for kill in range(1, KILLS + 1):
+        child = context.Process(target=save_forever, args=(str(tmp_path), 1000 * kill), daemon=True)
+        child.start()
+        time.sleep(rng.uniform(0.05, 0.5))
+        child.kill()  # SIGKILL: no cleanup, no flush
+        child.join()
+        assert child.exitcode == -9
+        seen = (loaded_version(single), loaded_version(sharded))
+        for version in seen:
+            assert version == 0 or 1 <= version // 1000 <= kill, version
+        versions.append(seen)
+        # What a loader would pick is only the committed file and index; half-written files
+        # are hidden temporaries (or shards no index names yet).
+        hidden = [p for p in [*tmp_path.iterdir(), *sharded.iterdir()] if p.name.startswith(".")]
+        assert all(".tiekit-tmp-" in p.name or ".tiekit-prev-" in p.name for p in hidden), hidden
+        leftovers += bool(hidden)
+    assert len({v for pair in versions for v in pair}) > 2, versions  # saves completed between kills
+    assert leftovers > 0, "no kill landed inside a write"
+
+    # The next save sweeps up what the killed processes left behind.
+    save_model(model, single)
+    save_model(model, sharded, max_shard_size=SHARD)
+    assert not [p for p in [*tmp_path.iterdir(), *sharded.iterdir()] if p.name.startswith(".")]
+    assert loaded_version(single) == loaded_version(sharded) == 0
+    assert os.path.getsize(single) < 6_000_000
