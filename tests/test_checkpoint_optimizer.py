@@ -13,7 +13,7 @@ from models import gpt2
 from safetensors import safe_open
 from torch import nn
 
-from tiekit import CheckpointError, load_checkpoint, load_model, save_checkpoint
+from tiekit import CheckpointError, load_checkpoint, load_model, save_checkpoint, save_model
 
 IDS = torch.tensor([[1, 5, 9, 2, 7, 3, 4, 8]])
 
@@ -149,3 +149,18 @@ def test_no_pickle_in_the_checkpoint_modules() -> None:
         assert not any("pickle" in name for name in imported), module.__name__
         calls = {ast.unparse(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
         assert not calls & {"torch.load", "torch.save", "pickle.load", "pickle.loads"}, module.__name__
+
+
+def test_folder_paths_pick_the_training_checkpoint(tmp_path: Path) -> None:
+    net = model(0)
+    opt = torch.optim.AdamW(net.parameters())
+    train(net, opt, 1)
+    save_checkpoint(tmp_path, model=net, optimizer=opt, step=7)  # a folder: checkpoint.safetensors
+    weights = model(1)
+    save_model(weights, tmp_path)  # model.safetensors next to it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.safetensors", "model.safetensors"]
+    target = model(2)
+    assert load_checkpoint(tmp_path, model=target, optimizer=torch.optim.AdamW(target.parameters()))["step"] == 7
+    assert torch.equal(target.transformer.wte.weight, net.transformer.wte.weight)
+    load_model(target, tmp_path)  # load_model prefers the weights file
+    assert torch.equal(target.transformer.wte.weight, weights.transformer.wte.weight)

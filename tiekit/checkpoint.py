@@ -519,10 +519,10 @@ class _Source:
     side: Mapping[str, tuple[str, TensorEntry]] = field(default_factory=dict)
 
 
-def _open_source(path: PathLike) -> _Source:
+def _open_source(path: PathLike, preferred: tuple[str, ...] = (WEIGHTS_NAME, WEIGHTS_NAME + INDEX_SUFFIX)) -> _Source:
     target = Path(path)
     if target.is_dir():
-        target = _pick_in_folder(target)
+        target = _pick_in_folder(target, preferred)
     if not target.is_file():
         raise CheckpointError(f"{target}: no such checkpoint file")
     if target.name.endswith(".json"):
@@ -532,8 +532,8 @@ def _open_source(path: PathLike) -> _Source:
     return _with_plan(header.path, entries, header.metadata)
 
 
-def _pick_in_folder(folder: Path) -> Path:
-    for name in (WEIGHTS_NAME, WEIGHTS_NAME + INDEX_SUFFIX, CHECKPOINT_NAME):
+def _pick_in_folder(folder: Path, preferred: tuple[str, ...]) -> Path:
+    for name in preferred:
         if (folder / name).is_file():
             return folder / name
     candidates = sorted(p.name for p in folder.glob("*.safetensors.index.json")) or sorted(
@@ -958,7 +958,7 @@ def load_checkpoint(
     The optimizer's parameters are re-bound to the model's (re-tied) parameters and get their
     state back, matched by parameter name.
     """
-    source = _open_source(path)
+    source = _open_source(path, (CHECKPOINT_NAME,))
     record = _record(source)
     staged = _stage(model, source, strict=True, device=None)
     tensors = {k: _read(*v) for k, v in source.side.items()}
