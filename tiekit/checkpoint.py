@@ -13,9 +13,9 @@ the model's declared ties), then commits: real tensors are overwritten in place,
 identity and optimizers stay valid; meta tensors (and tensors on another device than the one
 asked for) are replaced by one new tensor per unique weight, then re-tied.
 
-Writing goes to a temporary file in the target folder, is fsynced and renamed over the
-target, so a crash at any point leaves the previous checkpoint loadable; for sharded saves the
-index is the commit point and is written last.
+Writing goes to a private work folder inside the target folder; the file is fsynced and
+renamed over the target, so a crash at any point leaves the previous checkpoint loadable. For
+sharded saves the index is the commit point and is written last.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def save_model(
     header = _header_metadata(metadata, plan)
 
     def write() -> None:
-        state = dict(zip(names, _host_tensors(names, tensors), strict=True))
+        state = dict(zip(names, _host_tensors(tensors), strict=True))
         if limit is None or sum(_nbytes(t) for t in state.values()) <= limit:
             _write_single(target, state, header)
         else:
@@ -147,7 +147,7 @@ def save_checkpoint(
     all_names = [*names, *side]
 
     def write() -> None:
-        hosts = _host_tensors(all_names, [*tensors, *side.values()])
+        hosts = _host_tensors([*tensors, *side.values()])
         _write_single(target, dict(zip(all_names, hosts, strict=True)), header)
 
     _on_master(f"tiekit.save_checkpoint:{target}", write)
@@ -267,7 +267,7 @@ def _unique_tensors(model: nn.Module, plan: TiePlan) -> tuple[list[str], list[to
     return names, tensors
 
 
-def _host_tensors(names: list[str], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def _host_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """CPU, contiguous, non-overlapping copies where needed; XLA tensors in one batched transfer."""
     hosts = devices.to_host(tensors)
     out = []
@@ -327,7 +327,10 @@ def _write_sharded(
     save_id = secrets.token_hex(8)
     shard_header = {k: v for k, v in header.items() if k != PLAN_KEY}
     shard_header[SAVE_ID_KEY] = save_id
-    work = _work_folder(index_path)
+    try:
+        work = _work_folder(index_path)
+    except OSError as exc:
+        raise CheckpointError(f"{index_path}: cannot write: {exc.strerror or exc}") from exc
     try:
         for file, keys in zip(files, shards, strict=True):
             _save_tensors({k: state[k] for k in keys}, work / file, shard_header)
@@ -716,7 +719,8 @@ def _stage(model: nn.Module, source: _Source, *, strict: bool, device: torch.dev
     loads.extend((n, n) for n in expected if n not in key_of and n in entries)
 
     missing = [n for n in expected if n not in anchor and (n in key_of or n not in entries)]
-    consumed = {key_of.get(n, (n, None))[0] for n in expected if n not in missing}
+    absent = set(missing)
+    consumed = {key_of.get(n, (n, None))[0] for n in expected if n not in absent}
     if source.plan is None:
         consumed |= _equal_duplicates(expected, key_of, entries, where)
     unexpected = [k for k in entries if k not in consumed]
@@ -729,7 +733,7 @@ def _stage(model: nn.Module, source: _Source, *, strict: bool, device: torch.dev
 
     for name in expected:
         key, member = key_of.get(name, (name, None))
-        if name not in missing:
+        if name not in absent:
             _check_fits(name, slots[name][2], entries[key][1], member, where)
     for group in retie_groups:
         try:
