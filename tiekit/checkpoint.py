@@ -27,6 +27,7 @@ import re
 import secrets
 import shutil
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, cast
@@ -870,18 +871,24 @@ def _commit(model: nn.Module, source: _Source, staged: _Staged) -> None:
 def _fill(jobs: list[tuple[torch.Tensor, tuple[str, TensorEntry], torch.device, bool]]) -> dict[int, torch.Tensor]:
     """Read each job's bytes into its tensor (in place) or into a new tensor; {id(old): new}."""
     fresh: dict[int, torch.Tensor] = {}
+    reads: list[tuple[str, TensorEntry, torch.Tensor]] = []
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor, bool]]] = {}
-    with _Files() as files:
-        for tensor, (path, entry), target, replace in jobs:
-            if target.type == "cpu":
-                if replace:
-                    fresh[id(tensor)] = files.read(path, entry)
-                elif tensor.is_contiguous():
-                    files.read_into(path, entry, tensor.detach())
-                else:
-                    tensor.copy_(files.read(path, entry))
-            else:
-                by_device.setdefault(target, []).append((tensor, files.read(path, entry), replace))
+    for tensor, (path, entry), target, replace in jobs:
+        if target.type == "cpu" and not replace and tensor.is_contiguous():
+            reads.append((path, entry, tensor.detach()))  # straight into the parameter's memory
+            continue
+        host = torch.empty(entry.shape, dtype=entry.dtype)
+        reads.append((path, entry, host))
+        if target.type != "cpu":
+            by_device.setdefault(target, []).append((tensor, host, replace))
+        elif replace:
+            fresh[id(tensor)] = host
+        else:
+            copies.append((tensor, host))
+    _read_into(reads)
+    for tensor, host in copies:
+        tensor.copy_(host)
     for target, items in by_device.items():
         moved = devices.to_device([host for _, host, _ in items], target)  # one batched transfer
         for (tensor, _, replace), value in zip(items, moved, strict=True):
@@ -894,47 +901,59 @@ def _fill(jobs: list[tuple[torch.Tensor, tuple[str, TensorEntry], torch.device, 
     return fresh
 
 
-class _Files:
-    """Open shard files, read straight into tensors' memory (no intermediate copy)."""
+_CHUNK = 1 << 23
 
-    def __init__(self) -> None:
-        self._open: dict[str, Any] = {}
 
-    def __enter__(self) -> _Files:
-        return self
+def _read_into(reads: list[tuple[str, TensorEntry, torch.Tensor]]) -> None:
+    """Read each entry's bytes into its contiguous CPU tensor, with no intermediate copy.
 
-    def __exit__(self, *exc: object) -> None:
-        for f in self._open.values():
-            f.close()
+    Reads are cut in 8 MiB chunks and issued from a few threads (``os.preadv`` releases the
+    GIL): one thread copying from the page cache is half as fast as two on this 2-core machine.
+    """
+    chunks: list[tuple[int, memoryview, int, TensorEntry, str]] = []
+    fds: dict[str, int] = {}
+    try:
+        for path, entry, out in reads:
+            size = entry.end - entry.start
+            if size == 0:
+                continue
+            if path not in fds:
+                try:
+                    fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+                except OSError as exc:
+                    raise CheckpointError(f"{path}: cannot open: {exc.strerror or exc}") from exc
+            view = memoryview(cast(Any, out.reshape(-1).view(torch.uint8).numpy()))
+            handle = fds[path]
+            chunks.extend((handle, view[a : a + _CHUNK], entry.start + a, entry, path) for a in range(0, size, _CHUNK))
+        workers = max(1, min(8, torch.get_num_threads(), len(chunks)))
+        if workers == 1 or not hasattr(os, "preadv"):
+            for chunk in chunks:
+                _read_chunk(*chunk)
+        else:
+            with ThreadPoolExecutor(workers) as pool:
+                list(pool.map(lambda c: _read_chunk(*c), chunks))  # list() re-raises a reader's error
+    finally:
+        for fd in fds.values():
+            os.close(fd)
 
-    def read(self, path: str, entry: TensorEntry) -> torch.Tensor:
-        out = torch.empty(entry.shape, dtype=entry.dtype)
-        self.read_into(path, entry, out)
-        return out
 
-    def read_into(self, path: str, entry: TensorEntry, out: torch.Tensor) -> None:
-        size = entry.end - entry.start
-        if size == 0:
-            return
-        f = self._open.get(path)
-        if f is None:
-            try:
-                f = self._open[path] = open(path, "rb", buffering=0)  # noqa: SIM115
-            except OSError as exc:
-                raise CheckpointError(f"{path}: cannot open: {exc.strerror or exc}") from exc
-        view = memoryview(cast(Any, out.reshape(-1).view(torch.uint8).numpy()))
-        f.seek(entry.start)
-        done = 0
-        while done < size:
-            n = f.readinto(view[done:])
-            if not n:
-                raise CheckpointError(f"{path}: truncated while reading key {entry.name!r} (file changed?)")
-            done += n
+def _read_chunk(fd: int, view: memoryview, offset: int, entry: TensorEntry, path: str) -> None:
+    done = 0
+    while done < len(view):
+        if hasattr(os, "preadv"):
+            n = os.preadv(fd, [view[done:]], offset + done)
+        else:
+            os.lseek(fd, offset + done, os.SEEK_SET)
+            n = os.readv(fd, [view[done:]])
+        if n <= 0:
+            raise CheckpointError(f"{path}: truncated while reading key {entry.name!r} (did the file change?)")
+        done += n
 
 
 def _read(path: str, entry: TensorEntry) -> torch.Tensor:
-    with _Files() as files:
-        return files.read(path, entry)
+    out = torch.empty(entry.shape, dtype=entry.dtype)
+    _read_into([(path, entry, out)])
+    return out
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
