@@ -1,0 +1,275 @@
+"""The ``tiekit`` command: inspect files and factories, verify checkpoints, errors without tracebacks."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from models import gpt2
+from safetensors.torch import save_file
+from safetensors.torch import save_model as st_save_model
+
+import tiekit
+from tiekit.cli import main
+
+TIEKIT = Path(sys.executable).with_name("tiekit")
+ROOT = Path(__file__).resolve().parents[1]
+WTE_BYTES = 96 * 32 * 4  # the tied embedding of tests.models.gpt2()
+
+FACTORIES = """
+import torch
+from torch import nn
+import sys
+sys.path.insert(0, {tests!r})
+from models import ViewBuffers, gpt2
+
+
+def tied():
+    return gpt2()
+
+
+def untied():
+    return gpt2(tie_word_embeddings=False)
+
+
+def wider():
+    return gpt2(n_embd=64)
+
+
+def views():
+    return ViewBuffers()
+
+
+def needs_data():
+    model = ViewBuffers()
+    model.scale = float(model.w.detach().abs().sum())  # .item() on meta raises: built on the CPU instead
+    return model
+
+
+def not_a_model():
+    return 42
+
+
+def broken():
+    raise RuntimeError("the config file is missing")
+"""
+
+
+@pytest.fixture
+def factories(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A module of factories in a fresh current directory; returns its (unique) module name."""
+    name = f"factories_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(FACTORIES.format(tests=str(ROOT / "tests")))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    yield name
+    sys.modules.pop(name, None)
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_inspect_tiekit_file_reports_groups_sizes_and_version(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "model.safetensors"
+    tiekit.save_model(gpt2(), path)
+    code, out, _ = run(capsys, "inspect", str(path), "--json")
+    report = json.loads(out)
+    assert code == 0
+    assert (report["plan_origin"], report["plan_version"]) == ("tiekit", tiekit.PLAN_VERSION)
+    assert (report["stored_tensors"], report["names"]) == (28, 29)
+    assert report["saved_bytes"] == WTE_BYTES
+    assert report["stored_bytes"] == sum(t["bytes"] for t in report["tensors"])
+    assert report["stored_bytes"] + 8 < path.stat().st_size  # header + data
+    assert tiekit.TiePlan.from_dict(report["plan"]).source_of("lm_head.weight") == "transformer.wte.weight"
+
+    code, out, _ = run(capsys, "inspect", str(path))
+    assert code == 0
+    assert "recorded by tiekit (plan format v1)" in out
+    assert "28 stored for 29 names" in out
+    assert "12.0 KiB saved by de-duplication" in out
+    assert "transformer.wte.weight  parameter  96x32  float32  lm_head.weight" in out
+
+
+def test_inspect_sharded_index_and_its_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tiekit.save_model(gpt2(), tmp_path, max_shard_size="40KB")
+    by_folder = json.loads(run(capsys, "inspect", str(tmp_path), "--json")[1])
+    index = tmp_path / "model.safetensors.index.json"
+    by_index = json.loads(run(capsys, "inspect", str(index), "--json")[1])
+    assert by_folder == by_index
+    assert len(by_index["files"]) > 1 and by_index["path"] == str(index)
+    assert (by_index["stored_tensors"], by_index["names"], by_index["saved_bytes"]) == (28, 29, WTE_BYTES)
+    out = run(capsys, "inspect", str(index), "--tensors")[1]
+    assert f"{len(by_index['files'])} shard files" in out
+    assert "transformer.h.1.mlp.c_fc.weight" in out and "lm_head.weight  float32" not in out
+
+
+def test_inspect_plain_file_says_no_plan_and_finds_a_tie_stored_twice(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = gpt2()
+    path = tmp_path / "plain.safetensors"
+    save_file({k: v.clone() for k, v in model.state_dict().items()}, path)
+    code, out, _ = run(capsys, "inspect", str(path))
+    assert code == 0
+    assert "tie plan: none recorded" in out
+    assert "29 stored for 29 names" in out and "0 B saved" in out
+    assert "cannot tell which tensors shared storage" in out
+
+    report = json.loads(run(capsys, "inspect", str(path), "--json", "--check-values")[1])
+    assert report["plan_origin"] == "none" and report["plan"] is None
+    # Constant tensors (zero biases, LayerNorm ones) are equal by construction and left out.
+    assert report["identical"] == [["lm_head.weight", "transformer.wte.weight"]]
+
+
+def test_inspect_lists_what_safetensors_save_model_dropped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "st.safetensors"
+    st_save_model(gpt2(), str(path), metadata={"author": "me"})
+    report = json.loads(run(capsys, "inspect", str(path), "--json")[1])
+    assert report["plan_origin"] == "safetensors"
+    [group] = report["plan"]["groups"]
+    kept = group["source"]
+    removed = [m["name"] for m in group["members"][1:]]
+    assert sorted([kept, *removed]) == ["lm_head.weight", "transformer.wte.weight"]
+    assert report["metadata"] == {"author": "me"}  # the removed -> kept entries are the plan, not metadata
+    out = run(capsys, "inspect", str(path))[1]
+    assert "safetensors.save_model listed the duplicates it dropped" in out
+
+
+def test_inspect_training_checkpoint_counts_optimizer_state(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = gpt2()
+    optimizer = torch.optim.AdamW(model.parameters())
+    ids = torch.randint(0, 96, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    tiekit.save_checkpoint(tmp_path, model=model, optimizer=optimizer, step=7)
+    report = json.loads(run(capsys, "inspect", str(tmp_path), "--json")[1])
+    assert report["checkpoint_version"] == 1
+    assert report["stored_tensors"] == 28
+    # exp_avg and exp_avg_sq per unique parameter, plus the step tensors, stored once per tie group
+    assert report["optimizer_tensors"] >= 2 * 28
+    assert report["optimizer_bytes"] >= 2 * report["stored_bytes"]
+
+
+def test_inspect_factory_builds_on_meta_and_falls_back_to_cpu(
+    factories: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report = json.loads(run(capsys, "inspect", f"{factories}:views", "--json")[1])
+    assert (report["model"], report["device"], report["note"]) == ("ViewBuffers", "meta", "")
+    [group] = report["plan"]["groups"]
+    assert group["kind"] == "view" and [m["name"] for m in group["members"]] == ["w", "wt", "ws", "wv"]
+    assert report["saved_bytes"] == (24 + 12 + 24) * 4  # wt, ws (4x3), wv: rebuilt as views, never stored
+
+    report = json.loads(run(capsys, "inspect", f"{factories}:needs_data", "--json")[1])
+    assert report["device"] == "cpu"
+    assert "failed on the meta device" in report["note"] and "built on the CPU" in report["note"]
+
+    code, out, _ = run(capsys, "inspect", f"{factories}:tied")
+    assert code == 0
+    assert out.startswith(f"{factories}:tied -> GPT2LMHeadModel, built on meta (no memory allocated)")
+    assert "transformer.wte.weight  parameter  96x32  float32  lm_head.weight" in out
+
+
+def test_verify_exit_codes_for_ci(factories: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "model.safetensors"
+    tiekit.save_model(gpt2(), path)
+    before = digest(path)
+
+    code, out, _ = run(capsys, "verify", str(path), "--model", f"{factories}:tied")
+    assert code == 0, out
+    assert out.splitlines()[-1] == "PASSED"
+    assert "ok    ties: 1 group(s) hold (lm_head.weight -> transformer.wte.weight)" in out
+    assert "ok    parameters: 28 unique under 29 names" in out
+
+    code, out, _ = run(capsys, "verify", str(path), "--model", f"{factories}:untied", "--json")
+    report = json.loads(out)
+    assert code == 1 and report["ok"] is False
+    failed = [c for c in report["checks"] if not c["ok"]]
+    assert [c["name"] for c in failed] == ["parameters"]
+    assert "the file ties lm_head.weight, transformer.wte.weight" in failed[0]["detail"]
+
+    code, out, _ = run(capsys, "verify", str(path), "--model", f"{factories}:wider")
+    assert code == 1
+    assert "FAIL  load:" in out and "shape mismatch for 'transformer.wte.weight'" in out
+    assert out.splitlines()[-1] == "FAILED: 1 of 2 check(s)"
+    assert digest(path) == before  # verify never writes
+
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(path.read_bytes()[:-100])
+    code, out, _ = run(capsys, "verify", str(truncated), "--model", f"{factories}:tied")
+    assert code == 1 and "FAIL  file:" in out and "truncated" in out
+
+
+def test_factory_errors_are_one_line_with_a_hint(factories: str, capsys: pytest.CaptureFixture[str]) -> None:
+    cases = {
+        f"{factories}:not_a_model": "returned a int, not an nn.Module",
+        f"{factories}:broken": "RuntimeError: the config file is missing",
+        f"{factories}:missing": f"{factories!r} has no attribute 'missing'",
+        "no_such_module_here:build": "cannot import 'no_such_module_here'",
+    }
+    for spec, message in cases.items():
+        code, out, err = run(capsys, "inspect", spec)
+        lines = err.splitlines()
+        assert code == 1 and out == ""
+        assert len(lines) == 2 and message in lines[0] and lines[0].startswith("tiekit: error: ")
+        assert lines[1].startswith("hint: a factory is 'module:function'")
+        assert "Traceback" not in err
+
+
+def test_console_script_error_is_one_line_and_debug_shows_the_traceback(tmp_path: Path) -> None:
+    env = {**os.environ, "PJRT_DEVICE": "CPU"}
+    missing = tmp_path / "nothing.safetensors"
+    result = subprocess.run([TIEKIT, "inspect", str(missing)], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"tiekit: error: {missing}: no such file or folder, and not module:factory",
+        "hint: TARGET is a .safetensors file, a *.safetensors.index.json, a folder holding one, or module:factory; "
+        "run again with --debug for the full traceback",
+    ]
+    result = subprocess.run(
+        [TIEKIT, "--debug", "inspect", str(missing)], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.returncode == 1
+    assert "Traceback (most recent call last)" in result.stderr and "TargetError" in result.stderr
+
+
+def test_file_errors_version_and_usage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"\xff" * 64)
+    code, out, err = run(capsys, "inspect", str(garbage))
+    assert code == 1 and out == "" and "Traceback" not in err
+    assert err.splitlines() == [
+        f"tiekit: error: {garbage}: oversized header ({2**64 - 1} bytes, the limit is 100000000)",
+        "hint: see 'Errors and how to recover' in docs/checkpoints.md; run again with --debug for the full traceback",
+    ]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"tiekit {tiekit.__version__}"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["verify", str(garbage)])
+    assert exit_info.value.code == 2 and "--model" in capsys.readouterr().err  # argparse's usage error
+
+
+def test_inspect_example_factory_from_the_repository_root(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(ROOT))])
+    report = json.loads(run(capsys, "inspect", "examples.tied_lm:build", "--json")[1])
+    assert (report["model"], report["device"]) == ("TiedLM", "meta")
+    assert [m["name"] for m in report["plan"]["groups"][0]["members"]] == ["embed.weight", "head.weight"]
