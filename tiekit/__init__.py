@@ -1,5 +1,7 @@
 """tiekit: keep tied weights tied through device moves, dtype casts and checkpoints."""
 
+from typing import TYPE_CHECKING, Any
+
 from tiekit.analyze import find_ties
 from tiekit.checkpoint import LoadResult, load_checkpoint, load_model, save_checkpoint, save_model
 from tiekit.errors import CheckpointError, TieError, TiekitError, TieWarning
@@ -7,12 +9,16 @@ from tiekit.mixin import TPUMixin
 from tiekit.plan import PLAN_VERSION, CrossModuleUse, TieGroup, TieMember, TiePlan, TieUse, ViewGeometry
 from tiekit.retie import VerifyReport, move, preserve_ties, rebind_optimizer, retie, verify
 
+if TYPE_CHECKING:
+    from tiekit.train import FitResult, fit
+
 __version__ = "0.1.0"
 
 __all__ = [
     "PLAN_VERSION",
     "CheckpointError",
     "CrossModuleUse",
+    "FitResult",
     "LoadResult",
     "TPUMixin",
     "TieError",
@@ -26,6 +32,7 @@ __all__ = [
     "ViewGeometry",
     "__version__",
     "find_ties",
+    "fit",
     "load_checkpoint",
     "load_model",
     "move",
@@ -36,3 +43,12 @@ __all__ = [
     "save_model",
     "verify",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The training loop (DataLoader, torch.distributed, tqdm) loads on first use of tiekit.fit.
+    if name in ("fit", "FitResult"):
+        from tiekit import train
+
+        return getattr(train, name)
+    raise AttributeError(f"module 'tiekit' has no attribute {name!r}")

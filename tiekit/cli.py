@@ -14,27 +14,83 @@ from tiekit.errors import CheckpointError, TieError, TiekitError
 
 
 def demo(args: argparse.Namespace) -> int:
-    """Inspect the seeds' WeightSharingModule and a GPT-2 config model, then move one keeping ties."""
+    """The main job: train the tied LM of examples/ on every XLA:CPU core in bf16, save a tied
+    checkpoint, reload it into a fresh model, show the tie survived, and sample some text."""
+    import functools
+    import importlib
+    import time
+    from pathlib import Path
+
     import torch
-    from torch import nn
 
-    class WeightSharingModule(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer_1 = nn.Linear(32, 10, bias=False)
-            self.layer_2 = nn.Linear(10, 32, bias=False)
-            self.layer_3 = nn.Linear(32, 10, bias=False)
-            self.layer_3.weight = self.layer_1.weight
+    from tiekit import devices
 
-    model = WeightSharingModule()
-    plan = tiekit.find_ties(model)
-    print(plan)
-    tiekit.move(model, dtype=torch.bfloat16)
-    print(
-        f"after .to(bfloat16) through tiekit.move: layer_3.weight is layer_1.weight -> "
-        f"{model.layer_3.weight is model.layer_1.weight}"
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "examples" / "tied_lm.py").is_file():
+        raise TiekitError(f"tiekit demo trains examples/tied_lm.py of a source checkout; none found under {root}")
+    sys.path.insert(0, str(root))  # spawned replicas inherit sys.path and import examples.tied_lm too
+    tied_lm = importlib.import_module("examples.tied_lm")
+
+    count: int | str = "auto"
+    if devices.xla_wanted():
+        if os.environ.get("PJRT_DEVICE", "").upper() == "CPU":
+            os.environ.setdefault("CPU_NUM_DEVICES", str(os.cpu_count() or 1))  # every core an XLA device
+        strategy = "xla"
+    else:
+        print("torch_xla is not configured (no PJRT_DEVICE): training with DDP on the CPU cores instead")
+        strategy, count = "ddp", os.cpu_count() or 1
+    out = Path(args.out)
+    started = time.perf_counter()
+    result = tiekit.fit(
+        tied_lm.build,
+        tied_lm.corpus(),
+        max_steps=args.steps,
+        batch_size=args.batch_size,
+        precision=args.precision,
+        optimizer=functools.partial(torch.optim.AdamW, lr=3e-3),
+        strategy=strategy,
+        devices=count,
+        checkpoint_dir=out / "checkpoints",
+        log_dir=out / "logs",
     )
-    return 0
+    first, last = result.losses[0], sum(result.losses[-10:]) / len(result.losses[-10:])
+    print(
+        f"trained {result.steps} steps on {result.world_size} {result.device_type.upper()} device(s) "
+        f"({result.strategy!r}, {result.precision}) in {time.perf_counter() - started:.0f} s, "
+        f"{result.samples_per_second:.0f} samples/s"
+    )
+    print(f"loss {first:.3f} -> {last:.3f} (first step -> mean of the last 10)")
+    print(f"replicas bit-identical: {result.replicas_identical}; ties kept on the device: {result.ties_kept}")
+    print(f"tied checkpoint: {result.checkpoint}")
+
+    assert result.checkpoint is not None  # fit always writes one when given checkpoint_dir
+    fresh = tied_lm.build()
+    tiekit.load_checkpoint(result.checkpoint, model=fresh)
+    plan = tiekit.find_ties(fresh)
+    tied = fresh.head.weight is fresh.embed.weight
+    trained = result.model.state_dict()
+    same = all(torch.equal(t, trained[k]) for k, t in fresh.state_dict().items())
+    names = dict(fresh.named_parameters(remove_duplicate=False))
+    print(f"reloaded into a fresh {type(fresh).__name__}; its tie plan:")
+    print(plan)
+    print(
+        f"parameters: {plan.total_count} names, {plan.unique_count} tensors, "
+        f"{sum(p.numel() for p in fresh.parameters()):,} values "
+        f"({sum(p.numel() for p in names.values()):,} if the tie were broken); "
+        f"head.weight is embed.weight: {tied}; weights equal the trained ones: {same}"
+    )
+    if strategy == "xla":
+        import copy
+
+        plain = copy.deepcopy(fresh).to(devices.resolve_device("xla"))
+        still = plain.head.weight is plain.embed.weight
+        print(
+            f"for comparison, a plain .to(xla) of the same model: {plan.unique_count} -> "
+            f"{len(list(plain.parameters()))} tensors, head.weight is embed.weight: {still}"
+        )
+    print("sample:")
+    print(tied_lm.generate(fresh, "Shall I compare thee", length=args.sample_length))
+    return 0 if tied and same and result.ties_kept else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show full tracebacks")
     sub = parser.add_subparsers(dest="command", required=True)
     demo_parser = sub.add_parser("demo", help="the main job: see README")
+    demo_parser.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
+    demo_parser.add_argument("--batch-size", type=int, default=16, help="per device (default 16)")
+    demo_parser.add_argument("--precision", default="bf16-mixed", help="default bf16-mixed")
+    demo_parser.add_argument("--out", default="runs/demo", help="checkpoints and logs go here (default runs/demo)")
+    demo_parser.add_argument("--sample-length", type=int, default=200, help="characters to generate")
     demo_parser.set_defaults(func=demo)
     _add_inspect_and_verify(sub)
     return parser

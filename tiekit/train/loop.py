@@ -1,0 +1,281 @@
+"""One replica's run: build the model, move it keeping its ties, resume, train, validate, save.
+
+`train_step` is the whole step, from a batch on the device to updated weights; `run_replica`
+wraps it in epochs. Every strategy runs this same code; `tiekit.train.strategies` supplies the
+few strategy-specific answers (device, data slice, gradient reduction, end of step).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiekit import devices
+from tiekit.analyze import find_ties
+from tiekit.errors import TiekitError
+from tiekit.plan import TiePlan
+from tiekit.retie import move, verify
+from tiekit.train import state
+from tiekit.train.config import Job, LossFn, Outcome
+from tiekit.train.data import ReplicaLoader, make_loader
+from tiekit.train.log import TrainLog
+from tiekit.train.precision import Precision, resolve_precision
+from tiekit.train.strategies import Backend, XlaBackend
+
+# torch_xla.launch runs the replicas of a host as threads of one process: they share torch's
+# global RNG, so each builds its model from the seed while holding this lock.
+_build_lock = threading.Lock()
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    backend: Backend,
+    precision: Precision,
+    loss_fn: LossFn | None,
+) -> torch.Tensor:
+    """One optimisation step, from a batch on the device to updated weights; returns the loss."""
+    with precision.autocast(backend.device):
+        loss = compute_loss(model, precision.cast_batch(batch), loss_fn)
+    loss.backward()  # type: ignore[no-untyped-call]
+    backend.optimizer_step(optimizer)  # "xla": gradients averaged over the replicas, in the graph
+    optimizer.zero_grad(set_to_none=True)
+    backend.end_step()  # XLA: the step's graph is compiled once, then launched every step
+    return loss.detach()
+
+
+def compute_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch.Tensor:
+    """``loss_fn(model(inputs), target)`` for an ``(inputs..., target)`` batch, else the loss the
+    model returns for ``model(*batch)`` / ``model(**batch)`` (a tensor, ``.loss`` or ``["loss"]``)."""
+    if loss_fn is not None:
+        if not isinstance(batch, tuple | list) or len(batch) < 2:
+            raise TiekitError(
+                f"with loss_fn, each batch must be (inputs..., target); got a {type(batch).__name__}. "
+                "Without loss_fn, the model's forward returns the loss."
+            )
+        *inputs, target = batch
+        return loss_fn(model(*inputs), target)
+    if isinstance(batch, Mapping):
+        out = model(**batch)
+    elif isinstance(batch, tuple | list):
+        out = model(*batch)
+    else:
+        out = model(batch)
+    loss = out if isinstance(out, torch.Tensor) else getattr(out, "loss", None)
+    if loss is None and isinstance(out, Mapping):
+        loss = out.get("loss")
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(out).__name__
+        raise TiekitError(
+            f"{type(model).__name__}.forward returned {what}, not a scalar loss; "
+            "pass loss_fn=..., or make forward return the loss (or an output with .loss)"
+        )
+    return loss
+
+
+def run_replica(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
+    """Train this replica; its `Outcome` and its trained model (on the CPU, ties kept)."""
+    try:
+        return _run(job, backend)
+    except RuntimeError as exc:
+        backend.abort()
+        if "device_ready_queues_" in str(exc):
+            raise TiekitError(
+                "this process ran a backward pass before the XLA runtime started, and torch's autograd "
+                "engine cannot use XLA devices after that (pytorch/xla#4174). Call torch_xla.device() "
+                "before any training on CPU, or run tiekit.fit in a fresh process."
+            ) from exc
+        raise
+    except BaseException:
+        backend.abort()
+        raise
+
+
+def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
+    cfg = job.config
+    started = time.perf_counter()
+    precision = resolve_precision(cfg.precision, backend.device.type)
+    model, original_dtype = _build(job, backend)
+    was_training = model.training
+    plan = find_ties(model)  # before the move: what must still be one tensor on the device
+    move(model, backend.device, dtype=precision.param_dtype, plan=plan)
+    if backend.device.type == "xla":
+        devices.xla_set_rng_state(cfg.seed + backend.replica_rank)
+    optimizer = cfg.optimizer(model.parameters())
+    train = _loader(job, job.train_data, backend, shuffle=cfg.shuffle, drop_last=cfg.drop_last)
+    val = None if job.val_data is None else _loader(job, job.val_data, backend, shuffle=False, drop_last=False)
+    position = state.Position()
+    resume_from = _resume_path(job)
+    if resume_from is not None:
+        position = state.resume(resume_from, model, optimizer, backend.devices_in_run, backend.device)
+    per_epoch = train.batches_per_epoch(cfg.drop_last)
+    if position.batches >= per_epoch:  # saved after an epoch's last batch: next epoch
+        position = state.Position(position.epoch + 1, 0, position.step)
+    limit = cfg.epoch_limit
+    total = _total_steps(cfg.max_steps, limit, per_epoch)
+    log = TrainLog(
+        enabled=backend.is_master,
+        progress=cfg.progress,
+        total_steps=total,
+        start_step=position.step,
+        samples_per_step=train.batch_size * backend.devices_in_run,
+        log_dir=cfg.log_dir,
+        log_every=cfg.log_every,
+        xla=backend.device.type == "xla",
+    )
+    step_model = backend.wrap(model)
+    model.train()
+    epoch, skip, step, saved_at = position.epoch, position.batches, position.step, -1
+    done = skip
+    watch_transfers = backend.is_master and backend.device.type == "xla"
+    try:
+        while (limit is None or epoch < limit) and (cfg.max_steps is None or step < cfg.max_steps):
+            done = skip
+            for batch in backend.batches(train.epoch(epoch, skip)):
+                before = devices.xla_host_transfers() if watch_transfers else 0
+                loss = train_step(step_model, optimizer, batch, backend, precision, cfg.loss_fn)
+                after = devices.xla_host_transfers() if watch_transfers else 0
+                step, done = step + 1, done + 1
+                log.step(step, epoch, loss, after - before)
+                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                    with log.outside_steps():
+                        _save(job, model, optimizer, state.Position(epoch, done, step), backend)
+                    saved_at = step
+                if cfg.max_steps is not None and step >= cfg.max_steps:
+                    break
+            else:
+                if val is not None:
+                    with log.outside_steps():
+                        log.validation(step, epoch, _validate(model, val, backend, precision, cfg.loss_fn))
+                epoch, skip, done = epoch + 1, 0, 0
+                continue
+            break
+        log.flush()
+        if cfg.checkpoint_dir is not None and saved_at != step:
+            with log.outside_steps():
+                _save(job, model, optimizer, state.Position(epoch, done, step), backend)
+    finally:
+        log.close()
+    if backend.device.type == "xla":
+        devices.xla_wait()
+    counters = devices.xla_counters() if backend.device.type == "xla" else None
+    ties_kept = verify(model, plan, on_error="warn").ok
+    digest = _digest(model)
+    move(model, "cpu", dtype=original_dtype if precision.param_dtype is not None else None, plan=plan)
+    model.train(was_training)
+    outcome = Outcome(
+        rank=backend.replica_rank,
+        world_size=backend.devices_in_run,
+        device_type=backend.device.type,
+        precision=precision.name,
+        digest=digest,
+        ties_kept=ties_kept,
+        steps=step,
+        epochs=epoch,
+        losses=tuple(log.losses),
+        val_losses=tuple(log.val_losses),
+        samples_per_second=log.samples_per_second,
+        seconds=time.perf_counter() - started,
+        checkpoint=str(_last_checkpoint(job)) if cfg.checkpoint_dir is not None else None,
+        compilations=None if counters is None else counters.compilations,
+        xla_report=None if counters is None else counters.report(),
+    )
+    return outcome, model
+
+
+def _build(job: Job, backend: Backend) -> tuple[nn.Module, torch.dtype | None]:
+    with _build_lock:
+        torch.manual_seed(job.config.seed)
+        if isinstance(job.model, nn.Module):
+            # Replicas must not share storage: launch threads hold the very same module, and
+            # spawned processes receive its tensors in shared memory (torch.multiprocessing).
+            shared = job.result_dir is not None or (isinstance(backend, XlaBackend) and backend.replica_count > 1)
+            model = copy.deepcopy(job.model) if shared else job.model
+        else:
+            model = job.model()
+            if not isinstance(model, nn.Module):
+                raise TiekitError(f"the model factory {job.model!r} returned a {type(model).__name__}, not a Module")
+    dtypes = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    return model, dtypes[0] if dtypes else None
+
+
+def _loader(job: Job, data: Any, backend: Backend, *, shuffle: bool, drop_last: bool) -> ReplicaLoader:
+    cfg = job.config
+    return make_loader(
+        data,
+        batch_size=None if cfg.batch_size is None else cfg.batch_size * backend.batch_scale,
+        num_replicas=backend.data_replicas,
+        rank=backend.data_rank,
+        shuffle=shuffle,
+        seed=cfg.seed,
+        drop_last=drop_last,
+        static_shapes=backend.device.type == "xla",
+        what="train_data" if data is job.train_data else "val_data",
+    )
+
+
+def _total_steps(max_steps: int | None, epochs: int | None, per_epoch: int) -> int | None:
+    by_epochs = None if epochs is None else epochs * per_epoch
+    if max_steps is None:
+        return by_epochs
+    return max_steps if by_epochs is None else min(max_steps, by_epochs)
+
+
+def _validate(model: nn.Module, val: ReplicaLoader, backend: Backend, precision: Precision, loss_fn: Any) -> float:
+    """Mean loss over the validation set (every replica's share), in eval mode."""
+    model.eval()
+    total = torch.zeros((), device=backend.device)
+    count = 0
+    with torch.no_grad():
+        for batch in backend.batches(val.epoch(0)):
+            with precision.autocast(backend.device):
+                total = total + compute_loss(model, precision.cast_batch(batch), loss_fn).detach().float()
+            count += 1
+    model.train()
+    summed = backend.sum_over_replicas(total)
+    return float(devices.to_host([summed])[0]) / max(1, count * backend.replica_count)
+
+
+def _resume_path(job: Job) -> Any:
+    cfg = job.config
+    if cfg.resume is None:
+        return None
+    if cfg.resume == "last":
+        assert cfg.checkpoint_dir is not None
+        return state.last_checkpoint(cfg.checkpoint_dir)  # None: nothing saved yet, start fresh
+    return cfg.resume
+
+
+def _save(job: Job, model: nn.Module, optimizer: torch.optim.Optimizer, at: state.Position, backend: Backend) -> None:
+    assert job.config.checkpoint_dir is not None
+    path = state.checkpoint_path(job.config.checkpoint_dir, at.step)
+    state.save(path, model, optimizer, at, backend.devices_in_run, backend.device)
+
+
+def _last_checkpoint(job: Job) -> Any:
+    assert job.config.checkpoint_dir is not None
+    return state.last_checkpoint(job.config.checkpoint_dir)
+
+
+def _digest(model: nn.Module) -> str:
+    """SHA-256 of every unique parameter and buffer, by name: equal digests, bit-identical replicas."""
+    named = list(model.named_parameters()) + list(model.named_buffers())
+    hosts = devices.to_host([t.detach() for _, t in named])
+    sha = hashlib.sha256()
+    for (name, _), t in sorted(zip(named, hosts, strict=True), key=lambda pair: pair[0][0]):
+        sha.update(name.encode())
+        sha.update(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return sha.hexdigest()
+
+
+def describe_plan(plan: TiePlan) -> str:
+    """One line per tie group: ``source <- member, member``."""
+    return "\n".join(f"{g.source} <- {', '.join(g.names[1:])}" for g in plan.groups) or "(no ties)"
