@@ -1,0 +1,253 @@
+"""tiekit.integrations.lightning with a real lightning.pytorch Trainer: on the CPU, and on XLA:CPU."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import tiekit
+
+pl = pytest.importorskip("lightning.pytorch")
+from tiekit.integrations.lightning import KeepTies, TiedCheckpointIO  # noqa: E402 - needs lightning
+
+VOCAB, WIDTH = 16, 8
+
+
+class TiedViews(pl.LightningModule):
+    """A tied LM head plus a buffer that is a view (the transpose) of the tied embedding."""
+
+    def __init__(self, optimizer: str = "sgd") -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("embed_t", self.embed.weight.detach().t())
+
+    def training_step(self, batch: Any, _: int) -> torch.Tensor:
+        ids = batch[0]
+        hidden = self.embed(ids)
+        logits = self.head(hidden) + hidden @ self.embed_t
+        return F.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.hparams["optimizer"] == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=0.05)
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def data() -> DataLoader[Any]:
+    ids = torch.randint(0, VOCAB, (16, 6), generator=torch.Generator().manual_seed(0))
+    return DataLoader(TensorDataset(ids), batch_size=8)  # two steps per epoch
+
+
+def trainer(tmp_path: Path, **kwargs: Any) -> Any:
+    options: dict[str, Any] = dict(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    options.update(kwargs)
+    return pl.Trainer(**options)
+
+
+def is_view_of_transpose(buffer: torch.Tensor, weight: torch.Tensor) -> bool:
+    return buffer.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr() and buffer.stride() == (1, WIDTH)
+
+
+def test_bf16_true_breaks_view_buffers_and_keep_ties_keeps_them(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    plain = TiedViews()
+    trainer(tmp_path, precision="bf16-true").fit(plain, data())
+    # Lightning's cast replaced the buffer with a bf16 copy: the "view" went stale while training.
+    assert plain.embed_t.dtype == torch.bfloat16
+    assert not is_view_of_transpose(plain.embed_t, plain.embed.weight)
+    assert not torch.equal(plain.embed_t, plain.embed.weight.detach().t())
+
+    torch.manual_seed(0)
+    model = TiedViews()
+    keep = KeepTies()
+    run = trainer(tmp_path, precision="bf16-true", callbacks=[keep])
+    run.fit(model, data())
+    assert model.embed.weight.dtype == torch.bfloat16 and model.head.weight is model.embed.weight
+    assert is_view_of_transpose(model.embed_t, model.embed.weight)
+    assert torch.equal(model.embed_t, model.embed.weight.detach().t())  # it followed every step
+    assert keep.plan is not None and keep.plan.group_of("embed_t") is not None
+    # The optimizer was built after the re-tie: it steps the one tied parameter.
+    [optimizer] = run.optimizers
+    assert [p for g in optimizer.param_groups for p in g["params"]] == list(model.parameters())
+    # The strategy is unwrapped after the run.
+    assert "setup" not in vars(run.strategy) and "model_to_device" not in vars(run.strategy)
+
+
+def test_keep_ties_check_names_a_tie_undone_after_the_move(tmp_path: Path) -> None:
+    class Untied(TiedViews):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            # Undone after the move and re-tie (while building the optimizer): the check at fit start fires.
+            self.head.weight = nn.Parameter(torch.zeros(VOCAB, WIDTH))
+            return super().configure_optimizers()
+
+    model = Untied()
+    with pytest.raises(tiekit.TieError, match=r"Before: 1 After: 2\.\n  head\.weight is not embed\.weight"):
+        trainer(tmp_path, callbacks=[KeepTies()]).fit(model, data())
+
+
+def test_checkpoint_io_writes_tied_safetensors_and_resumes_exactly(tmp_path: Path) -> None:
+    # Without tiekit: safetensors refuses a state dict whose tensors share memory.
+    with pytest.raises(RuntimeError, match="share memory"):
+        weights = {k: v for k, v in TiedViews().state_dict().items() if k != "embed_t"}
+        save_file(weights, tmp_path / "plain.safetensors")
+
+    torch.manual_seed(1)
+    reference = TiedViews("adamw")
+    trainer(tmp_path / "ref", max_steps=-1, max_epochs=2).fit(reference, data())
+
+    torch.manual_seed(1)
+    first = TiedViews("adamw")
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, save_on_train_epoch_end=True)
+    trainer(
+        tmp_path,
+        max_steps=-1,
+        max_epochs=1,
+        plugins=[TiedCheckpointIO()],
+        callbacks=[checkpoint],
+        enable_checkpointing=True,
+    ).fit(first, data())
+    path = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
+
+    with safe_open(path, "pt") as f:  # a safetensors file, whatever its name: no pickle inside
+        keys = set(f.keys())
+        metadata = f.metadata()
+    assert "embed.weight" in keys and "head.weight" not in keys and "embed_t" not in keys
+    plan = tiekit.TiePlan.from_json(metadata["tiekit.plan"])
+    assert set(plan.group_of("head.weight").names) == {"embed.weight", "head.weight", "embed_t"}  # type: ignore[union-attr]
+    record = json.loads(metadata["tiekit.checkpoint"])
+    assert record["extra"]["global_step"] == 2 and record["extra"]["hyper_parameters"] == {"optimizer": "adamw"}
+
+    loaded = TiedCheckpointIO().load_checkpoint(path)
+    assert loaded["global_step"] == 2 and loaded["hyper_parameters"] == {"optimizer": "adamw"}
+    state = loaded["state_dict"]
+    assert set(state) == set(first.state_dict())
+    assert state["head.weight"].data_ptr() == state["embed.weight"].data_ptr()  # tied again in the dict
+    assert torch.equal(state["embed_t"], state["embed.weight"].t())
+    [opt_state] = loaded["optimizer_states"]
+    assert set(opt_state["state"]) == {0} and opt_state["param_groups"][0]["betas"] == (0.9, 0.999)
+
+    # Resume from the tied file: the same weights, bit for bit, as two uninterrupted epochs.
+    torch.manual_seed(2)
+    resumed = TiedViews("adamw")
+    resume = trainer(tmp_path / "resume", max_steps=-1, max_epochs=2, plugins=[TiedCheckpointIO()])
+    resume.fit(resumed, data(), ckpt_path=path)
+    assert resume.global_step == 4
+    assert resumed.head.weight is resumed.embed.weight
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(resumed.state_dict()[name], tensor), name
+
+    # tiekit.load_model reads the same file into a module in any state.
+    with torch.device("meta"):
+        fresh = TiedViews("adamw")
+    result = tiekit.load_model(fresh, path)
+    assert result.plan_origin == "tiekit" and fresh.head.weight is fresh.embed.weight
+    assert torch.equal(fresh.embed.weight, state["embed.weight"])
+
+    TiedCheckpointIO().remove_checkpoint(path)
+    assert not path.exists()
+
+
+def test_checkpoint_io_round_trips_lightning_entries_and_refuses_pickle(tmp_path: Path) -> None:
+    shared = torch.arange(6.0).reshape(2, 3)
+    checkpoint = {
+        "state_dict": {"a.weight": shared, "b.weight": shared, "c": torch.ones(2)},
+        "optimizer_states": [{"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": [{"params": [0], "lr": 0.1}]}],
+        "loops": {"fit_loop": {"epoch_progress": {"total": {"ready": 1}}}},
+        "hyper_parameters": {"dtype": torch.bfloat16, "device": torch.device("cpu"), "sizes": (1, 2), "none": None},
+        "best": float("inf"),
+    }
+    io = TiedCheckpointIO()
+    io.save_checkpoint(checkpoint, tmp_path / "x.ckpt")
+    loaded = io.load_checkpoint(tmp_path / "x.ckpt", map_location="cpu")
+    assert loaded["hyper_parameters"] == checkpoint["hyper_parameters"]
+    assert loaded["loops"] == checkpoint["loops"] and loaded["best"] == float("inf")
+    assert torch.equal(loaded["optimizer_states"][0]["state"][0]["step"], torch.tensor(3.0))
+    assert loaded["state_dict"]["a.weight"].data_ptr() == loaded["state_dict"]["b.weight"].data_ptr()
+    with safe_open(tmp_path / "x.ckpt", "pt") as f:
+        assert "b.weight" not in set(f.keys())
+
+    checkpoint["hyper_parameters"] = {"args": argparse.Namespace(lr=0.1)}
+    with pytest.raises(tiekit.CheckpointError, match=r"checkpoint/hyper_parameters/args.*Namespace.*allow_pickle"):
+        io.save_checkpoint(checkpoint, tmp_path / "y.ckpt")
+    assert not (tmp_path / "y.ckpt").exists()
+    TiedCheckpointIO(allow_pickle=True).save_checkpoint(checkpoint, tmp_path / "y.ckpt")
+    with pytest.raises(tiekit.CheckpointError, match="pickled value"):
+        io.load_checkpoint(tmp_path / "y.ckpt")
+    again = TiedCheckpointIO(allow_pickle=True).load_checkpoint(tmp_path / "y.ckpt")
+    assert again["hyper_parameters"]["args"] == argparse.Namespace(lr=0.1)
+    with pytest.raises(TypeError, match="storage_options"):
+        io.save_checkpoint(checkpoint, tmp_path / "z.ckpt", storage_options={"compress": True})
+
+
+@pytest.mark.xla
+def test_lightning_xla_strategy_breaks_ties_and_keep_ties_keeps_them(tmp_path: Path) -> None:
+    import torch_xla
+    from lightning.pytorch.accelerators import XLAAccelerator
+    from lightning.pytorch.strategies import SingleDeviceXLAStrategy
+
+    class XLACPUAccelerator(XLAAccelerator):
+        # Lightning counts TPU chips to decide whether XLA is available; XLA:CPU has none.
+        # Everything else (the strategy's cast, move, set_shared_parameters, teardown) is Lightning's own.
+        @staticmethod
+        def is_available() -> bool:
+            return True
+
+        @staticmethod
+        def parse_devices(devices: Any) -> int:
+            return 1
+
+        @staticmethod
+        def get_parallel_devices(devices: Any) -> list[torch.device]:
+            return [torch_xla.device()]
+
+    def xla_trainer(**kwargs: Any) -> Any:
+        strategy = SingleDeviceXLAStrategy(device=torch_xla.device())
+        return trainer(tmp_path, accelerator=XLACPUAccelerator(), strategy=strategy, max_steps=2, **kwargs)
+
+    seen: dict[str, Any] = {}
+
+    class Probe(pl.Callback):
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            w, t = module.embed.weight, module.embed_t
+            seen["device"] = w.device.type
+            seen["view"] = tiekit.devices.storage_key(t) == tiekit.devices.storage_key(w)
+
+    torch.manual_seed(0)
+    plain = TiedViews()
+    xla_trainer(callbacks=[Probe()]).fit(plain, data())
+    assert seen == {"device": "xla", "view": False}  # set_shared_parameters keeps parameters, not buffers
+    # Teardown's .cpu() broke the parameter tie too, and nothing re-tied it.
+    assert plain.head.weight is not plain.embed.weight and len(list(plain.parameters())) == 2
+
+    torch.manual_seed(0)
+    model = TiedViews()
+    initial = model.embed.weight.detach().clone()
+    xla_trainer(callbacks=[Probe(), KeepTies()]).fit(model, data())
+    assert seen == {"device": "xla", "view": True}
+    assert model.embed.weight.device.type == "cpu"
+    assert model.head.weight is model.embed.weight and len(list(model.parameters())) == 1
+    assert is_view_of_transpose(model.embed_t, model.embed.weight)
+    assert torch.equal(model.embed_t, model.embed.weight.detach().t())
+    assert not torch.equal(model.embed.weight, initial)  # it trained on the device, then came back tied

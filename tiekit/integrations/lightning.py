@@ -1,0 +1,284 @@
+"""Lightning: keep ties through the Trainer's cast, move and teardown; save checkpoints as tied safetensors.
+
+``KeepTies`` is a callback. Lightning's strategies cast the module (``precision="bf16-true"``),
+move it (``model_to_device``) and build the optimizers, all inside ``strategy.setup``, and
+move it back to the CPU in ``strategy.teardown``; no callback hook runs between the move and
+the optimizers. So the callback wraps the strategy's ``setup`` (to plan before the cast) and
+``model_to_device`` (to re-tie and verify right after the move, before any optimizer holds a
+parameter), re-ties again after teardown, and verifies at the start of every stage. Lightning's
+own XLA strategies re-tie parameters with ``set_shared_parameters``; they keep neither buffers
+nor views, do not check counts, and do nothing after teardown's ``.cpu()``, which breaks
+parameter ties again.
+
+``TiedCheckpointIO`` writes what ``ModelCheckpoint`` saves as one safetensors file: the
+module's weights once per tie group (with the tie plan), the optimizer state and every other
+entry as tensors plus JSON. Nothing is pickled unless ``allow_pickle=True``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+
+from tiekit.analyze import find_ties
+from tiekit.checkpoint import load_checkpoint, save_checkpoint
+from tiekit.errors import CheckpointError
+from tiekit.plan import TiePlan
+from tiekit.retie import OnError, retie, verify
+
+__all__ = ["KeepTies", "TiedCheckpointIO"]
+
+
+class KeepTies(Callback):
+    """Keep the LightningModule's tied weights tied through the Trainer's cast, device move and teardown.
+
+    ``declared`` adds ties the module declares as ``{target: source}`` but does not hold in
+    memory. ``on_error="warn"`` turns a failed check into a `tiekit.TieWarning`. ``plan`` is
+    the plan made at the last setup.
+    """
+
+    def __init__(self, *, declared: Mapping[str, str] | None = None, on_error: OnError = "raise") -> None:
+        super().__init__()
+        self.declared = dict(declared) if declared else None
+        self.on_error: OnError = on_error
+        self.plan: TiePlan | None = None
+        self._wrapped: tuple[Any, dict[str, Callable[..., Any]]] | None = None
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Wrap this run's strategy: plan when its setup starts, re-tie right after its move."""
+        self._unwrap()
+        strategy = trainer.strategy
+        originals = {"setup": strategy.setup, "model_to_device": strategy.model_to_device}
+
+        def setup(trainer_: Any) -> None:
+            # After configure_model, before the precision plugin casts and the strategy moves.
+            self.plan = find_ties(pl_module, declared=self.declared)
+            originals["setup"](trainer_)
+
+        def model_to_device() -> None:
+            originals["model_to_device"]()
+            self._retie(pl_module)
+
+        strategy.setup = setup
+        strategy.model_to_device = model_to_device
+        self._wrapped = (strategy, originals)
+
+    def _retie(self, pl_module: nn.Module) -> None:
+        if self.plan is not None:
+            retie(pl_module, self.plan)
+            verify(pl_module, self.plan, on_error=self.on_error)
+
+    def _check(self, pl_module: nn.Module) -> None:
+        if self.plan is not None:
+            verify(pl_module, self.plan, on_error=self.on_error)
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        """Check the ties before training starts."""
+        self._check(pl_module)
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        """Check the ties before validation."""
+        self._check(pl_module)
+
+    def on_test_start(self, trainer: Any, pl_module: Any) -> None:
+        """Check the ties before testing."""
+        self._check(pl_module)
+
+    def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
+        """Check the ties before predicting."""
+        self._check(pl_module)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Re-tie after the strategy's teardown moved the module back to the CPU; unwrap the strategy."""
+        self._unwrap()
+        self._retie(pl_module)
+
+    def _unwrap(self) -> None:
+        if self._wrapped is None:
+            return
+        strategy, originals = self._wrapped
+        for name in originals:
+            # The wrappers are instance attributes over the class's methods: removing them restores those.
+            strategy.__dict__.pop(name, None)
+        self._wrapped = None
+
+
+# -- checkpoints ----------------------------------------------------------------------------
+
+_MARKERS = ("__items__", "__dtype__", "__device__", "__pickle__")
+
+
+class TiedCheckpointIO(CheckpointIO):
+    """A Lightning ``CheckpointIO`` that writes tied safetensors instead of pickles.
+
+    ``Trainer(plugins=[TiedCheckpointIO()])``. The ``state_dict`` entry is stored one tensor
+    per tie group, with the tie plan (tensors of the state dict that share memory are ties);
+    optimizer states, loops, callbacks and hyperparameters are stored as tensors plus JSON.
+    Values JSON cannot hold (arbitrary objects in hyperparameters) raise `tiekit.CheckpointError`
+    unless ``allow_pickle=True``, which pickles just those values (and unpickles them on load:
+    only for files you trust). The file is a safetensors file whatever its name
+    (``epoch=0-step=10.ckpt``): ``tiekit.load_model(module, path)`` reads the weights, and
+    ``trainer.fit(ckpt_path=...)`` resumes from it. Not for the XLA strategies, which accept only
+    their own ``XLACheckpointIO``.
+    """
+
+    def __init__(self, *, allow_pickle: bool = False) -> None:
+        self.allow_pickle = allow_pickle
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        """Write ``checkpoint`` to ``path`` atomically (a crash leaves the previous file)."""
+        if storage_options is not None:
+            raise TypeError(
+                "TiedCheckpointIO does not support storage_options; got "
+                f"{storage_options!r}. Use a CheckpointIO that understands them."
+            )
+        state = checkpoint.get("state_dict", {})
+        if not isinstance(state, Mapping) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+            raise CheckpointError(f"{path}: the checkpoint's 'state_dict' must map names to tensors")
+        rest = {k: v for k, v in checkpoint.items() if k != "state_dict"}
+        extra = _to_storable(rest, "checkpoint", self.allow_pickle)
+        save_checkpoint(_target(path), model=_holder(state), extra=extra)
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Read a file written by `save_checkpoint` back into Lightning's checkpoint dict.
+
+        Tied names come back as the same tensor (views as views). ``map_location`` may be a
+        device or a device string; tensors are on the CPU otherwise.
+        """
+        from tiekit.inspection import inspect_file
+
+        target = _target(path)
+        report = inspect_file(target)
+        holder = _holder(_meta_state(report))
+        loaded = load_checkpoint(target, model=holder)
+        state: dict[str, Any] = dict(holder.state_dict())
+        rest = _from_storable(loaded["extra"], f"{target}", self.allow_pickle)
+        if not isinstance(rest, dict):
+            raise CheckpointError(f"{target}: not written by TiedCheckpointIO (no checkpoint entries)")
+        checkpoint = {"state_dict": state, **rest}
+        if map_location is not None:
+            if not isinstance(map_location, str | torch.device):
+                raise TypeError(f"TiedCheckpointIO: map_location must be a device or a string, not {map_location!r}")
+            checkpoint = cast(dict[str, Any], _map_tensors(checkpoint, torch.device(map_location)))
+        return checkpoint
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Delete the checkpoint file."""
+        target = _target(path)
+        if target.is_file():
+            target.unlink()
+
+
+def _target(path: Any) -> Path:
+    return Path(os.fspath(path))
+
+
+def _holder(tensors: Mapping[str, torch.Tensor]) -> nn.Module:
+    """A module holding ``tensors`` as buffers under their dotted names, so the tie machinery
+    (which works on modules) can plan, save and load a plain state dict."""
+    root = nn.Module()
+    for name, tensor in tensors.items():
+        *path, attr = name.split(".")
+        module = root
+        for part in path:
+            child = module._modules.get(part)
+            if child is None:
+                child = module._modules[part] = nn.Module()
+            module = child
+        module._buffers[attr] = tensor
+    return root
+
+
+def _meta_state(report: Any) -> dict[str, torch.Tensor]:
+    """Meta tensors for every name a file covers (stored ones and tied ones), with their shapes."""
+    meta: dict[str, torch.Tensor] = {}
+    for t in report.tensors:
+        meta[t.name] = torch.empty(t.shape, dtype=getattr(torch, t.dtype), device="meta")
+    if report.plan is not None:
+        for group in report.plan.groups:
+            for member in group.members[1:]:
+                shape = group.shape if member.view is None else member.view.size
+                meta[member.name] = torch.empty(shape, dtype=getattr(torch, group.dtype), device="meta")
+    return meta
+
+
+def _to_storable(value: Any, where: str, allow_pickle: bool) -> Any:
+    """``value`` in the forms tiekit's checkpoints store (tensors, numbers, strings, None, lists,
+    tuples, string-keyed dicts), with markers for other dict keys, dtypes, devices, pickles."""
+    if isinstance(value, torch.Tensor) or value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, tuple):
+        return tuple(_to_storable(v, f"{where}/{i}", allow_pickle) for i, v in enumerate(value))
+    if isinstance(value, list):
+        return [_to_storable(v, f"{where}/{i}", allow_pickle) for i, v in enumerate(value)]
+    if isinstance(value, torch.dtype):
+        return {"__dtype__": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.device):
+        return {"__device__": str(value)}
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value):
+            clash = sorted(set(_MARKERS) & set(value))
+            if clash:
+                raise CheckpointError(f"cannot store {where!r}: its dict keys {clash} are reserved by tiekit")
+            return {k: _to_storable(v, f"{where}/{k}", allow_pickle) for k, v in value.items()}
+        return {
+            "__items__": [
+                [_to_storable(k, f"{where}/<key {i}>", allow_pickle), _to_storable(v, f"{where}/{k}", allow_pickle)]
+                for i, (k, v) in enumerate(value.items())
+            ]
+        }
+    if allow_pickle:
+        data = pickle.dumps(value)
+        return {"__pickle__": torch.frombuffer(bytearray(data), dtype=torch.uint8)}
+    raise CheckpointError(
+        f"cannot store {where!r}: a {type(value).__name__}, which has no JSON form; store plain values, or "
+        "use TiedCheckpointIO(allow_pickle=True) to pickle such values"
+    )
+
+
+def _from_storable(value: Any, where: str, allow_pickle: bool) -> Any:
+    if isinstance(value, tuple):
+        return tuple(_from_storable(v, where, allow_pickle) for v in value)
+    if isinstance(value, list):
+        return [_from_storable(v, where, allow_pickle) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if set(value) == {"__items__"}:
+        pairs = value["__items__"]
+        return {_from_storable(k, where, allow_pickle): _from_storable(v, where, allow_pickle) for k, v in pairs}
+    if set(value) == {"__dtype__"}:
+        return getattr(torch, value["__dtype__"])
+    if set(value) == {"__device__"}:
+        return torch.device(value["__device__"])
+    if set(value) == {"__pickle__"}:
+        if not allow_pickle:
+            raise CheckpointError(
+                f"{where}: holds a pickled value; load it with TiedCheckpointIO(allow_pickle=True) only if you trust "
+                "the file"
+            )
+        return pickle.loads(value["__pickle__"].numpy().tobytes())  # only with allow_pickle, for trusted files
+    return {k: _from_storable(v, where, allow_pickle) for k, v in value.items()}
+
+
+def _map_tensors(value: Any, device: torch.device, moved: dict[int, torch.Tensor] | None = None) -> Any:
+    # One copy per tensor object, so names that share a tensor still share it on the device.
+    moved = {} if moved is None else moved
+    if isinstance(value, torch.Tensor):
+        if id(value) not in moved:
+            moved[id(value)] = value.to(device)
+        return moved[id(value)]
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, device, moved) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_map_tensors(v, device, moved) for v in value)
+    return value
