@@ -1,0 +1,109 @@
+"""tiekit.integrations.accelerate.prepare_tied with a real Accelerator: on the CPU, and on XLA:CPU."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from models import ViewBuffers, WeightSharingModule, gpt2
+
+import tiekit
+
+accelerate = pytest.importorskip("accelerate")
+from accelerate.state import AcceleratorState  # noqa: E402 - needs accelerate
+
+from tiekit.integrations.accelerate import prepare_tied  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator_state() -> Iterator[None]:
+    # An Accelerator is a process-wide singleton; each test makes its own (as accelerate's own tests do).
+    AcceleratorState._reset_state(True)
+    yield
+    AcceleratorState._reset_state(True)
+
+
+@pytest.fixture
+def cpu_accelerator(monkeypatch: pytest.MonkeyPatch) -> Iterator[accelerate.Accelerator]:
+    # accelerate picks XLA whenever torch_xla is installed, even with cpu=True. USE_TORCH_XLA=false
+    # turns that off, but it is read once, at import: set the flag it sets, and clear the cached answer.
+    from accelerate.utils import imports
+
+    monkeypatch.setattr(imports, "_torch_xla_available", False)
+    imports.is_torch_xla_available.cache_clear()
+    accelerator = accelerate.Accelerator(cpu=True)
+    assert accelerator.device == torch.device("cpu") and accelerator.distributed_type.name == "NO"
+    yield accelerator
+    monkeypatch.undo()
+    imports.is_torch_xla_available.cache_clear()
+
+
+def step(accelerator: accelerate.Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    device = accelerator.device
+    ids = torch.randint(0, 96, (2, 8), device=device)
+    loss = model(input_ids=ids, labels=ids).loss
+    accelerator.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_prepare_tied_on_cpu_keeps_ties_and_views_and_trains(cpu_accelerator: accelerate.Accelerator) -> None:
+    accelerator = cpu_accelerator
+    model = prepare_tied(accelerator, gpt2())
+    inner = accelerator.unwrap_model(model)
+    assert inner.lm_head.weight is inner.transformer.wte.weight and len(list(inner.parameters())) == 28
+    optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    before = inner.lm_head.weight.detach().clone()
+    step(accelerator, model, optimizer)
+    assert inner.lm_head.weight is inner.transformer.wte.weight
+    assert not torch.equal(inner.lm_head.weight, before)
+
+    views = prepare_tied(accelerator, ViewBuffers())
+    assert views.wt.data_ptr() == views.w.data_ptr() and views.wt.stride() == (1, 6)
+
+
+def test_prepare_tied_returns_what_prepare_returns_and_rebinds_an_early_optimizer(
+    cpu_accelerator: accelerate.Accelerator,
+) -> None:
+    accelerator = cpu_accelerator
+    model = WeightSharingModule()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(torch.randn(8, 32), batch_size=4)
+    prepared_model, prepared_optimizer, prepared_loader = prepare_tied(accelerator, model, optimizer, loader)
+    assert prepared_model.layer_1.weight is prepared_model.layer_3.weight
+    params = [p for g in prepared_optimizer.optimizer.param_groups for p in g["params"]]
+    assert params == list(prepared_model.parameters()) and len(params) == 2
+    assert len(list(prepared_loader)) == 2
+
+
+def test_prepare_tied_applies_declared_ties_and_refuses_bad_ones(cpu_accelerator: accelerate.Accelerator) -> None:
+    accelerator = cpu_accelerator
+    model = gpt2(tie_word_embeddings=False)
+    prepared = prepare_tied(accelerator, model, declared={"lm_head.weight": "transformer.wte.weight"})
+    assert prepared.lm_head.weight is prepared.transformer.wte.weight
+
+    with pytest.raises(tiekit.TieError, match=r"'lm_head\.missing'"):
+        prepare_tied(accelerator, gpt2(), declared={"lm_head.missing": "transformer.wte.weight"})
+
+
+@pytest.mark.xla
+def test_accelerate_prepare_on_xla_breaks_ties_and_prepare_tied_keeps_them() -> None:
+    accelerator = accelerate.Accelerator()
+    assert accelerator.distributed_type.name == "XLA" and accelerator.device.type == "xla"
+
+    plain = accelerator.prepare(WeightSharingModule())
+    assert plain.layer_1.weight is not plain.layer_3.weight and len(list(plain.parameters())) == 3
+
+    model = gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # built before the move, as people do
+    model, optimizer = prepare_tied(accelerator, model, optimizer)
+    assert model.transformer.wte.weight.device.type == "xla"
+    assert model.lm_head.weight is model.transformer.wte.weight and len(list(model.parameters())) == 28
+    before = model.lm_head.weight.detach().cpu()
+    step(accelerator, model, optimizer)
+    tiekit.devices.sync()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert not torch.equal(model.lm_head.weight.detach().cpu(), before)  # the optimizer stepped the tied weight
+    stepped = {id(p) for g in optimizer.optimizer.param_groups for p in g["params"]}
+    assert stepped == {id(p) for p in model.parameters()}

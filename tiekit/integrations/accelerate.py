@@ -1,0 +1,55 @@
+"""accelerate: ``prepare_tied`` is ``accelerator.prepare`` for models with tied weights.
+
+``accelerator.prepare(model)`` moves the model with ``model.to(accelerator.device)``; on an XLA
+device that gives every tied name its own copy (accelerate's TPU guide asks you to call
+``model.tie_weights()`` afterwards, which only transformers models have and which knows no
+buffers or views). ``prepare_tied`` moves the model itself first, keeping ties
+(`tiekit.move`), so that ``prepare``'s own move changes nothing and a DDP wrapper is built over
+the tied parameters; then it re-ties and verifies the unwrapped model once more. Optimizers
+passed along (built before the move) are re-bound to the moved parameters by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiekit.analyze import find_ties
+from tiekit.retie import OnError, move, rebind_optimizer, retie, verify
+
+__all__ = ["prepare_tied"]
+
+# Strategies that shard or place parameters themselves: accelerate does not call `.to` for them.
+_SELF_PLACING = {"FSDP", "DEEPSPEED", "MEGATRON_LM"}
+
+
+def prepare_tied(
+    accelerator: Any,
+    model: nn.Module,
+    *objects: Any,
+    declared: Mapping[str, str] | None = None,
+    on_error: OnError = "raise",
+) -> Any:
+    """``accelerator.prepare(model, *objects)``, with the model's ties kept and verified.
+
+    Returns what ``prepare`` returns: the prepared model alone, or a tuple with the prepared
+    ``objects`` in order. Call it before building the optimizer, or pass the optimizer in
+    ``objects``. ``declared`` adds ``{target: source}`` ties the model declares but does not
+    hold yet. A tie that cannot be restored raises `tiekit.TieError` (a `tiekit.TieWarning`
+    with ``on_error="warn"``).
+    """
+    plan = find_ties(model, declared=dict(declared) if declared else None)
+    if accelerator.device_placement and accelerator.distributed_type.name not in _SELF_PLACING:
+        names = {id(p): n for n, p in model.named_parameters()}
+        move(model, accelerator.device, plan=plan, on_error=on_error)
+        for optimizer in objects:
+            if isinstance(optimizer, torch.optim.Optimizer):
+                rebind_optimizer(optimizer, model, names)
+    prepared = accelerator.prepare(model, *objects)
+    inner = accelerator.unwrap_model(prepared[0] if objects else prepared, keep_torch_compile=False)
+    retie(inner, plan)
+    verify(inner, plan, on_error=on_error)
+    return prepared
