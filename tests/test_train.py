@@ -1,0 +1,252 @@
+"""tiekit.fit on the CPU, in this process: exact resume, samplers, precisions, logs, errors."""
+
+from __future__ import annotations
+
+import csv
+import functools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import gpt2
+from safetensors import safe_open
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, TensorDataset
+
+import tiekit
+from tiekit.train.data import make_loader
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
+CPU = {"devices": "cpu", "progress": False, "optimizer": ADAMW}
+
+
+class DropoutNet(nn.Module):
+    """Tied (``c.weight`` is ``a.weight``), with dropout: a resume must restore the RNG too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.drop = nn.Dropout(0.3)
+        self.b = nn.Linear(16, 8)
+        self.c = nn.Linear(8, 16)
+        self.c.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.a(x)) + 0.1 * self.c(x)
+        return F.mse_loss(self.b(self.drop(hidden)), y)
+
+
+class Recording(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """A dataset that remembers which indices were read, in order."""
+
+    def __init__(self, size: int) -> None:
+        generator = torch.Generator().manual_seed(1)
+        self.x = torch.randn(size, 8, generator=generator)
+        self.y = torch.randn(size, 8, generator=generator)
+        self.read: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.read.append(i)
+        return self.x[i], self.y[i]
+
+
+def data(size: int = 40) -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(size, 8, generator=generator), torch.randn(size, 8, generator=generator))
+
+
+def weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_continues_bit_identically(tmp_path: Path) -> None:
+    # 10 steps per epoch: stop mid-epoch at 7, resume to 23 (across two epoch boundaries).
+    kw: dict[str, Any] = {**CPU, "batch_size": 4, "seed": 1}
+    straight = tiekit.fit(DropoutNet, data(), max_steps=23, **kw)
+    first = tiekit.fit(DropoutNet, data(), max_steps=7, checkpoint_dir=tmp_path, checkpoint_every=5, **kw)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000005.safetensors", "step-00000007.safetensors"]
+    assert first.checkpoint == tmp_path / "step-00000007.safetensors"
+    resumed = tiekit.fit(DropoutNet, data(), max_steps=23, checkpoint_dir=tmp_path, resume="last", **kw)
+
+    assert (resumed.steps, resumed.epochs) == (23, 2)
+    assert resumed.losses == straight.losses[7:]
+    assert same(weights(resumed.model), weights(straight.model))
+    assert resumed.model.c.weight is resumed.model.a.weight
+
+    # The control: weights and optimizer state alone, without the saved data position and RNG
+    # states, do not continue the run.
+    naive = DropoutNet()
+    optimizer = ADAMW(naive.parameters())
+    tiekit.load_checkpoint(tmp_path / "step-00000007.safetensors", model=naive, optimizer=optimizer)
+    restarted = tiekit.fit(naive, data(), max_steps=16, **kw)
+    assert not same(weights(restarted.model), weights(straight.model))
+
+
+def test_checkpoints_are_tied_and_reload_into_a_fresh_model(tmp_path: Path) -> None:
+    result = tiekit.fit(DropoutNet, data(), max_steps=3, batch_size=4, checkpoint_dir=tmp_path, **CPU)
+    assert result.checkpoint == tmp_path / "step-00000003.safetensors"
+    with safe_open(str(result.checkpoint), "pt") as f:
+        keys = set(f.keys())
+    assert "a.weight" in keys and "c.weight" not in keys  # one tensor per tie group
+    fresh = DropoutNet()
+    fresh.c.weight = nn.Parameter(fresh.a.weight.detach().clone())  # arrives untied
+    record = tiekit.load_checkpoint(result.checkpoint, model=fresh)
+    assert fresh.c.weight is fresh.a.weight
+    assert same(weights(fresh), weights(result.model))
+    assert record["step"] == 3 and record["extra"]["epoch"] == 0 and record["extra"]["batches"] == 3
+
+
+def test_every_replica_gets_its_own_shard_and_a_new_order_each_epoch() -> None:
+    ds = data(40)
+    shards = [
+        make_loader(ds, batch_size=4, num_replicas=2, rank=r, shuffle=True, seed=5, drop_last=True, static_shapes=False)
+        for r in (0, 1)
+    ]
+    epoch_0 = [[int(i) for i in s.epoch(0).sampler] for s in shards]
+    assert sorted(epoch_0[0] + epoch_0[1]) == list(range(40))
+    reference = DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=5)
+    assert epoch_0[1] == list(reference)
+    epoch_1 = [int(i) for i in shards[1].epoch(1).sampler]
+    reference.set_epoch(1)
+    assert epoch_1 == list(reference) and epoch_1 != epoch_0[1]
+    # Resuming mid-epoch skips exactly the batches already seen.
+    assert [int(i) for i in shards[1].epoch(1, skip_batches=2).sampler] == epoch_1[8:]
+
+
+def test_fit_inserts_the_sampler_and_calls_set_epoch_every_epoch() -> None:
+    ds = Recording(12)
+    tiekit.fit(DropoutNet(), ds, epochs=3, batch_size=4, seed=7, **CPU)
+    expected = []
+    sampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=7)
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        expected += list(sampler)
+    assert ds.read == expected
+    assert ds.read[:12] != ds.read[12:24]  # reshuffled
+
+
+def test_a_distributed_sampler_you_give_is_kept() -> None:
+    ds = Recording(12)
+    loader = DataLoader(ds, batch_size=3, sampler=DistributedSampler(ds, num_replicas=2, rank=1, shuffle=False))
+    with pytest.warns(UserWarning, match="keeping the DistributedSampler you gave"):
+        result = tiekit.fit(DropoutNet(), loader, epochs=1, **CPU)
+    assert ds.read == [1, 3, 5, 7, 9, 11]  # rank 1 of 2, unshuffled, as given
+    assert result.steps == 2  # the loader's batch size
+
+
+def test_xla_static_shapes_pad_the_last_batch_instead_of_shortening_it() -> None:
+    ds = data(10)
+    kw: dict[str, Any] = {"batch_size": 4, "num_replicas": 1, "rank": 0, "shuffle": False, "seed": 0}
+    padded = make_loader(ds, drop_last=False, static_shapes=True, **kw)
+    plain = make_loader(ds, drop_last=False, static_shapes=False, **kw)
+    assert [len(x) for x, _ in padded.epoch(0)] == [4, 4, 4]
+    assert [len(x) for x, _ in plain.epoch(0)] == [4, 4, 2]
+    assert [int(i) for i in padded.epoch(0).sampler] == [*range(10), 0, 1]
+
+
+class DtypeProbe(nn.Module):
+    """Tied; records the weight dtype and the autocast state its forward ran with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer_1 = nn.Linear(8, 8)
+        self.layer_2 = nn.Linear(8, 8)
+        self.layer_2.weight = self.layer_1.weight
+        self.seen: list[tuple[torch.dtype, bool]] = []
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.seen.append((self.layer_1.weight.dtype, torch.is_autocast_enabled("cpu")))
+        out = self.layer_2(torch.relu(self.layer_1(x)))
+        return F.mse_loss(out.float(), y.float())
+
+
+@pytest.mark.parametrize(
+    ("precision", "seen"),
+    [
+        ("32-true", (torch.float32, False)),
+        ("bf16-true", (torch.bfloat16, False)),
+        ("bf16-mixed", (torch.float32, True)),
+    ],
+)
+def test_precisions_cast_or_autocast_and_keep_the_tie(precision: str, seen: tuple[torch.dtype, bool]) -> None:
+    model = DtypeProbe()
+    result = tiekit.fit(model, data(), max_steps=3, batch_size=8, precision=precision, **CPU)
+    assert set(model.seen) == {seen}
+    assert result.ties_kept and result.model is model
+    assert model.layer_2.weight is model.layer_1.weight
+    assert model.layer_1.weight.dtype == torch.float32  # handed back in its own dtype
+    assert all(torch.isfinite(torch.tensor(result.losses)))
+
+
+def test_a_hugging_face_model_that_returns_its_loss_trains_and_stays_tied() -> None:
+    torch.manual_seed(0)
+    ids = (torch.randint(0, 96, (48, 1)) + torch.arange(16)) % 96  # next token = this one + 1
+    rows = [{"input_ids": row, "labels": row} for row in ids]  # dict batches: model(**batch).loss
+    model = gpt2()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    result = tiekit.fit(model, rows, epochs=4, batch_size=8, **{**CPU, "optimizer": ADAMW})
+    assert result.steps == 24
+    assert sum(result.losses[-3:]) / 3 < 0.7 * result.losses[0]
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_metrics_csv_and_a_progress_bar(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    result = tiekit.fit(
+        DropoutNet(), data(), max_steps=7, batch_size=4, log_dir=tmp_path, log_every=3, **{**CPU, "progress": True}
+    )
+    with (tmp_path / "metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == list(range(1, 8))
+    assert [float(r["loss"]) for r in rows] == pytest.approx(result.losses, rel=1e-5)
+    err = capfd.readouterr().err
+    assert "7/7" in err and "loss=" in err
+
+
+class NotALoss(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))  # logits, not a loss
+
+
+class Stream(IterableDataset[torch.Tensor]):
+    def __iter__(self) -> Any:
+        return iter([torch.zeros(8)])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"strategy": "tpu-magic"}, "unknown strategy 'tpu-magic'"),
+        ({"precision": "fp8"}, "unknown precision 'fp8'"),
+        ({"batch_size": 0}, "batch_size must be a positive integer"),
+        ({"checkpoint_every": 5}, "checkpoint_every needs checkpoint_dir"),
+        ({"resume": "/nonexistent/step-00000001.safetensors"}, "resume: no checkpoint at /nonexistent"),
+        ({"optimizer": torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)}, "optimizer must be a factory"),
+        ({}, "NotALoss.forward returned a tensor of shape (4, 8), not a scalar loss"),
+        ({"train_data": Stream()}, "train_data: an IterableDataset cannot be split"),
+        ({"train_data": [1, 2, 3], "batch_size": 4}, "fewer than one batch of 4"),
+    ],
+)
+def test_bad_input_is_a_clear_tiekit_error_and_the_model_is_untouched(kwargs: dict[str, Any], message: str) -> None:
+    model = NotALoss()
+    before = weights(model)
+    train_data = kwargs.pop("train_data", data())
+    with pytest.raises(tiekit.TiekitError) as info:
+        tiekit.fit(model, train_data, batch_size=kwargs.pop("batch_size", 4), **{**CPU, **kwargs})
+    assert message in str(info.value)
+    assert same(weights(model), before)
+    assert model.b.weight is model.a.weight

@@ -1,0 +1,178 @@
+"""tiekit.fit on XLA:CPU: one device in this process; 2 ("xla") and 4 ("spmd") devices in subprocesses."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import WeightSharingModule
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import tiekit
+from tiekit.train import PerformanceWarning
+
+pytestmark = pytest.mark.xla
+
+ROOT = Path(__file__).resolve().parents[1]
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
+
+
+def data(size: int = 64) -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(size, 32, generator=generator), torch.randn(size, 10, generator=generator))
+
+
+def run_script(code: str, devices: int) -> dict[str, Any]:
+    """Run ``code`` in a fresh process with ``devices`` XLA:CPU devices; the JSON it prints last."""
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices)}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def test_one_xla_device_keeps_the_tie_a_plain_move_breaks(xla_device: torch.device) -> None:
+    torch.manual_seed(0)  # as the factory below is built (seed=0)
+    model = WeightSharingModule()
+    plain = copy.deepcopy(model).to(xla_device)
+    assert plain.layer_3.weight is not plain.layer_1.weight and len(list(plain.parameters())) == 3
+
+    kw: dict[str, Any] = {"loss_fn": F.mse_loss, "optimizer": ADAMW, "epochs": 2, "batch_size": 8, "progress": False}
+    result = tiekit.fit(model, data(), **kw)
+    reference = tiekit.fit(WeightSharingModule, data(), devices="cpu", **kw)
+    assert (result.strategy, result.device_type, result.world_size, result.steps) == ("xla", "xla", 1, 16)
+    assert result.ties_kept and result.model is model and model.layer_3.weight is model.layer_1.weight
+    assert model.layer_1.weight.device.type == "cpu"
+    assert result.compilations is not None and result.compilations <= 3  # AdamW's first steps, then one graph
+    assert result.xla_report is not None and "compilation(s)" in result.xla_report
+    for name, expected in reference.model.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], expected, rtol=1e-5, atol=1e-6)
+
+
+class DtypeProbe(nn.Module):
+    """Tied; records the weight dtype and whether XLA autocast was on in its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer_1 = nn.Linear(32, 32)
+        self.layer_2 = nn.Linear(32, 32)
+        self.layer_2.weight = self.layer_1.weight
+        self.head = nn.Linear(32, 10)
+        self.seen: set[tuple[torch.dtype, bool]] = set()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.add((self.layer_1.weight.dtype, torch.is_autocast_enabled("xla")))
+        return self.head(self.layer_2(torch.relu(self.layer_1(x)))).float()
+
+
+def test_bf16_on_xla_and_the_16_bit_note(xla_device: torch.device) -> None:
+    kw: dict[str, Any] = {"loss_fn": F.mse_loss, "max_steps": 3, "batch_size": 8, "progress": False}
+    mixed = DtypeProbe()
+    tiekit.fit(mixed, data(), precision="bf16-mixed", **kw)
+    assert mixed.seen == {(torch.float32, True)}
+    half = DtypeProbe()
+    with pytest.warns(UserWarning, match=r'"16-true" on XLA trains in bfloat16'):
+        result = tiekit.fit(half, data(), precision="16-true", **kw)
+    assert half.seen == {(torch.bfloat16, False)}
+    assert result.precision == "bf16-true" and result.ties_kept
+    assert half.layer_2.weight is half.layer_1.weight and half.layer_1.weight.dtype == torch.float32
+
+
+class Ragged:
+    """Collate that cuts every batch to a different number of rows: a new shape each step."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, batch: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        self.calls += 1
+        rows = 1 + self.calls % len(batch)
+        return torch.stack([x for x, _ in batch[:rows]]), torch.stack([y for _, y in batch[:rows]])
+
+
+def test_advice_on_recompilations_and_host_transfers(xla_device: torch.device) -> None:
+    kw: dict[str, Any] = {"optimizer": ADAMW, "max_steps": 12, "progress": False, "log_every": 4}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PerformanceWarning)  # a clean run gives no advice
+        tiekit.fit(WeightSharingModule(), data(), loss_fn=F.mse_loss, batch_size=8, **kw)
+
+    shapes = DataLoader(data(), batch_size=8, collate_fn=Ragged())
+    with pytest.warns(PerformanceWarning, match=r"XLA compiled \d+ new graph\(s\) after the first 3 steps"):
+        tiekit.fit(nn.Sequential(nn.Linear(32, 10)), shapes, loss_fn=lambda out, y: F.mse_loss(out, y), **kw)
+
+    def chatty_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(out, y)
+        if loss.item() > 1e9:  # a host transfer inside the step
+            raise AssertionError("unreachable")
+        return loss
+
+    with pytest.warns(PerformanceWarning, match=r"device-to-host transfer\(s\)"):
+        tiekit.fit(WeightSharingModule(), data(), loss_fn=chatty_loss, batch_size=8, **kw)
+
+
+XLA_JOB = """
+import copy, functools, json, torch, torch.nn.functional as F
+import tiekit
+from examples.weight_sharing import WeightSharingModule, dataset
+
+opt = functools.partial(torch.optim.AdamW, lr=1e-2)
+kw = dict(loss_fn=F.mse_loss, optimizer=opt, epochs=2, seed=3, progress=False)
+torch.manual_seed(3)
+model = WeightSharingModule()
+run = tiekit.fit(model, dataset(128), strategy="xla", batch_size=8, **kw)
+one = tiekit.fit(WeightSharingModule, dataset(128), strategy="single", devices="xla", batch_size=16, **kw)
+plain = copy.deepcopy(model).to(tiekit.devices.resolve_device("xla"))
+diff = max((a - b).abs().max().item() for a, b in zip(run.model.state_dict().values(), one.model.state_dict().values()))
+print(json.dumps(dict(
+    strategy=run.strategy, world=run.world_size, steps=run.steps, one_steps=one.steps, one_world=one.world_size,
+    digests=run.replica_digests, ties_kept=run.ties_kept, tied=model.layer_3.weight is model.layer_1.weight,
+    compilations=run.compilations, max_diff=diff, losses=run.losses,
+    plain_params=len(list(plain.parameters())), plain_tied=plain.layer_3.weight is plain.layer_1.weight,
+)))
+"""
+
+
+def test_xla_strategy_on_two_devices_matches_one_device_with_the_global_batch() -> None:
+    out = run_script(XLA_JOB, devices=2)
+    assert (out["strategy"], out["world"], out["steps"]) == ("xla", 2, 16)
+    assert (out["one_world"], out["one_steps"]) == (1, 16)
+    assert len(out["digests"]) == 2 and len(set(out["digests"])) == 1  # replicas bit-identical
+    assert out["ties_kept"] and out["tied"]
+    assert (out["plain_params"], out["plain_tied"]) == (3, False)  # without tiekit the tie breaks
+    assert out["compilations"] <= 3  # every graph compiled once, by one replica
+    assert out["max_diff"] < 1e-5
+    assert out["losses"][-1] < 0.8 * out["losses"][0]
+
+
+SPMD_JOB = """
+import functools, json, torch, torch.nn.functional as F
+import tiekit
+from models import WeightSharingModule
+from examples.weight_sharing import dataset
+
+opt = functools.partial(torch.optim.AdamW, lr=1e-2)
+kw = dict(loss_fn=F.mse_loss, optimizer=opt, epochs=2, seed=3, progress=False)
+run = tiekit.fit(WeightSharingModule, dataset(128), strategy="spmd", batch_size=4, **kw)  # SPMD first: it must
+cpu = tiekit.fit(WeightSharingModule, dataset(128), devices="cpu", batch_size=16, **kw)   # own the runtime
+diff = max((a - b).abs().max().item() for a, b in zip(run.model.state_dict().values(), cpu.model.state_dict().values()))
+print(json.dumps(dict(strategy=run.strategy, world=run.world_size, steps=run.steps, cpu_steps=cpu.steps,
+    ties_kept=run.ties_kept, tied=run.model.layer_3.weight is run.model.layer_1.weight, max_diff=diff)))
+"""
+
+
+def test_spmd_on_four_devices_matches_the_cpu_with_the_global_batch() -> None:
+    out = run_script(SPMD_JOB, devices=4)
+    assert (out["strategy"], out["world"], out["steps"], out["cpu_steps"]) == ("spmd", 4, 16, 16)
+    assert out["ties_kept"] and out["tied"]
+    assert out["max_diff"] < 1e-5
