@@ -170,6 +170,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print("tiekit: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`tiekit inspect ... | head`): stop quietly, as other tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except Exception as exc:  # one line and a hint, whatever failed; --debug shows the traceback
         if args.debug:
             raise

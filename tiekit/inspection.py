@@ -160,10 +160,9 @@ class FileReport:
             lines.append("  tie groups (stored once, under the source name):")
             lines.extend("  " + line for line in _group_table(self.plan.groups))
         elif self.plan_origin == "none":
+            lines.append("  storage sharing is not visible in a file: every stored tensor has its own bytes;")
             lines.append(
-                "  the header alone cannot tell which tensors shared storage in memory: a file stores "
-                "every tensor separately; `--check-values` finds byte-identical tensors, "
-                "`tiekit inspect module:factory` shows the model's own ties"
+                "  --check-values finds byte-identical tensors, `tiekit inspect module:factory` the model's ties"
             )
         if self.identical is not None:
             if self.identical:
