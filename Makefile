@@ -10,7 +10,7 @@ LATEST_TORCH := torch==2.13.0
 # pytest exits 5 when it collected no test: a run that tests nothing must not pass.
 PYTEST_STATUS = rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
-.PHONY: demo test test-xla-stack test-latest lint clean
+.PHONY: demo test test-xla-stack test-latest lint docs clean
 
 $(VENV)/.stamp: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -40,7 +40,12 @@ test-latest: $(LATEST)/.stamp
 	$(LATEST)/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch_xla') is not None)"
 	$(LATEST)/bin/pytest -q -p no:cacheprovider -m "not xla"; $(PYTEST_STATUS)
 
-test: lint test-xla-stack test-latest
+# The documentation site (mkdocs.yml), warnings as errors: a broken link, a missing page or a
+# docstring mkdocstrings cannot render fails. Its code blocks run in tests/test_docs.py.
+docs: $(VENV)/.stamp
+	$(VENV)/bin/mkdocs build --strict --quiet
+
+test: lint docs test-xla-stack test-latest
 
 clean:
 	rm -rf $(VENV) $(LATEST)
