@@ -136,6 +136,12 @@ def test_inspect_plain_file_says_no_plan_and_finds_a_tie_stored_twice(
     # Constant tensors (zero biases, LayerNorm ones) are equal by construction and left out.
     assert report["identical"] == [["lm_head.weight", "transformer.wte.weight"]]
 
+    # A Hugging Face folder: save_pretrained drops the declared duplicate and records nothing.
+    model.save_pretrained(tmp_path / "hf")
+    report = json.loads(run(capsys, "inspect", str(tmp_path / "hf"), "--json")[1])
+    assert report["path"] == str(tmp_path / "hf" / "model.safetensors")
+    assert (report["plan_origin"], report["stored_tensors"], report["names"]) == ("none", 28, 28)
+
 
 def test_inspect_lists_what_safetensors_save_model_dropped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "st.safetensors"

@@ -166,6 +166,8 @@ def runnable(block: Block) -> bool:
 def run_page(page: Path, workdir: Path) -> subprocess.CompletedProcess[str]:
     name = page.relative_to(ROOT).as_posix() if page.is_relative_to(ROOT) else page.name
     todo = [asdict(b) for b in blocks(page) if runnable(b)]
+    if not todo:
+        return subprocess.CompletedProcess([], 0, f"{name}: nothing to run\n", "")
     env = {
         **os.environ,
         "PJRT_DEVICE": "CPU",
