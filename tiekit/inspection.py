@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import math
 import os
 import re
 import sys
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiekit.analyze import count_parameters, find_ties
+from tiekit.analyze import _dtype_name, count_parameters, find_ties
 from tiekit.checkpoint import PLAN_KEY, SAVE_ID_KEY, STATE_KEY, _declared_ties, _open_source, load_model
 from tiekit.errors import CheckpointError, TieError, TiekitError
 from tiekit.plan import TieGroup, TiePlan
@@ -541,19 +542,8 @@ def _tied_bytes(groups: tuple[TieGroup, ...]) -> int:
     for group in groups:
         itemsize = getattr(torch, group.dtype).itemsize
         for member in group.members[1:]:
-            total += _numel(group.shape if member.view is None else member.view.size) * itemsize
+            total += math.prod(group.shape if member.view is None else member.view.size) * itemsize
     return total
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _size(n: int) -> str:
