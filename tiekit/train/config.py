@@ -72,6 +72,11 @@ class FitConfig:
             raise TiekitError(f"devices must be 'auto', a number of devices or a device string, not {self.devices!r}")
         if isinstance(self.devices, int) and self.devices < 1:
             raise TiekitError(f"devices must be at least 1, not {self.devices}")
+        if isinstance(self.devices, str) and self.devices != "auto":
+            try:
+                torch.device(self.devices)
+            except RuntimeError as exc:
+                raise TiekitError(f"devices={self.devices!r} is neither 'auto' nor a device: {exc}") from exc
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
             raise TiekitError("checkpoint_every needs checkpoint_dir: where should the checkpoints go?")
         if self.resume == "last" and self.checkpoint_dir is None:

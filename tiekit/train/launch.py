@@ -105,10 +105,7 @@ def _xla(job: Job, requested: int | str) -> tuple[list[Outcome], nn.Module]:
             "cannot start one replica per device any more. Call tiekit.fit before using any XLA device, "
             "call it inside your own torch_xla.launch function, or pass devices=1."
         )
-    hint = devices.xla_device_count_hint()
-    if count is not None and hint is None and count != 1:
-        raise TiekitError(f"on this XLA runtime devices must be 'auto' (every device) or 1, not {count}")
-    if (count or hint) == 1:
+    if (count or devices.xla_device_count_hint()) == 1:
         return _here(job, XlaBackend(job.run_id))
     with tempfile.TemporaryDirectory(prefix="tiekit-fit-") as folder:
         spawned = dataclasses.replace(job, result_dir=Path(folder))
@@ -118,6 +115,9 @@ def _xla(job: Job, requested: int | str) -> tuple[list[Outcome], nn.Module]:
 
 def _xla_entry(ordinal: int, job: Job) -> None:
     backend = XlaBackend(job.run_id)
+    wanted = job.config.devices
+    if isinstance(wanted, int) and wanted != backend.replica_count:  # a TPU launches on every core
+        raise TiekitError(f"devices={wanted}, but torch_xla.launch started {backend.replica_count} replicas")
     outcome, model = run_replica(job, backend)
     _report(job, outcome, model)
 

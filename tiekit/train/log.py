@@ -52,6 +52,7 @@ class TrainLog:
         self._pending: list[tuple[int, int, torch.Tensor]] = []
         self._start_step = start_step
         self._timed_from: tuple[int, float] | None = None
+        self._ended: float | None = None
         self._last_time = time.perf_counter()
         self._compiles_after_warmup: int | None = None
         self._warned: set[str] = set()
@@ -149,11 +150,17 @@ class TrainLog:
         if self._timed_from is None:
             return 0.0
         step = self._start_step + len(self.losses) + len(self._pending)
-        seconds = time.perf_counter() - self._timed_from[1]
+        seconds = (self._ended or time.perf_counter()) - self._timed_from[1]
         return (step - self._timed_from[0]) * self.samples_per_step / seconds if seconds > 0 else 0.0
 
-    def close(self) -> None:
+    def stop_clock(self) -> None:
+        """Flush (fetching the last loss waits for the last step) and stop the throughput clock."""
         self.flush()
+        if self._ended is None:
+            self._ended = time.perf_counter()
+
+    def close(self) -> None:
+        self.stop_clock()
         if self._bar is not None:
             self._bar.close()
         if self._csv is not None:

@@ -151,14 +151,14 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
                     saved_at = step
                 if cfg.max_steps is not None and step >= cfg.max_steps:
                     break
-            else:
+            else:  # the epoch ran to its end: validate, next epoch
                 if val is not None:
                     with log.outside_steps():
                         log.validation(step, epoch, _validate(model, val, backend, precision, cfg.loss_fn))
                 epoch, skip, done = epoch + 1, 0, 0
                 continue
-            break
-        log.flush()
+            break  # max_steps reached inside the epoch
+        log.stop_clock()
         if cfg.checkpoint_dir is not None and saved_at != step:
             with log.outside_steps():
                 _save(job, model, optimizer, state.Position(epoch, done, step), backend)
