@@ -271,10 +271,16 @@ class _CompileGate:
         self._marks = (0, 0)
         self._leader_done = False
         self._joined: dict[int, int] = {}
+        self._failure = ""
 
     def sync(self, ordinal: int) -> None:
         torch_xla = xla()
-        self._barrier.wait()  # every replica has traced its step and nobody is syncing
+        try:
+            self._barrier.wait()  # every replica has traced its step and nobody is syncing
+        except threading.BrokenBarrierError:
+            from tiekit.errors import TiekitError
+
+            raise TiekitError(f"replica {ordinal} stopped because another replica failed: {self._failure}") from None
         if ordinal == 0:
             with self._cond:
                 self._round += 1
@@ -302,7 +308,8 @@ class _CompileGate:
             time.sleep(0.0002)
         torch_xla.sync()
 
-    def abort(self) -> None:
+    def abort(self, reason: str) -> None:
+        self._failure = self._failure or reason
         self._barrier.abort()
         with self._cond:
             self._leader_done = True
@@ -337,12 +344,12 @@ def xla_step_sync(key: str) -> Callable[[], None]:
     return lambda: gate.sync(ordinal)
 
 
-def xla_abort_step_sync(key: str) -> None:
-    """Release the replicas of run ``key`` waiting in its compile gate (one of them failed)."""
+def xla_abort_step_sync(key: str, reason: str) -> None:
+    """Release the replicas of run ``key`` waiting in its compile gate: one of them failed."""
     with _gates_lock:
         gate = _gates.get(key)
     if gate is not None:
-        gate.abort()
+        gate.abort(reason)
 
 
 def xla_loader(loader: Iterable[Any], device: torch.device, input_sharding: Any = None) -> Iterable[Any]:

@@ -86,7 +86,7 @@ def run_replica(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
     try:
         return _run(job, backend)
     except RuntimeError as exc:
-        backend.abort()
+        backend.abort(f"{type(exc).__name__}: {exc}")
         if "device_ready_queues_" in str(exc):
             raise TiekitError(
                 "this process ran a backward pass before the XLA runtime started, and torch's autograd "
@@ -94,8 +94,8 @@ def run_replica(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
                 "before any training on CPU, or run tiekit.fit in a fresh process."
             ) from exc
         raise
-    except BaseException:
-        backend.abort()
+    except BaseException as exc:
+        backend.abort(f"{type(exc).__name__}: {exc}")
         raise
 
 

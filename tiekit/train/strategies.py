@@ -56,8 +56,8 @@ class Backend:
         """``t`` summed over the data-parallel replicas (identity with one)."""
         return t
 
-    def abort(self) -> None:
-        """This replica failed: release peers that would otherwise wait for it forever."""
+    def abort(self, reason: str) -> None:
+        """This replica failed (``reason``): release peers that would otherwise wait for it forever."""
 
 
 class TorchBackend(Backend):
@@ -131,8 +131,8 @@ class XlaBackend(Backend):
         self._sync()
         return t
 
-    def abort(self) -> None:
-        devices.xla_abort_step_sync(self.run_id)
+    def abort(self, reason: str) -> None:
+        devices.xla_abort_step_sync(self.run_id, f"replica {self.replica_rank}: {reason}")
 
 
 def _to(value: Any, device: torch.device, non_blocking: bool) -> Any:
