@@ -20,7 +20,6 @@ from torch import nn
 from tiekit import devices
 from tiekit.analyze import find_ties
 from tiekit.errors import TiekitError
-from tiekit.plan import TiePlan
 from tiekit.retie import move, verify
 from tiekit.train import state
 from tiekit.train.config import Job, LossFn, Outcome
@@ -274,8 +273,3 @@ def _digest(model: nn.Module) -> str:
         sha.update(name.encode())
         sha.update(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return sha.hexdigest()
-
-
-def describe_plan(plan: TiePlan) -> str:
-    """One line per tie group: ``source <- member, member``."""
-    return "\n".join(f"{g.source} <- {', '.join(g.names[1:])}" for g in plan.groups) or "(no ties)"
