@@ -430,6 +430,18 @@ class XlaCounters:
     host_transfers: int
     fallback_ops: tuple[str, ...]
 
+    def since(self, start: XlaCounters) -> XlaCounters:
+        """What happened after ``start`` was read: the counters are process-wide, and a
+        process may have compiled other graphs before this run."""
+        return XlaCounters(
+            self.compilations - start.compilations,
+            self.compile_seconds - start.compile_seconds,
+            self.executions - start.executions,
+            self.execute_seconds - start.execute_seconds,
+            self.host_transfers - start.host_transfers,
+            tuple(op for op in self.fallback_ops if op not in start.fallback_ops),
+        )
+
     def report(self) -> str:
         """A short human-readable summary."""
         fallbacks = ", ".join(self.fallback_ops) if self.fallback_ops else "none"

@@ -106,6 +106,7 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
     was_training = model.training
     plan = find_ties(model)  # before the move: what must still be one tensor on the device
     move(model, backend.device, dtype=precision.param_dtype, plan=plan)
+    counters_at_start = devices.xla_counters() if backend.device.type == "xla" else None
     if backend.device.type == "xla":
         devices.xla_set_rng_state(cfg.seed + backend.replica_rank)
     optimizer = cfg.optimizer(model.parameters())
@@ -165,7 +166,7 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
         log.close()
     if backend.device.type == "xla":
         devices.xla_wait()
-    counters = devices.xla_counters() if backend.device.type == "xla" else None
+    counters = None if counters_at_start is None else devices.xla_counters().since(counters_at_start)
     ties_kept = verify(model, plan, on_error="warn").ok
     digest = _digest(model)
     move(model, "cpu", dtype=original_dtype if precision.param_dtype is not None else None, plan=plan)
