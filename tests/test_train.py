@@ -231,6 +231,7 @@ class Stream(IterableDataset[torch.Tensor]):
     ("kwargs", "message"),
     [
         ({"strategy": "tpu-magic"}, "unknown strategy 'tpu-magic'"),
+        ({"devices": "gpu0"}, "devices='gpu0' is neither 'auto' nor a device"),
         ({"precision": "fp8"}, "unknown precision 'fp8'"),
         ({"batch_size": 0}, "batch_size must be a positive integer"),
         ({"checkpoint_every": 5}, "checkpoint_every needs checkpoint_dir"),
