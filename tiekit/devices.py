@@ -205,6 +205,12 @@ def xla_replica() -> tuple[int, int] | None:
     return None if replicas is None else (replicas[0], replicas[1])
 
 
+def xla_local_ordinal() -> int:
+    """This replica's index among the XLA replicas of its host."""
+    xr = _xla_module("torch_xla.runtime")
+    return int(xr.local_ordinal())
+
+
 def xla_device_count_hint() -> int | None:
     """XLA devices a launch would use, read from the environment without starting the runtime:
     ``CPU_NUM_DEVICES`` on XLA:CPU; None where only the runtime knows (TPU)."""

@@ -9,8 +9,8 @@
   spawned here, or this process when ``torchrun`` started it.
 
 Spawned replicas report through files in a private folder: each writes its `Outcome` as JSON,
-and the master writes the trained weights with `tiekit.save_model`, which the caller's model
-then loads (ties included).
+and one replica per host writes the trained weights, which the caller's model then loads with
+`tiekit.load_model` (ties included).
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch as safetensors_torch
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from tiekit import devices
-from tiekit.checkpoint import load_model, save_model
+from tiekit.checkpoint import load_model
 from tiekit.errors import TiekitError
 from tiekit.train.config import Job, Outcome
 from tiekit.train.loop import run_replica
@@ -119,7 +120,7 @@ def _xla_entry(ordinal: int, job: Job) -> None:
     if isinstance(wanted, int) and wanted != backend.replica_count:  # a TPU launches on every core
         raise TiekitError(f"devices={wanted}, but torch_xla.launch started {backend.replica_count} replicas")
     outcome, model = run_replica(job, backend)
-    _report(job, outcome, model)
+    _report(job, outcome, model, host_leader=devices.xla_local_ordinal() == 0)
 
 
 # -- "ddp" ----------------------------------------------------------------------------------------
@@ -145,7 +146,7 @@ def _ddp_entry(rank: int, job: Job, world: int, port: int) -> None:
     backend = _ddp_backend(rank, world, port)
     try:
         outcome, model = run_replica(job, backend)
-        _report(job, outcome, model)
+        _report(job, outcome, model, host_leader=rank == 0)  # spawned here: all on this host
     finally:
         dist.destroy_process_group()
 
@@ -173,9 +174,13 @@ def _free_port() -> int:
 # -- results of spawned replicas --------------------------------------------------------------------
 
 
-def _report(job: Job, outcome: Outcome, model: nn.Module) -> None:
+def _report(job: Job, outcome: Outcome, model: nn.Module, host_leader: bool) -> None:
     assert job.result_dir is not None
-    save_model(model, job.result_dir / "model.safetensors")  # every replica calls it; the master writes
+    if host_leader:
+        # The replicas are identical; one per host writes, because on a pod slice every host's
+        # caller collects from its own folder. safetensors' save_model stores a tie once and
+        # records it; tiekit.load_model reads that record.
+        safetensors_torch.save_model(model, str(job.result_dir / "model.safetensors"))
     text = json.dumps(dataclasses.asdict(outcome))
     (job.result_dir / f"outcome-{outcome.rank}.json").write_text(text, encoding="utf-8")
 
