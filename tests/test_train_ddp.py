@@ -34,3 +34,17 @@ def test_two_gloo_processes_match_one_process_with_the_global_batch(capfd: pytes
     for name in expected:
         torch.testing.assert_close(trained[name], expected[name], rtol=1e-5, atol=1e-6)
     assert bars == 1  # one progress bar: the master's
+
+
+def test_what_spawned_processes_cannot_unpickle_is_a_clear_error() -> None:
+    data = TensorDataset(torch.randn(16, 32), torch.randn(16, 10))
+    with pytest.raises(tiekit.TiekitError, match=r"strategy='ddp' starts new processes.*no lambdas or local functions"):
+        tiekit.fit(
+            WeightSharingModule,
+            data,
+            loss_fn=lambda out, target: F.mse_loss(out, target),
+            strategy="ddp",
+            devices=2,
+            batch_size=4,
+            progress=False,
+        )

@@ -18,8 +18,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import socket
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +113,8 @@ def _xla(job: Job, requested: int | str) -> tuple[list[Outcome], nn.Module]:
         return _here(job, XlaBackend(job.run_id))
     with tempfile.TemporaryDirectory(prefix="tiekit-fit-") as folder:
         spawned = dataclasses.replace(job, result_dir=Path(folder))
-        devices.xla_launch(_xla_entry, (spawned,), count)
+        with _picklable(job.strategy):
+            devices.xla_launch(_xla_entry, (spawned,), count)
         return _collect(spawned)
 
 
@@ -138,7 +142,8 @@ def _ddp(job: Job, requested: int | str) -> tuple[list[Outcome], nn.Module]:
 
     with tempfile.TemporaryDirectory(prefix="tiekit-fit-") as folder:
         spawned = dataclasses.replace(job, result_dir=Path(folder))
-        start_processes(_ddp_entry, args=(spawned, world, _free_port()), nprocs=world, start_method="spawn")
+        with _picklable(job.strategy):
+            start_processes(_ddp_entry, args=(spawned, world, _free_port()), nprocs=world, start_method="spawn")
         return _collect(spawned)
 
 
@@ -169,6 +174,21 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextmanager
+def _picklable(strategy: str) -> Iterator[None]:
+    try:
+        yield
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        if "pickle" not in str(exc):
+            raise
+        raise TiekitError(
+            f"strategy={strategy!r} starts new processes, which receive the model (or its factory), the data, "
+            f"loss_fn and the optimizer factory by pickling, and this failed: {exc}. Define them at the top "
+            "level of an importable file (no lambdas or local functions), and call fit under "
+            "if __name__ == '__main__':"
+        ) from exc
 
 
 # -- results of spawned replicas --------------------------------------------------------------------
