@@ -17,7 +17,11 @@ plan is made *before* a move.
 from __future__ import annotations
 
 import hashlib
+import itertools
+import operator
+import sys
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,23 +54,25 @@ def find_ties(
     tensors with bit-identical values, the trace a move leaves when it broke a tie.
     ``declared`` adds ties the model declares as ``{target: source}`` names.
     """
-    try:
-        first, extra, total_params, shared = _collect(model, buffers)
-    except RecursionError as exc:
-        raise TieError(
-            f"cannot walk {type(model).__name__}: its module graph has a cycle or is deeper than "
-            "Python's recursion limit"
-        ) from exc
+    walk = _collect(model, buffers)
+    distinct, extra = walk.identities()
+    shared = _shared_storages(walk.tensors, distinct)
+    first = walk.slots(set(extra).union(*shared))
     groups = _identity_and_storage_groups(first, extra, shared)
-    unique_params = _count_unique_params(first, extra)
+    unique_params = walk.unique_parameters(extra)
     if declared:
         groups, unique_params = _merge_declared(model, groups, declared, unique_params, buffers)
     groups.sort(key=lambda pair: pair[0])
     tie_groups = [g for _, g in groups]
     suspected: tuple[tuple[str, ...], ...] = ()
     if check_values:
-        suspected = _suspected_broken_ties(first, {n for g in tie_groups for n in g.names[1:]})
-    plan = TiePlan(groups=tuple(tie_groups), unique_count=unique_params, total_count=total_params, suspected=suspected)
+        suspected = _suspected_broken_ties(walk.slots(set(distinct)), {n for g in tie_groups for n in g.names[1:]})
+    plan = TiePlan(
+        groups=tuple(tie_groups),
+        unique_count=unique_params,
+        total_count=walk.kinds.count("parameter"),
+        suspected=suspected,
+    )
     if trace:
         from tiekit.trace import trace_uses
 
@@ -74,52 +80,105 @@ def find_ties(
     return plan
 
 
-def _collect(
-    model: nn.Module, buffers: bool
-) -> tuple[dict[int, _Slot], dict[int, list[tuple[str, MemberKind]]], int, list[list[int]]]:
-    # One pass in registration order. `first` keeps every distinct tensor once (dicts keep
-    # insertion order, which makes group order the same in every process); `extra` only the
-    # repeated names, so the common untied case allocates nothing per name.
-    first: dict[int, _Slot] = {}
-    extra: dict[int, list[tuple[str, MemberKind]]] = {}
-    total_params = 0
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        dot = prefix + "." if prefix else ""
+@dataclass
+class _Walk:
+    """Every (name, tensor) of a model in registration order, as parallel lists.
+
+    Identity is settled afterwards by sorting ids (`identities`), not by a dict looked up per
+    name: tensors are allocated in about the order they are registered, so the ids come nearly
+    sorted and timsort reads them in one sequential sweep, where a hash table of 100,000 ids
+    misses the cache on every probe and makes the walk grow faster than the model. Full names
+    are joined only for the few tensors that end up in a group.
+    """
+
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    prefixes: list[str] = field(default_factory=list)
+    attrs: list[str] = field(default_factory=list)
+    kinds: list[MemberKind] = field(default_factory=list)
+
+    def name(self, i: int) -> str:
+        return self.prefixes[i] + self.attrs[i]
+
+    def identities(self) -> tuple[list[int], dict[int, list[tuple[str, MemberKind]]]]:
+        """Positions of the first name of every distinct tensor, and, keyed by that position,
+        the other (name, kind) pairs of each tensor met under several names."""
+        ids = list(map(id, self.tensors))
+        ordered = sorted(ids)
+        repeated = set(itertools.compress(ordered, map(operator.eq, ordered, itertools.islice(ordered, 1, None))))
+        if not repeated:  # the common case for all but a handful of tensors
+            return list(range(len(ids))), {}
+        first_at: dict[int, int] = {}
+        extra: dict[int, list[tuple[str, MemberKind]]] = {}
+        keep = [True] * len(ids)
+        for i in itertools.compress(range(len(ids)), map(repeated.__contains__, ids)):
+            first = first_at.setdefault(ids[i], i)
+            if first != i:
+                extra.setdefault(first, []).append((self.name(i), self.kinds[i]))
+                keep[i] = False
+        return list(itertools.compress(range(len(ids)), keep)), extra
+
+    def unique_parameters(self, extra: dict[int, list[tuple[str, MemberKind]]]) -> int:
+        """Distinct tensors registered under at least one parameter name."""
+        count = self.kinds.count("parameter")
+        for first, names in extra.items():
+            as_parameter = (self.kinds[first] == "parameter") + sum(k == "parameter" for _, k in names)
+            count -= max(as_parameter - 1, 0)
+        return count
+
+    def slots(self, positions: set[int]) -> dict[int, _Slot]:
+        """(name, kind, tensor, registration index) of the names at ``positions``, in order."""
+        return {i: (self.name(i), self.kinds[i], self.tensors[i], i) for i in sorted(positions)}
+
+
+def _collect(model: nn.Module, buffers: bool) -> _Walk:
+    # One pre-order walk in registration order, the order of named_modules(remove_duplicate=False),
+    # on an explicit stack: nested generators cost a frame switch per level for every module.
+    walk = _Walk()
+    tensors, prefixes, attrs, kinds = walk.tensors, walk.prefixes, walk.attrs, walk.kinds
+    limit = sys.getrecursionlimit()
+    stack: list[tuple[str, nn.Module, int]] = [("", model, 0)]
+    pop = stack.pop
+    while stack:
+        dot, module, depth = pop()
         for attr, t in module._parameters.items():
-            if t is None:
-                continue
-            total_params += 1
-            key = id(t)
-            if key in first:
-                extra.setdefault(key, []).append((dot + attr, "parameter"))
-            else:
-                first[key] = (dot + attr, "parameter", t, len(first))
+            if t is not None:
+                tensors.append(t)
+                prefixes.append(dot)
+                attrs.append(attr)
+                kinds.append("parameter")
         if buffers and module._buffers:
-            for attr, t in module._buffers.items():
-                if t is None:
-                    continue
-                key = id(t)
-                if key in first:
-                    extra.setdefault(key, []).append((dot + attr, "buffer"))
-                else:
-                    first[key] = (dot + attr, "buffer", t, len(first))
-    return first, extra, total_params, _shared_storages(first)
+            for attr, buf in module._buffers.items():
+                if buf is not None:
+                    tensors.append(buf)
+                    prefixes.append(dot)
+                    attrs.append(attr)
+                    kinds.append("buffer")
+        children = module._modules
+        if children:
+            if depth >= limit:
+                raise TieError(
+                    f"cannot walk {type(model).__name__}: its module graph has a cycle or is deeper "
+                    f"than {limit} levels (at {dot[:200].rstrip('.')!r}...)"
+                )
+            stack.extend([(dot + name + ".", m, depth + 1) for name, m in reversed(children.items()) if m is not None])
+    return walk
 
 
-def _shared_storages(first: dict[int, _Slot]) -> list[list[int]]:
-    """Keys of distinct tensors that live in one storage, one list per such storage."""
-    keys = list(first)
+def _shared_storages(tensors: list[torch.Tensor], distinct: list[int]) -> list[list[int]]:
+    """Positions of distinct tensors that live in one storage, one list per such storage."""
     try:
-        storages: list[int | None] = [slot[2].untyped_storage()._cdata for slot in first.values()]
+        storages = [tensors[i].untyped_storage()._cdata for i in distinct]
     except Exception:  # noqa: BLE001 - lazy, sparse or exotic tensors: ask one by one
-        storages = [devices.storage_key(slot[2]) for slot in first.values()]
-    if len(set(storages)) == len(storages):  # the common case: nothing shares memory
+        known = [(key, i) for i in distinct if (key := devices.storage_key(tensors[i])) is not None]
+        storages, distinct = [key for key, _ in known], [i for _, i in known]
+    # Sorted, for the reason given on _Walk: storages are allocated in registration order too.
+    ordered = sorted(storages)
+    if not any(map(operator.eq, ordered, itertools.islice(ordered, 1, None))):  # nothing shares memory
         return []
     by_storage: dict[int, list[int]] = {}
-    for key, storage in zip(keys, storages, strict=True):
-        if storage is not None:
-            by_storage.setdefault(storage, []).append(key)
-    return [ks for ks in by_storage.values() if len(ks) > 1]
+    for storage, i in zip(storages, distinct, strict=True):
+        by_storage.setdefault(storage, []).append(i)
+    return [positions for positions in by_storage.values() if len(positions) > 1]
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -139,14 +198,6 @@ def count_parameters(model: nn.Module) -> int:
                 add(id(p))
         stack.extend(module._modules.values())
     return len(params)
-
-
-def _count_unique_params(first: dict[int, _Slot], extra: dict[int, list[tuple[str, MemberKind]]]) -> int:
-    count = 0
-    for key, (_, kind, _, _) in first.items():
-        if kind == "parameter" or any(k == "parameter" for _, k in extra.get(key, ())):
-            count += 1
-    return count
 
 
 def _span(t: torch.Tensor) -> tuple[int, int] | None:
