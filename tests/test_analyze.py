@@ -346,3 +346,36 @@ def test_lazy_and_sparse_tensors() -> None:
     sparse.register_buffer("a", torch.eye(3).to_sparse())
     sparse.register_buffer("b", sparse.a)
     assert [g.names for g in find_ties(sparse, check_values=True).groups] == [("a", "b")]
+
+
+def test_ties_found_whatever_the_allocation_order() -> None:
+    # find_ties settles identity by sorting ids; tensors allocated in reverse registration order
+    # (the source created last) and a shuffled mix must give the same groups as a brute force.
+    params = [nn.Parameter(torch.randn(2)) for _ in range(40)]
+    model = nn.Module()
+    order = list(range(40))[::-1]
+    for i, j in enumerate(order):
+        model.register_parameter(f"p{i}", params[j])
+    for i in range(10):  # ten late aliases of early names
+        model.register_parameter(f"alias{i}", params[order[3 * i]])
+    model.register_buffer("buf", params[order[0]].data)  # same storage, not the same object
+    plan = find_ties(model)
+    expected = {(f"p{3 * i}", f"alias{i}") for i in range(1, 10)}
+    assert {g.names for g in plan.groups if g.kind == "parameter"} == expected
+    (view,) = [g for g in plan.groups if g.kind == "view"]
+    assert set(view.names) == {"p0", "alias0", "buf"}
+    assert (plan.unique_count, plan.total_count) == (40, 50)
+    assert plan.unique_count == len(list(model.parameters()))
+
+
+def test_a_tensor_registered_as_buffer_first_and_parameter_later_counts_once() -> None:
+    model = nn.Module()
+    shared = nn.Parameter(torch.randn(3))
+    model.a = nn.Module()
+    model.a.register_buffer("b", shared)
+    model.c = nn.Module()
+    model.c.w = shared
+    model.c.v = nn.Parameter(torch.randn(3))
+    plan = find_ties(model)
+    assert [g.names for g in plan.groups] == [("a.b", "c.w")]
+    assert (plan.unique_count, plan.total_count) == (2, 2)
