@@ -447,3 +447,83 @@ def test_stale_temporary_files_of_dead_savers_are_removed(tmp_path: Path) -> Non
     alive.mkdir()
     save_model(WeightSharingModule(), tmp_path / "model.safetensors")
     assert sorted(os.listdir(tmp_path)) == [alive.name, "model.safetensors"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names fsynced files through /proc (Linux)")
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
+def test_durable_saves_fsync_before_publishing_and_fast_saves_do_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sharded: bool
+) -> None:
+    # A spy around the real os.fsync: it records which file was synced, and whether the
+    # checkpoint was already published at that moment, then syncs for real.
+    target = tmp_path / "ckpt"
+    published = target / ("model.safetensors.index.json" if sharded else "model.safetensors")
+    synced: list[tuple[str, bool]] = []
+    real_fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append((os.readlink(f"/proc/self/fd/{fd}"), published.exists()))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    model = WeightSharingModule()
+    shard = {"max_shard_size": 1500} if sharded else {}
+    save_model(model, target, durable=False, **shard)  # type: ignore[arg-type]
+    assert synced == []
+    load_model(WeightSharingModule(), target)  # complete without them
+    save_model(model, target, **shard)  # type: ignore[arg-type]
+    data = [(path, seen) for path, seen in synced if path.endswith(".safetensors") or path.endswith(".json")]
+    assert data, synced
+    assert all(".tiekit-tmp-" in path for path, _ in data), data  # synced while still aside
+    # The new index (or file) was synced aside, then renamed, then the folder synced.
+    paths = [path for path, _ in synced]
+    last_data = max(i for i, path in enumerate(paths) if path.endswith(published.name))
+    assert str(target) in paths[last_data + 1 :], synced
+
+
+class SavedOverDuringLoad(WeightSharingModule):
+    """Replaces the checkpoint with a real save at one exact moment of a load: after the
+    headers were validated (tiekit asks the model for its declared ties while staging), before
+    any byte is read. That is where a trainer saving while an evaluator loads lands."""
+
+    def __init__(self, replace: Callable[[], None]) -> None:
+        super().__init__()
+        self.replace: Callable[[], None] | None = replace
+
+    def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict[str, str]:
+        if self.replace is not None:
+            replace, self.replace = self.replace, None
+            replace()
+        return {}
+
+
+def plain_safetensors_save(model: nn.Module, folder: Path) -> None:
+    folder.mkdir(exist_ok=True)
+    safetensors.torch.save_model(model, os.fspath(folder / "model.safetensors"))
+
+
+@pytest.mark.parametrize(
+    "writer",
+    [
+        pytest.param(lambda m, p: save_model(m, p), id="tiekit-single"),
+        pytest.param(lambda m, p: save_model(m, p, max_shard_size=1500), id="tiekit-sharded"),
+        pytest.param(plain_safetensors_save, id="safetensors"),
+    ],
+)
+def test_checkpoint_replaced_during_a_load_is_refused_before_anything_is_read(
+    tmp_path: Path, writer: Callable[[nn.Module, Path], None]
+) -> None:
+    folder = tmp_path / "ckpt"
+    writer(WeightSharingModule(), folder)
+    newer = WeightSharingModule()
+    with torch.no_grad():
+        for p in newer.parameters():
+            p.fill_(7.0)
+    model = SavedOverDuringLoad(lambda: writer(newer, folder))
+    before = snapshot(model)
+    with pytest.raises(CheckpointError, match="changed on disk after its header was checked"):
+        load_model(model, folder)
+    assert_unchanged(model, before)
+    load_model(model, folder)  # loading again reads the newer save, whole
+    assert torch.equal(model.layer_1.weight, torch.full((10, 32), 7.0))
+    assert model.layer_3.weight is model.layer_1.weight

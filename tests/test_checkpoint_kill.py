@@ -13,6 +13,7 @@ import random
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -39,13 +40,13 @@ def fill(model: nn.Module, version: int) -> None:
             p.fill_(version)
 
 
-def save_forever(folder: str, first_version: int) -> None:
+def save_forever(folder: str, first_version: int, durable: bool) -> None:
     model = KillModel()
     version = first_version
     while True:
         fill(model, version)
-        save_model(model, Path(folder) / "single.safetensors")
-        save_model(model, Path(folder) / "sharded", max_shard_size=SHARD)
+        save_model(model, Path(folder) / "single.safetensors", durable=durable)
+        save_model(model, Path(folder) / "sharded", max_shard_size=SHARD, durable=durable)
         version += 1
 
 
@@ -58,7 +59,9 @@ def loaded_version(path: Path) -> int:
     return int(values.item())
 
 
-def test_sigkill_during_saves_never_loses_the_previous_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("durable", [True, False], ids=["durable", "not-durable"])
+def test_sigkill_during_saves_never_loses_the_previous_checkpoint(tmp_path: Path, durable: bool) -> None:
+    # durable=False skips the fsyncs only: a killed process must still never cost a checkpoint.
     single, sharded = tmp_path / "single.safetensors", tmp_path / "sharded"
     model = KillModel()
     fill(model, 0)
@@ -70,7 +73,7 @@ def test_sigkill_during_saves_never_loses_the_previous_checkpoint(tmp_path: Path
     versions: list[tuple[int, int]] = []
     leftovers = 0
     for kill in range(1, KILLS + 1):
-        child = context.Process(target=save_forever, args=(str(tmp_path), 1000 * kill), daemon=True)
+        child = context.Process(target=save_forever, args=(str(tmp_path), 1000 * kill, durable), daemon=True)
         child.start()
         time.sleep(rng.uniform(0.05, 0.5))
         child.kill()  # SIGKILL: no cleanup, no flush

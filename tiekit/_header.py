@@ -8,6 +8,7 @@ of a Rust error (or, in older safetensors, a panic) half way through a load.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -73,6 +74,15 @@ class Header:
     entries: Mapping[str, TensorEntry]
     metadata: Mapping[str, str]
     file_size: int
+    identity: FileIdentity | None = None  # of the file read, when read from one
+
+
+# (device, inode, size, modification time in ns): changes when a save replaces the file.
+FileIdentity = tuple[int, int, int, int]
+
+
+def file_identity(st: os.stat_result) -> FileIdentity:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def read_header(path: str | os.PathLike[str]) -> Header:
@@ -80,12 +90,13 @@ def read_header(path: str | os.PathLike[str]) -> Header:
     where = os.fspath(path)
     try:
         with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+            st = os.fstat(f.fileno())
             prefix = f.read(8)
-            length = _length(prefix, size, where)
-            return parse_header(prefix + f.read(length), size, where)
+            length = _length(prefix, st.st_size, where)
+            header = parse_header(prefix + f.read(length), st.st_size, where)
     except OSError as exc:
         raise CheckpointError(f"{where}: cannot read: {exc.strerror or exc}") from exc
+    return dataclasses.replace(header, identity=file_identity(st))
 
 
 def parse_header(data: bytes, file_size: int | None = None, where: str = "<bytes>") -> Header:

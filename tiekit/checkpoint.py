@@ -15,7 +15,9 @@ asked for) are replaced by one new tensor per unique weight, then re-tied.
 
 Writing goes to a private work folder inside the target folder; the file is fsynced and
 renamed over the target, so a crash at any point leaves the previous checkpoint loadable. For
-sharded saves the index is the commit point and is written last.
+sharded saves the index is the commit point and is written last. ``durable=False`` drops the
+fsyncs: a killed process still leaves the previous checkpoint (the kernel keeps what was
+written, renames stay ordered), a power loss may not.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch
 from torch import nn
 
 from tiekit import devices
-from tiekit._header import DTYPE_CODES, TensorEntry, read_header, read_json
+from tiekit._header import DTYPE_CODES, FileIdentity, Header, TensorEntry, file_identity, read_header, read_json
 from tiekit._slots import assign, resolve
 from tiekit.analyze import find_ties
 from tiekit.errors import CheckpointError, TieError
@@ -91,6 +93,7 @@ def save_model(
     *,
     metadata: Mapping[str, str] | None = None,
     max_shard_size: int | str | None = None,
+    durable: bool = True,
 ) -> None:
     """Save ``model``'s weights to a safetensors file, one tensor per tie group, with its `TiePlan`.
 
@@ -99,6 +102,10 @@ def save_model(
     larger than that is written as Hugging Face style shards plus ``<name>.index.json``.
     XLA tensors cross to the host in one batched transfer; with several replicas only the
     master writes and the others wait for it.
+
+    The file appears whole or not at all (written aside, then renamed). ``durable=True`` also
+    fsyncs it before the rename, so it survives a power loss; ``durable=False`` skips that wait
+    for the disk (safetensors' own guarantee) and stays safe against a killed process.
     """
     target = _target_path(path, WEIGHTS_NAME)
     limit = None if max_shard_size is None else _parse_size(max_shard_size)
@@ -109,9 +116,9 @@ def save_model(
     def write() -> None:
         state = dict(zip(names, _host_tensors(tensors), strict=True))
         if limit is None or sum(_nbytes(t) for t in state.values()) <= limit:
-            _write_single(target, state, header)
+            _write_single(target, state, header, durable)
         else:
-            _write_sharded(target, state, header, plan, limit)
+            _write_sharded(target, state, header, plan, limit, durable)
 
     _on_master(f"tiekit.save_model:{target}", write)
 
@@ -123,12 +130,14 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     step: int | None = None,
     extra: Any = None,
+    durable: bool = True,
 ) -> None:
     """Save a training checkpoint: weights (one per tie group), optimizer state, step and ``extra``.
 
     The optimizer state is stored once per unique (tied) parameter, under the parameter's
     source name. ``extra`` may hold tensors, numbers, strings, None, and lists, tuples and
     string-keyed dicts of these (RNG states, data-loader positions...); nothing is pickled.
+    ``durable`` as in `save_model`.
     """
     target = _target_path(path, CHECKPOINT_NAME)
     plan = _saving_plan(model)
@@ -149,7 +158,7 @@ def save_checkpoint(
 
     def write() -> None:
         hosts = _host_tensors([*tensors, *side.values()])
-        _write_single(target, dict(zip(all_names, hosts, strict=True)), header)
+        _write_single(target, dict(zip(all_names, hosts, strict=True)), header, durable)
 
     _on_master(f"tiekit.save_checkpoint:{target}", write)
 
@@ -305,9 +314,9 @@ def _nbytes(t: torch.Tensor) -> int:
 # -- atomic files -------------------------------------------------------------------------
 
 
-def _write_single(target: Path, state: dict[str, torch.Tensor], header: dict[str, str]) -> None:
+def _write_single(target: Path, state: dict[str, torch.Tensor], header: dict[str, str], durable: bool) -> None:
     _prepare_folder(target)
-    _commit_file(target, lambda tmp: _save_tensors(state, tmp, header))
+    _commit_file(target, lambda tmp: _save_tensors(state, tmp, header), durable)
     # A sharded save that this file now replaces: drop it, or a loader might still pick it.
     index = target.with_name(target.name + INDEX_SUFFIX)
     if index.exists():
@@ -316,7 +325,7 @@ def _write_single(target: Path, state: dict[str, torch.Tensor], header: dict[str
 
 
 def _write_sharded(
-    target: Path, state: dict[str, torch.Tensor], header: dict[str, str], plan: TiePlan, limit: int
+    target: Path, state: dict[str, torch.Tensor], header: dict[str, str], plan: TiePlan, limit: int, durable: bool
 ) -> None:
     folder = target.parent
     _prepare_folder(target)
@@ -335,11 +344,13 @@ def _write_sharded(
     try:
         for file, keys in zip(files, shards, strict=True):
             _save_tensors({k: state[k] for k in keys}, work / file, shard_header)
-            _fsync(work / file)
+            if durable:
+                _fsync(work / file)
         backups = _protect_previous(index_path, old_files, set(files))
         for file in files:
             os.replace(work / file, folder / file)
-        _fsync(folder)
+        if durable:
+            _fsync(folder)
         index = {
             "metadata": {
                 **{k: v for k, v in header.items() if k != PLAN_KEY},
@@ -350,7 +361,7 @@ def _write_sharded(
             "weight_map": {key: file for file, keys in zip(files, shards, strict=True) for key in keys},
         }
         text = json.dumps(index, indent=2)
-        _commit_file(index_path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+        _commit_file(index_path, lambda tmp: tmp.write_text(text, encoding="utf-8"), durable)
     except OSError as exc:
         raise CheckpointError(f"{index_path}: cannot write the sharded checkpoint: {exc}") from exc
     finally:
@@ -458,8 +469,8 @@ def _work_folder(target: Path) -> Path:
     return work
 
 
-def _commit_file(target: Path, write: Callable[[Path], object]) -> None:
-    """Write in a work folder, fsync, rename over ``target``, fsync the folder."""
+def _commit_file(target: Path, write: Callable[[Path], object], durable: bool = True) -> None:
+    """Write in a work folder, fsync (if ``durable``), rename over ``target``, fsync the folder."""
     try:
         work = _work_folder(target)
     except OSError as exc:
@@ -467,9 +478,11 @@ def _commit_file(target: Path, write: Callable[[Path], object]) -> None:
     try:
         tmp = work / target.name
         write(tmp)
-        _fsync(tmp)
+        if durable:
+            _fsync(tmp)
         os.replace(tmp, target)
-        _fsync(target.parent)
+        if durable:
+            _fsync(target.parent)
     except OSError as exc:
         raise CheckpointError(f"{target}: cannot write: {exc.strerror or exc}") from exc
     finally:
@@ -501,11 +514,14 @@ def _fsync(path: Path) -> None:
 
 
 def _remove(folder: Path, names: Iterable[str]) -> None:
+    removed = False
     for name in names:
         with contextlib.suppress(OSError):
             (folder / name).unlink()
-    with contextlib.suppress(OSError):
-        _fsync(folder)
+            removed = True
+    if removed:  # leftovers only: the new checkpoint is already published, durably or not
+        with contextlib.suppress(OSError):
+            _fsync(folder)
 
 
 # -- opening a checkpoint -----------------------------------------------------------------
@@ -521,6 +537,9 @@ class _Source:
     plan: TiePlan | None
     plan_origin: str
     side: Mapping[str, tuple[str, TensorEntry]] = field(default_factory=dict)
+    # Identity of each file when its header was validated; reading checks it, so a save that
+    # replaces the file in between is an error before anything is loaded, not a silent mix.
+    files: Mapping[str, FileIdentity] = field(default_factory=dict)
 
 
 def _open_source(path: PathLike, preferred: tuple[str, ...] = (WEIGHTS_NAME, WEIGHTS_NAME + INDEX_SUFFIX)) -> _Source:
@@ -533,7 +552,7 @@ def _open_source(path: PathLike, preferred: tuple[str, ...] = (WEIGHTS_NAME, WEI
         return _open_index(target)
     header = read_header(target)
     entries = {k: (header.path, e) for k, e in header.entries.items()}
-    return _with_plan(header.path, entries, header.metadata)
+    return _with_plan(header.path, entries, header.metadata, _identities([header]))
 
 
 def _pick_in_folder(folder: Path, preferred: tuple[str, ...]) -> Path:
@@ -580,7 +599,11 @@ def _open_index(index_path: Path) -> _Source:
                 raise CheckpointError(
                     f"{where}: shard {file!r} belongs to another save than this index (interrupted or mixed copy)"
                 )
-    return _with_plan(where, entries, metadata)
+    return _with_plan(where, entries, metadata, _identities(headers.values()))
+
+
+def _identities(headers: Iterable[Header]) -> dict[str, FileIdentity]:
+    return {h.path: h.identity for h in headers if h.identity is not None}
 
 
 def _inside(folder: Path, file: str, where: str, key: str) -> Path:
@@ -593,7 +616,12 @@ def _inside(folder: Path, file: str, where: str, key: str) -> Path:
     return full
 
 
-def _with_plan(where: str, entries: dict[str, tuple[str, TensorEntry]], metadata: Mapping[str, Any]) -> _Source:
+def _with_plan(
+    where: str,
+    entries: dict[str, tuple[str, TensorEntry]],
+    metadata: Mapping[str, Any],
+    files: Mapping[str, FileIdentity],
+) -> _Source:
     side: dict[str, tuple[str, TensorEntry]] = {}
     if STATE_KEY in metadata:
         side = {k: v for k, v in entries.items() if k.startswith(SIDE_PREFIXES)}
@@ -616,14 +644,14 @@ def _with_plan(where: str, entries: dict[str, tuple[str, TensorEntry]], metadata
                     f"{where}: the tie metadata says key {group.source!r} is {group.shape} {group.dtype} "
                     f"but the file stores {entry.shape} {_dtype_name(entry.dtype)}"
                 )
-        return _Source(where, entries, metadata, plan, "tiekit", side)
+        return _Source(where, entries, metadata, plan, "tiekit", side, files)
     # safetensors.torch.save_model records each dropped duplicate as {removed: kept}.
     pairs: dict[str, list[str]] = {}
     for removed, kept in metadata.items():
         if isinstance(kept, str) and kept in entries and removed not in entries:
             pairs.setdefault(kept, []).append(removed)
     if not pairs:
-        return _Source(where, entries, metadata, None, "model", side)
+        return _Source(where, entries, metadata, None, "model", side, files)
     groups = tuple(
         TieGroup(
             kept,
@@ -634,7 +662,7 @@ def _with_plan(where: str, entries: dict[str, tuple[str, TensorEntry]], metadata
         )
         for kept, removed in pairs.items()
     )
-    return _Source(where, entries, metadata, TiePlan(groups, len(entries), len(entries)), "safetensors", side)
+    return _Source(where, entries, metadata, TiePlan(groups, len(entries), len(entries)), "safetensors", side, files)
 
 
 # -- loading ------------------------------------------------------------------------------
@@ -723,7 +751,7 @@ def _stage(model: nn.Module, source: _Source, *, strict: bool, device: torch.dev
     absent = set(missing)
     consumed = {key_of.get(n, (n, None))[0] for n in expected if n not in absent}
     if source.plan is None:
-        consumed |= _equal_duplicates(expected, key_of, entries, where)
+        consumed |= _equal_duplicates(expected, key_of, source, where)
     unexpected = [k for k in entries if k not in consumed]
     if strict and (missing or unexpected):
         problems = [f"missing {_names(missing)}"] if missing else []
@@ -799,21 +827,22 @@ def _reconcile(
 
 
 def _equal_duplicates(
-    expected: list[str], key_of: Mapping[str, tuple[str, TieMember]], entries: Mapping[str, Any], where: str
+    expected: list[str], key_of: Mapping[str, tuple[str, TieMember]], source: _Source, where: str
 ) -> set[str]:
     """Keys of a file without tie metadata that repeat a tied tensor: accepted when equal."""
+    entries = source.entries
     duplicates: set[str] = set()
     for name in expected:
         key, member = key_of.get(name, (name, None))
         if key == name or name not in entries or key not in entries or member is None:
             continue
-        value = _read(*entries[key])
+        value = _read(*entries[key], source.files)
         if member.view is not None:
             v = member.view
             if v.offset + 1 + sum((s - 1) * st for s, st in zip(v.size, v.stride, strict=True)) > value.numel():
                 continue
             value = value.reshape(-1).as_strided(v.size, v.stride, v.offset)
-        copy = _read(*entries[name])
+        copy = _read(*entries[name], source.files)
         if copy.shape != value.shape or copy.dtype != value.dtype or not torch.equal(copy, value):
             raise CheckpointError(
                 f"{where}: stores {name!r} and {key!r} with different values, but the model ties them; "
@@ -851,7 +880,7 @@ def _commit(model: nn.Module, source: _Source, staged: _Staged) -> None:
             target = staged.device or (torch.device("cpu") if tensor.is_meta else tensor.device)
             replace = tensor.is_meta or not _same_device(tensor.device, target)
             jobs.append((tensor, source.entries[key], target, replace))
-        fresh = _fill(jobs)
+        fresh = _fill(jobs, source.files)
         if staged.device is not None:
             for _, _, tensor, _ in _slots(model).values():
                 if id(tensor) not in seen and not tensor.is_meta and not _same_device(tensor.device, staged.device):
@@ -868,7 +897,9 @@ def _commit(model: nn.Module, source: _Source, staged: _Staged) -> None:
         retie(model, plan)  # views are rebuilt on the new sources
 
 
-def _fill(jobs: list[tuple[torch.Tensor, tuple[str, TensorEntry], torch.device, bool]]) -> dict[int, torch.Tensor]:
+def _fill(
+    jobs: list[tuple[torch.Tensor, tuple[str, TensorEntry], torch.device, bool]], files: Mapping[str, FileIdentity]
+) -> dict[int, torch.Tensor]:
     """Read each job's bytes into its tensor (in place) or into a new tensor; {id(old): new}."""
     fresh: dict[int, torch.Tensor] = {}
     reads: list[tuple[str, TensorEntry, torch.Tensor]] = []
@@ -886,7 +917,7 @@ def _fill(jobs: list[tuple[torch.Tensor, tuple[str, TensorEntry], torch.device, 
             fresh[id(tensor)] = host
         else:
             copies.append((tensor, host))
-    _read_into(reads)
+    _read_into(reads, files)
     for tensor, host in copies:
         tensor.copy_(host)
     for target, items in by_device.items():
@@ -904,11 +935,13 @@ def _fill(jobs: list[tuple[torch.Tensor, tuple[str, TensorEntry], torch.device, 
 _CHUNK = 1 << 23
 
 
-def _read_into(reads: list[tuple[str, TensorEntry, torch.Tensor]]) -> None:
+def _read_into(reads: list[tuple[str, TensorEntry, torch.Tensor]], files: Mapping[str, FileIdentity]) -> None:
     """Read each entry's bytes into its contiguous CPU tensor, with no intermediate copy.
 
     Reads are cut in 8 MiB chunks and issued from a few threads (``os.preadv`` releases the
     GIL): one thread copying from the page cache is half as fast as two on this 2-core machine.
+    Every file is opened, and checked to be the one validated, before the first byte is read:
+    an open descriptor keeps reading that file even if a save replaces it meanwhile.
     """
     chunks: list[tuple[int, memoryview, int, TensorEntry, str]] = []
     fds: dict[str, int] = {}
@@ -920,8 +953,14 @@ def _read_into(reads: list[tuple[str, TensorEntry, torch.Tensor]]) -> None:
             if path not in fds:
                 try:
                     fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+                    now = file_identity(os.fstat(fds[path]))
                 except OSError as exc:
                     raise CheckpointError(f"{path}: cannot open: {exc.strerror or exc}") from exc
+                if path in files and now != files[path]:
+                    raise CheckpointError(
+                        f"{path}: changed on disk after its header was checked (replaced by another save?); "
+                        "nothing was loaded, load again"
+                    )
             view = memoryview(cast(Any, out.reshape(-1).view(torch.uint8).numpy()))
             handle = fds[path]
             chunks.extend((handle, view[a : a + _CHUNK], entry.start + a, entry, path) for a in range(0, size, _CHUNK))
@@ -950,9 +989,9 @@ def _read_chunk(fd: int, view: memoryview, offset: int, entry: TensorEntry, path
         done += n
 
 
-def _read(path: str, entry: TensorEntry) -> torch.Tensor:
+def _read(path: str, entry: TensorEntry, files: Mapping[str, FileIdentity]) -> torch.Tensor:
     out = torch.empty(entry.shape, dtype=entry.dtype)
-    _read_into([(path, entry, out)])
+    _read_into([(path, entry, out)], files)
     return out
 
 
@@ -984,7 +1023,7 @@ def load_checkpoint(
     source = _open_source(path, (CHECKPOINT_NAME,))
     record = _record(source)
     staged = _stage(model, source, strict=True, device=None)
-    tensors = {k: _read(*v) for k, v in source.side.items()}
+    tensors = {k: _read(*v, source.files) for k, v in source.side.items()}
     step = _decode(record.get("step"), tensors, source.where)
     extra = _decode(record.get("extra"), tensors, source.where)
     restore: Callable[[], None] | None = None
