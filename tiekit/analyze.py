@@ -227,7 +227,7 @@ def _identity_and_storage_groups(
         members = tuple(TieMember(n, k) for n, k in [(name, kind), *names])
         group_kind = "parameter" if isinstance(t, nn.Parameter) else "buffer"
         groups.append(
-            (index, TieGroup(name, members, group_kind, tuple(t.shape), _dtype_name(t.dtype)))  # type: ignore[arg-type]
+            (index, TieGroup(name, members, group_kind, tuple(t.shape), dtype_name(t.dtype)))  # type: ignore[arg-type]
         )
     for cluster in clusters:
         groups.append(_view_group(cluster, first, extra))
@@ -291,7 +291,7 @@ def _view_group(
         for n, k in [(name, kind), *extra.get(key, ())]:
             members.append(TieMember(n, k, geometry, grad))
     index = min(first[k][3] for k in cluster)
-    group = TieGroup(src_name, tuple(members), "view", tuple(src.shape), _dtype_name(src.dtype))
+    group = TieGroup(src_name, tuple(members), "view", tuple(src.shape), dtype_name(src.dtype))
     return index, group
 
 
@@ -336,7 +336,7 @@ def _merge_declared(
                 (TieMember(source, source_kind), member),
                 "parameter" if isinstance(source_t, nn.Parameter) else "buffer",
                 tuple(source_t.shape),
-                _dtype_name(source_t.dtype),
+                dtype_name(source_t.dtype),
             )
             groups.append((min(order[source], order[target]), group))
             by_name[source] = by_name[target] = len(groups) - 1
@@ -384,9 +384,10 @@ def _suspected_broken_ties(first: dict[int, _Slot], tied: set[str]) -> tuple[tup
     return tuple(sorted(found))
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``, as plans and error messages spell dtypes."""
     return str(dtype).removeprefix("torch.")
 
 
 def _describe(t: torch.Tensor) -> str:
-    return f"{tuple(t.shape)} {_dtype_name(t.dtype)}"
+    return f"{tuple(t.shape)} {dtype_name(t.dtype)}"

@@ -40,7 +40,7 @@ from torch import nn
 from tiekit import devices
 from tiekit._header import DTYPE_CODES, FileIdentity, Header, TensorEntry, file_identity, read_header, read_json
 from tiekit._slots import assign, resolve
-from tiekit.analyze import find_ties
+from tiekit.analyze import dtype_name, find_ties
 from tiekit.errors import CheckpointError, TieError
 from tiekit.mixin import TPUMixin
 from tiekit.plan import MemberKind, TieGroup, TieMember, TiePlan
@@ -203,7 +203,7 @@ def _saving_plan(model: nn.Module) -> TiePlan:
     A declared tie whose two tensors differ (a tie broken by a move, then trained) is left
     out: dropping one of them would lose data. The file then records two tensors.
     """
-    declared = {t: s for t, s in _declared_ties(model).items() if _same_values(model, t, s)}
+    declared = {t: s for t, s in declared_ties(model).items() if _same_values(model, t, s)}
     try:
         return find_ties(model, declared=declared or None)
     except TieError as exc:
@@ -220,7 +220,7 @@ def _same_values(model: nn.Module, target: str, source: str) -> bool:
         return bool(torch.equal(a, b))
 
 
-def _declared_ties(model: nn.Module) -> dict[str, str]:
+def declared_ties(model: nn.Module) -> dict[str, str]:
     """``{target: source}`` ties the model declares: ``TPUMixin.tied_weights`` and transformers'
     ``_tied_weights_keys`` (expanded), restricted to names that exist in the model."""
     declared: dict[str, str] = {}
@@ -542,7 +542,10 @@ class _Source:
     files: Mapping[str, FileIdentity] = field(default_factory=dict)
 
 
-def _open_source(path: PathLike, preferred: tuple[str, ...] = (WEIGHTS_NAME, WEIGHTS_NAME + INDEX_SUFFIX)) -> _Source:
+def open_source(path: PathLike, preferred: tuple[str, ...] = (WEIGHTS_NAME, WEIGHTS_NAME + INDEX_SUFFIX)) -> _Source:
+    """Validate the checkpoint at ``path`` (a file, an index, or a folder holding one) without
+    reading any tensor: headers, shard paths, save ids and the tie plan. Within tiekit: the
+    loaders and ``tiekit inspect`` start here."""
     target = Path(path)
     if target.is_dir():
         target = _pick_in_folder(target, preferred)
@@ -639,10 +642,10 @@ def _with_plan(
                     "but the file has no such tensor"
                 )
             entry = entries[group.source][1]
-            if entry.shape != group.shape or _dtype_name(entry.dtype) != group.dtype:
+            if entry.shape != group.shape or dtype_name(entry.dtype) != group.dtype:
                 raise CheckpointError(
                     f"{where}: the tie metadata says key {group.source!r} is {group.shape} {group.dtype} "
-                    f"but the file stores {entry.shape} {_dtype_name(entry.dtype)}"
+                    f"but the file stores {entry.shape} {dtype_name(entry.dtype)}"
                 )
         return _Source(where, entries, metadata, plan, "tiekit", side, files)
     # safetensors.torch.save_model records each dropped duplicate as {removed: kept}.
@@ -658,7 +661,7 @@ def _with_plan(
             tuple(TieMember(n, "parameter") for n in [kept, *sorted(removed)]),
             "parameter",
             entries[kept][1].shape,
-            _dtype_name(entries[kept][1].dtype),
+            dtype_name(entries[kept][1].dtype),
         )
         for kept, removed in pairs.items()
     )
@@ -690,7 +693,7 @@ def load_model(model: nn.Module, path: PathLike, *, strict: bool = True, device:
     they stay where the model's tensors are. With ``strict`` missing or unexpected keys
     raise `CheckpointError`; every error is raised before the model is changed.
     """
-    source = _open_source(path)
+    source = open_source(path)
     staged = _stage(model, source, strict=strict, device=devices.resolve_device(device))
     _commit(model, source, staged)
     return LoadResult(staged.missing, staged.unexpected, staged.groups, source.plan_origin)
@@ -714,7 +717,7 @@ def _stage(model: nn.Module, source: _Source, *, strict: bool, device: torch.dev
     slots = _slots(model)
     expected = [n for n in model.state_dict(keep_vars=True) if n in slots]
     try:
-        model_plan = find_ties(model, declared=_declared_ties(model) or None)
+        model_plan = find_ties(model, declared=declared_ties(model) or None)
     except TieError as exc:
         raise CheckpointError(f"{where}: cannot load into {type(model).__name__}: {exc}") from exc
     if source.plan is None:
@@ -739,7 +742,7 @@ def _stage(model: nn.Module, source: _Source, *, strict: bool, device: torch.dev
             (TieMember(holder.name, slots[holder.name][3]), *tied),
             "view" if any(m.view for m in tied) else slots[holder.name][3],
             entry.shape,
-            _dtype_name(entry.dtype),
+            dtype_name(entry.dtype),
         )
         loads.append((holder.name, source_key))
         anchor.update({m.name: holder.name for m in present})
@@ -861,8 +864,8 @@ def _check_fits(name: str, tensor: torch.Tensor, entry: TensorEntry, member: Tie
         )
     if tensor.dtype != entry.dtype:
         raise CheckpointError(
-            f"{where}: dtype mismatch for {name!r}: the file has {_dtype_name(entry.dtype)}, the model "
-            f"{_dtype_name(tensor.dtype)}; cast the model first (tiekit.move(model, dtype=...))"
+            f"{where}: dtype mismatch for {name!r}: the file has {dtype_name(entry.dtype)}, the model "
+            f"{dtype_name(tensor.dtype)}; cast the model first (tiekit.move(model, dtype=...))"
         )
 
 
@@ -1004,10 +1007,6 @@ def _names(items: list[str], limit: int = 8) -> str:
     return f"{shown} and {len(items) - limit} more" if len(items) > limit else shown
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 # -- training checkpoints -----------------------------------------------------------------
 
 
@@ -1020,7 +1019,7 @@ def load_checkpoint(
     The optimizer's parameters are re-bound to the model's (re-tied) parameters and get their
     state back, matched by parameter name.
     """
-    source = _open_source(path, (CHECKPOINT_NAME,))
+    source = open_source(path, (CHECKPOINT_NAME,))
     record = _record(source)
     staged = _stage(model, source, strict=True, device=None)
     tensors = {k: _read(*v, source.files) for k, v in source.side.items()}

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiekit.analyze import _dtype_name, count_parameters, find_ties
-from tiekit.checkpoint import PLAN_KEY, SAVE_ID_KEY, STATE_KEY, _declared_ties, _open_source, load_model
+from tiekit.analyze import count_parameters, dtype_name, find_ties
+from tiekit.checkpoint import PLAN_KEY, SAVE_ID_KEY, STATE_KEY, declared_ties, load_model, open_source
 from tiekit.errors import CheckpointError, TieError, TiekitError
 from tiekit.plan import TieGroup, TiePlan
 from tiekit.retie import verify
@@ -188,9 +188,9 @@ def inspect_file(path: str | os.PathLike[str], *, check_values: bool = False) ->
     ``check_values`` also reads the data of tensors that share a dtype and shape and reports the
     byte-identical ones. Raises `CheckpointError` naming the file for anything unreadable.
     """
-    source = _open_source(path)
+    source = open_source(path)
     tensors = tuple(
-        StoredTensor(name, _dtype_name(entry.dtype), entry.shape, entry.end - entry.start, file)
+        StoredTensor(name, dtype_name(entry.dtype), entry.shape, entry.end - entry.start, file)
         for name, (file, entry) in source.entries.items()
     )
     files = tuple(dict.fromkeys(file for file, _ in [*source.entries.values(), *source.side.values()]))
@@ -342,7 +342,7 @@ def _module(value: Any, spec: str) -> nn.Module:
 def model_plan(model: nn.Module) -> TiePlan:
     """The plan tiekit saves and loads with: detected ties plus declared ones (``tied_weights``,
     transformers' ``_tied_weights_keys``) that hold in memory."""
-    return find_ties(model, declared=_declared_ties(model) or None)
+    return find_ties(model, declared=declared_ties(model) or None)
 
 
 @dataclass(frozen=True)
