@@ -199,6 +199,16 @@ def test_a_hugging_face_model_that_returns_its_loss_trains_and_stays_tied() -> N
     assert model.lm_head.weight is model.transformer.wte.weight
 
 
+def test_validation_loss_is_the_mean_over_every_validation_sample() -> None:
+    val = data(22)  # batches of 8, 8 and 6: a plain mean of batch losses would be off
+    model = nn.Linear(8, 8)
+    result = tiekit.fit(model, data(), val_data=val, loss_fn=F.mse_loss, epochs=2, batch_size=8, **CPU)
+    assert len(result.val_losses) == 2
+    with torch.no_grad():
+        expected = F.mse_loss(model(val.tensors[0]), val.tensors[1]).item()
+    assert result.val_losses[-1] == pytest.approx(expected, rel=1e-5)
+
+
 def test_metrics_csv_and_a_progress_bar(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     result = tiekit.fit(
         DropoutNet(), data(), max_steps=7, batch_size=4, log_dir=tmp_path, log_every=3, **{**CPU, "progress": True}

@@ -21,6 +21,8 @@ def test_two_gloo_processes_match_one_process_with_the_global_batch(capfd: pytes
     model = WeightSharingModule()  # a module, not a factory: it reaches the processes pickled
     before = {k: v.clone() for k, v in model.state_dict().items()}
 
+    val = TensorDataset(torch.randn(22, 32, generator=generator), torch.randn(22, 10, generator=generator))
+    kw["val_data"] = val
     result = tiekit.fit(model, data, strategy="ddp", devices=2, batch_size=8, **kw)  # type: ignore[arg-type]
     bars = capfd.readouterr().err.count("0/8 [")
     reference = tiekit.fit(WeightSharingModule, data, devices="cpu", batch_size=16, progress=False, **kw)  # type: ignore[arg-type]
@@ -34,6 +36,9 @@ def test_two_gloo_processes_match_one_process_with_the_global_batch(capfd: pytes
     for name in expected:
         torch.testing.assert_close(trained[name], expected[name], rtol=1e-5, atol=1e-6)
     assert bars == 1  # one progress bar: the master's
+    # Validation over both processes' shares (11 + 11 samples, batches of 8 and 3) is the mean over all 22.
+    assert len(result.val_losses) == 2
+    assert result.val_losses == pytest.approx(reference.val_losses, rel=1e-5)
 
 
 def test_what_spawned_processes_cannot_unpickle_is_a_clear_error() -> None:

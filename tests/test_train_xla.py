@@ -127,7 +127,7 @@ import tiekit
 from examples.weight_sharing import WeightSharingModule, dataset
 
 opt = functools.partial(torch.optim.AdamW, lr=1e-2)
-kw = dict(loss_fn=F.mse_loss, optimizer=opt, epochs=2, seed=3, progress=False)
+kw = dict(loss_fn=F.mse_loss, optimizer=opt, epochs=2, seed=3, progress=False, val_data=dataset(22, seed=1))
 torch.manual_seed(3)
 model = WeightSharingModule()
 run = tiekit.fit(model, dataset(128), strategy="xla", batch_size=8, **kw)
@@ -137,7 +137,8 @@ diff = max((a - b).abs().max().item() for a, b in zip(run.model.state_dict().val
 print(json.dumps(dict(
     strategy=run.strategy, world=run.world_size, steps=run.steps, one_steps=one.steps, one_world=one.world_size,
     digests=run.replica_digests, ties_kept=run.ties_kept, tied=model.layer_3.weight is model.layer_1.weight,
-    compilations=run.compilations, max_diff=diff, losses=run.losses,
+    compilations=run.compilations, one_compilations=one.compilations, max_diff=diff, losses=run.losses,
+    val=run.val_losses, one_val=one.val_losses,
     plain_params=len(list(plain.parameters())), plain_tied=plain.layer_3.weight is plain.layer_1.weight,
 )))
 """
@@ -150,9 +151,16 @@ def test_xla_strategy_on_two_devices_matches_one_device_with_the_global_batch() 
     assert len(out["digests"]) == 2 and len(set(out["digests"])) == 1  # replicas bit-identical
     assert out["ties_kept"] and out["tied"]
     assert (out["plain_params"], out["plain_tied"]) == (3, False)  # without tiekit the tie breaks
-    assert out["compilations"] <= 3  # every graph compiled once, by one replica
+    # Every graph compiled once, by one replica: as many as one device needs, plus at most the
+    # all-reduce of the validation sum (one device has nothing to reduce). That one is sometimes
+    # served from XLA's cache (6 or 7 against 6 in repeated runs), hence a range, not a count.
+    assert out["one_compilations"] <= out["compilations"] <= out["one_compilations"] + 1, (
+        out["compilations"],
+        out["one_compilations"],
+    )
     assert out["max_diff"] < 1e-5
     assert out["losses"][-1] < 0.8 * out["losses"][0]
+    assert out["val"] == pytest.approx(out["one_val"], rel=1e-4)  # the mean over all 22 samples either way
 
 
 SPMD_JOB = """

@@ -111,11 +111,14 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
         devices.xla_set_rng_state(cfg.seed + backend.replica_rank)
     optimizer = cfg.optimizer(model.parameters())
     train = _loader(job, job.train_data, backend, shuffle=cfg.shuffle, drop_last=cfg.drop_last)
+    # Validation keeps its short last batch (one more graph on XLA, compiled once): no padded
+    # duplicates in the mean.
     val = None if job.val_data is None else _loader(job, job.val_data, backend, shuffle=False, drop_last=False)
     position = state.Position()
     resume_from = _resume_path(job)
     if resume_from is not None:
         position = state.resume(resume_from, model, optimizer, backend.devices_in_run, backend.device)
+    backend.end_step()  # XLA: run the set-up's pending work (a resume's copies) through the gate
     per_epoch = train.batches_per_epoch(cfg.drop_last)
     if position.batches >= per_epoch:  # saved after an epoch's last batch: next epoch
         position = state.Position(position.epoch + 1, 0, position.step)
@@ -217,7 +220,7 @@ def _loader(job: Job, data: Any, backend: Backend, *, shuffle: bool, drop_last: 
         shuffle=shuffle,
         seed=cfg.seed,
         drop_last=drop_last,
-        static_shapes=backend.device.type == "xla",
+        static_shapes=backend.device.type == "xla" and data is job.train_data,
         what="train_data" if data is job.train_data else "val_data",
     )
 
@@ -230,18 +233,36 @@ def _total_steps(max_steps: int | None, epochs: int | None, per_epoch: int) -> i
 
 
 def _validate(model: nn.Module, val: ReplicaLoader, backend: Backend, precision: Precision, loss_fn: Any) -> float:
-    """Mean loss over the validation set (every replica's share), in eval mode."""
+    """Mean loss per validation sample over every replica's share (batch losses weighted by their
+    sizes), in eval mode."""
     model.eval()
     total = torch.zeros((), device=backend.device)
-    count = 0
+    samples = 0
     with torch.no_grad():
         for batch in backend.batches(val.epoch(0)):
+            rows = _rows(batch)
             with precision.autocast(backend.device):
-                total = total + compute_loss(model, precision.cast_batch(batch), loss_fn).detach().float()
-            count += 1
+                loss = compute_loss(model, precision.cast_batch(batch), loss_fn).detach().float()
+            total, samples = total + loss * rows, samples + rows
+            backend.end_step()  # XLA: each graph compiled once for all replicas (the loader's sync is not gated)
     model.train()
-    summed = backend.sum_over_replicas(total)
-    return float(devices.to_host([summed])[0]) / max(1, count * backend.replica_count)
+    both = backend.sum_over_replicas(torch.stack([total, torch.tensor(float(samples), device=backend.device)]))
+    loss_sum, count = (float(v) for v in devices.to_host([both])[0])
+    return loss_sum / max(1.0, count)
+
+
+def _rows(batch: Any) -> int:
+    """Samples in a batch: the first dimension of its first tensor (1 when it has none, so an
+    unusual batch weighs as one sample rather than failing the validation)."""
+    if isinstance(batch, torch.Tensor):
+        values: Any = [batch]
+    else:
+        values = batch.values() if isinstance(batch, Mapping) else batch
+    try:
+        first = next(v for v in values if isinstance(v, torch.Tensor))
+    except (StopIteration, TypeError):
+        return 1
+    return int(first.shape[0]) if first.dim() else 1
 
 
 def _resume_path(job: Job) -> Any:
