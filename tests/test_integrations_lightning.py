@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -199,6 +200,25 @@ def test_checkpoint_io_round_trips_lightning_entries_and_refuses_pickle(tmp_path
     assert again["hyper_parameters"]["args"] == argparse.Namespace(lr=0.1)
     with pytest.raises(TypeError, match="storage_options"):
         io.save_checkpoint(checkpoint, tmp_path / "z.ckpt", storage_options={"compress": True})
+
+
+def test_checkpoint_io_durable_false_skips_only_the_fsyncs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def spy(fd: int) -> None:  # counts, then syncs for real
+        synced.append(fd)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    checkpoint = {"state_dict": {"w": torch.ones(3)}, "epoch": 1}
+    TiedCheckpointIO(durable=False).save_checkpoint(checkpoint, tmp_path / "fast.ckpt")
+    assert synced == []
+    TiedCheckpointIO().save_checkpoint(checkpoint, tmp_path / "durable.ckpt")
+    assert len(synced) >= 2  # the file, then its folder
+    for name in ("fast.ckpt", "durable.ckpt"):
+        loaded = TiedCheckpointIO().load_checkpoint(tmp_path / name)
+        assert loaded["epoch"] == 1 and torch.equal(loaded["state_dict"]["w"], torch.ones(3))
 
 
 @pytest.mark.xla

@@ -124,14 +124,16 @@ class TiedCheckpointIO(CheckpointIO):
     optimizer states, loops, callbacks and hyperparameters are stored as tensors plus JSON.
     Values JSON cannot hold (arbitrary objects in hyperparameters) raise `tiekit.CheckpointError`
     unless ``allow_pickle=True``, which pickles just those values (and unpickles them on load:
-    only for files you trust). The file is a safetensors file whatever its name
+    only for files you trust). ``durable=False`` skips the fsyncs, as in `tiekit.save_model`
+    (still atomic against a killed process). The file is a safetensors file whatever its name
     (``epoch=0-step=10.ckpt``): ``tiekit.load_model(module, path)`` reads the weights, and
     ``trainer.fit(ckpt_path=...)`` resumes from it. Not for the XLA strategies, which accept only
     their own ``XLACheckpointIO``.
     """
 
-    def __init__(self, *, allow_pickle: bool = False) -> None:
+    def __init__(self, *, allow_pickle: bool = False, durable: bool = True) -> None:
         self.allow_pickle = allow_pickle
+        self.durable = durable
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Write ``checkpoint`` to ``path`` atomically (a crash leaves the previous file)."""
@@ -145,7 +147,7 @@ class TiedCheckpointIO(CheckpointIO):
             raise CheckpointError(f"{path}: the checkpoint's 'state_dict' must map names to tensors")
         rest = {k: v for k, v in checkpoint.items() if k != "state_dict"}
         extra = _to_storable(rest, "checkpoint", self.allow_pickle)
-        save_checkpoint(_target(path), model=_holder(state), extra=extra)
+        save_checkpoint(_target(path), model=_holder(state), extra=extra, durable=self.durable)
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
