@@ -221,6 +221,22 @@ def test_metrics_csv_and_a_progress_bar(tmp_path: Path, capfd: pytest.CaptureFix
     assert "7/7" in err and "loss=" in err
 
 
+def test_tensorboard_events_hold_the_losses_of_the_csv(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    val = data(12)
+    result = tiekit.fit(
+        DropoutNet(), data(), val_data=val, epochs=2, batch_size=8, log_dir=tmp_path, log_every=3, **CPU
+    )
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert {"loss", "val_loss", "samples_per_second"} <= set(events.Tags()["scalars"])
+    losses = events.Scalars("loss")
+    assert [e.step for e in losses] == list(range(1, result.steps + 1))
+    assert [e.value for e in losses] == pytest.approx(result.losses, rel=1e-5)
+    assert [e.value for e in events.Scalars("val_loss")] == pytest.approx(result.val_losses, rel=1e-5)
+
+
 class NotALoss(nn.Module):
     def __init__(self) -> None:
         super().__init__()
