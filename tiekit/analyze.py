@@ -61,7 +61,7 @@ def find_ties(
     groups = _identity_and_storage_groups(first, extra, shared)
     unique_params = walk.unique_parameters(extra)
     if declared:
-        groups, unique_params = _merge_declared(model, groups, declared, unique_params, buffers)
+        groups, unique_params = _merge_declared(model, walk, groups, declared, unique_params)
     groups.sort(key=lambda pair: pair[0])
     tie_groups = [g for _, g in groups]
     suspected: tuple[tuple[str, ...], ...] = ()
@@ -103,8 +103,7 @@ class _Walk:
         """Positions of the first name of every distinct tensor, and, keyed by that position,
         the other (name, kind) pairs of each tensor met under several names."""
         ids = list(map(id, self.tensors))
-        ordered = sorted(ids)
-        repeated = set(itertools.compress(ordered, map(operator.eq, ordered, itertools.islice(ordered, 1, None))))
+        repeated = _repeated(ids)
         if not repeated:  # the common case for all but a handful of tensors
             return list(range(len(ids))), {}
         first_at: dict[int, int] = {}
@@ -171,14 +170,20 @@ def _shared_storages(tensors: list[torch.Tensor], distinct: list[int]) -> list[l
     except Exception:  # noqa: BLE001 - lazy, sparse or exotic tensors: ask one by one
         known = [(key, i) for i in distinct if (key := devices.storage_key(tensors[i])) is not None]
         storages, distinct = [key for key, _ in known], [i for _, i in known]
-    # Sorted, for the reason given on _Walk: storages are allocated in registration order too.
-    ordered = sorted(storages)
-    if not any(map(operator.eq, ordered, itertools.islice(ordered, 1, None))):  # nothing shares memory
-        return []
+    repeated = _repeated(storages)
     by_storage: dict[int, list[int]] = {}
-    for storage, i in zip(storages, distinct, strict=True):
-        by_storage.setdefault(storage, []).append(i)
-    return [positions for positions in by_storage.values() if len(positions) > 1]
+    if repeated:  # the common case is that nothing shares memory
+        for storage, i in zip(storages, distinct, strict=True):
+            if storage in repeated:
+                by_storage.setdefault(storage, []).append(i)
+    return list(by_storage.values())
+
+
+def _repeated(values: list[int]) -> set[int]:
+    """The values that occur more than once, found by sorting for the reason given on `_Walk`
+    (ids and storage addresses arrive nearly sorted, so timsort makes one sequential sweep)."""
+    ordered = sorted(values)
+    return set(itertools.compress(ordered, map(operator.eq, ordered, itertools.islice(ordered, 1, None))))
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -297,13 +302,13 @@ def _view_group(
 
 def _merge_declared(
     model: nn.Module,
+    walk: _Walk,
     groups: list[tuple[int, TieGroup]],
     declared: Mapping[str, str],
     unique_params: int,
-    buffers: bool,
 ) -> tuple[list[tuple[int, TieGroup]], int]:
     by_name = {n: i for i, (_, g) in enumerate(groups) for n in g.names}
-    order = {name: i for i, (name, _) in enumerate(_named_tensors(model, buffers))}
+    order = {walk.name(i): i for i in range(len(walk.tensors))}  # registration index, as groups use
     for target, source in declared.items():
         seen = {target}
         while source in declared:  # follow chains a -> b -> c to the root source
@@ -346,16 +351,6 @@ def _merge_declared(
             groups[source_group] = (min(index, order[target]), group)
             by_name[target] = source_group
     return groups, unique_params
-
-
-def _named_tensors(model: nn.Module, buffers: bool) -> list[tuple[str, torch.Tensor]]:
-    named: list[tuple[str, torch.Tensor]] = []
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        dot = prefix + "." if prefix else ""
-        named.extend((dot + a, t) for a, t in module._parameters.items() if t is not None)
-        if buffers:
-            named.extend((dot + a, t) for a, t in module._buffers.items() if t is not None)
-    return named
 
 
 def _suspected_broken_ties(first: dict[int, _Slot], tied: set[str]) -> tuple[tuple[str, ...], ...]:
