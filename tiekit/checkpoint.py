@@ -754,7 +754,7 @@ def _stage(model: nn.Module, source: _Source, *, strict: bool, device: torch.dev
     absent = set(missing)
     consumed = {key_of.get(n, (n, None))[0] for n in expected if n not in absent}
     if source.plan is None:
-        consumed |= _equal_duplicates(expected, key_of, source, where)
+        consumed |= _equal_duplicates(expected, key_of, source)
     unexpected = [k for k in entries if k not in consumed]
     if strict and (missing or unexpected):
         problems = [f"missing {_names(missing)}"] if missing else []
@@ -829,11 +829,9 @@ def _reconcile(
             key_of[member.name] = (source_key, member)
 
 
-def _equal_duplicates(
-    expected: list[str], key_of: Mapping[str, tuple[str, TieMember]], source: _Source, where: str
-) -> set[str]:
+def _equal_duplicates(expected: list[str], key_of: Mapping[str, tuple[str, TieMember]], source: _Source) -> set[str]:
     """Keys of a file without tie metadata that repeat a tied tensor: accepted when equal."""
-    entries = source.entries
+    entries, where = source.entries, source.where
     duplicates: set[str] = set()
     for name in expected:
         key, member = key_of.get(name, (name, None))
