@@ -4,6 +4,7 @@ from typing import TYPE_CHECKING, Any
 
 from tiekit.analyze import find_ties
 from tiekit.checkpoint import LoadResult, load_checkpoint, load_model, save_checkpoint, save_model
+from tiekit.collective import collective_save_checkpoint, collective_save_model, is_writer
 from tiekit.errors import CheckpointError, TieError, TiekitError, TieWarning
 from tiekit.mixin import TPUMixin
 from tiekit.plan import PLAN_VERSION, CrossModuleUse, TieGroup, TieMember, TiePlan, TieUse, ViewGeometry
@@ -31,8 +32,11 @@ __all__ = [
     "VerifyReport",
     "ViewGeometry",
     "__version__",
+    "collective_save_checkpoint",
+    "collective_save_model",
     "find_ties",
     "fit",
+    "is_writer",
     "load_checkpoint",
     "load_model",
     "move",

@@ -100,8 +100,9 @@ def save_model(
     ``path`` is a file (``.../model.safetensors``) or a folder (``model.safetensors`` inside
     it). With ``max_shard_size`` (bytes, or a string like ``"2GB"``/``"500MiB"``) a model
     larger than that is written as Hugging Face style shards plus ``<name>.index.json``.
-    XLA tensors cross to the host in one batched transfer; with several replicas only the
-    master writes and the others wait for it.
+    XLA tensors cross to the host in one batched transfer. Local: it writes in the calling
+    process and never waits for other ranks (with several, call it on one rank, or every rank
+    calls `tiekit.collective_save_model`).
 
     The file appears whole or not at all (written aside, then renamed). ``durable=True`` also
     fsyncs it before the rename, so it survives a power loss; ``durable=False`` skips that wait
@@ -113,14 +114,11 @@ def save_model(
     names, tensors = _unique_tensors(model, plan)
     header = _header_metadata(metadata, plan)
 
-    def write() -> None:
-        state = dict(zip(names, _host_tensors(tensors), strict=True))
-        if limit is None or sum(_nbytes(t) for t in state.values()) <= limit:
-            _write_single(target, state, header, durable)
-        else:
-            _write_sharded(target, state, header, plan, limit, durable)
-
-    _on_master(f"tiekit.save_model:{target}", write)
+    state = dict(zip(names, _host_tensors(tensors), strict=True))
+    if limit is None or sum(_nbytes(t) for t in state.values()) <= limit:
+        _write_single(target, state, header, durable)
+    else:
+        _write_sharded(target, state, header, plan, limit, durable)
 
 
 def save_checkpoint(
@@ -137,7 +135,7 @@ def save_checkpoint(
     The optimizer state is stored once per unique (tied) parameter, under the parameter's
     source name. ``extra`` may hold tensors, numbers, strings, None, and lists, tuples and
     string-keyed dicts of these (RNG states, data-loader positions...); nothing is pickled.
-    ``durable`` as in `save_model`.
+    ``durable`` as in `save_model`. Local, as `save_model`.
     """
     target = _target_path(path, CHECKPOINT_NAME)
     plan = _saving_plan(model)
@@ -156,20 +154,8 @@ def save_checkpoint(
     header[STATE_KEY] = json.dumps(record, separators=(",", ":"))
     all_names = [*names, *side]
 
-    def write() -> None:
-        hosts = _host_tensors([*tensors, *side.values()])
-        _write_single(target, dict(zip(all_names, hosts, strict=True)), header, durable)
-
-    _on_master(f"tiekit.save_checkpoint:{target}", write)
-
-
-def _on_master(tag: str, write: Callable[[], None]) -> None:
-    # The barrier is reached even when the master fails, so the other replicas never hang.
-    try:
-        if devices.is_master():
-            write()
-    finally:
-        devices.barrier(tag)
+    hosts = _host_tensors([*tensors, *side.values()])
+    _write_single(target, dict(zip(all_names, hosts, strict=True)), header, durable)
 
 
 def _target_path(path: PathLike, default_name: str) -> Path:

@@ -107,11 +107,12 @@ def to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.T
     return list(moved)
 
 
-def _xla_replicas() -> tuple[int, int, int] | None:
-    """(global ordinal, world size, process count) when this process runs several XLA replicas.
+def xla_replicas() -> tuple[int, int, int] | None:
+    """(global ordinal, world size, process count) when this process runs one of several XLA
+    replicas (``torch_xla.launch``), else None.
 
     Neither imports torch_xla nor starts its runtime: a process that has not started it
-    cannot be one of several XLA replicas.
+    cannot be one of several XLA replicas. Under SPMD the world size is 1 (see `spmd_hosts`).
     """
     import sys
 
@@ -120,58 +121,32 @@ def _xla_replicas() -> tuple[int, int, int] | None:
         return None
     import torch_xla.runtime as xr
 
-    if xr.world_size() <= 1:
+    if xr.is_spmd() or xr.world_size() <= 1:
         return None
     return int(xr.global_ordinal()), int(xr.world_size()), int(xr.process_count())
 
 
-def _distributed_world_size() -> int:
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return int(dist.get_world_size())
-    return 1
+def spmd_hosts() -> tuple[int, int] | None:
+    """(process index, process count) when this process is one host of a multi-host SPMD run,
+    else None; never imports torch_xla. Under SPMD every host is XLA replica 0 of 1, so hosts
+    are told apart by their process index."""
+    import sys
+
+    torch_xla = sys.modules.get("torch_xla")
+    if torch_xla is None or not torch_xla._XLAC._xla_runtime_is_initialized():
+        return None
+    import torch_xla.runtime as xr
+
+    if not xr.is_spmd() or xr.process_count() <= 1:
+        return None
+    return int(xr.process_index()), int(xr.process_count())
 
 
-def is_master() -> bool:
-    """True in the one replica that writes shared files: XLA global ordinal 0, torch.distributed
-    rank 0, or the only process there is."""
-    replicas = _xla_replicas()
-    if replicas is not None:
-        return replicas[0] == 0
-    if _distributed_world_size() > 1:
-        return int(torch.distributed.get_rank()) == 0
-    return True
+def xla_rendezvous(tag: str, payload: bytes) -> list[bytes]:
+    """Every XLA replica's (or SPMD host's) ``payload``, in ordinal order (waits for all of them)."""
+    xm = _xla_module("torch_xla.core.xla_model")
 
-
-_thread_barriers: dict[str, threading.Barrier] = {}
-_thread_barriers_lock = threading.Lock()
-
-
-def barrier(tag: str, timeout: float | None = None) -> None:
-    """Block until every replica has called ``barrier(tag)``; a no-op without replicas.
-
-    ``torch_xla.launch`` on one host runs one thread per device in a single process: those
-    threads meet at a ``threading.Barrier``, because XLA's collective rendezvous aborts on
-    XLA:CPU when the threads compile it at the same time. Replicas spread over several
-    processes meet at ``xm.rendezvous``; torch.distributed ranks at ``dist.barrier``.
-    """
-    replicas = _xla_replicas()
-    if replicas is not None:
-        _, world, processes = replicas
-        if processes == 1:
-            with _thread_barriers_lock:
-                waiter = _thread_barriers.setdefault(tag, threading.Barrier(world))
-            try:
-                waiter.wait(timeout)
-            except threading.BrokenBarrierError as exc:
-                raise TimeoutError(f"barrier {tag!r}: not every replica arrived within {timeout} s") from exc
-            return
-        import torch_xla.core.xla_model as xm
-
-        xm.rendezvous(tag)
-        return
-    if _distributed_world_size() > 1:
-        torch.distributed.barrier()
+    return [bytes(p) for p in xm.rendezvous(tag, payload)]
 
 
 # -- training (tiekit.fit): launching replicas, ending steps, metrics ---------------------------
@@ -201,7 +176,7 @@ def xla_runtime_started() -> bool:
 
 def xla_replica() -> tuple[int, int] | None:
     """(global ordinal, world size) inside one of several XLA replicas, else None."""
-    replicas = _xla_replicas()
+    replicas = xla_replicas()
     return None if replicas is None else (replicas[0], replicas[1])
 
 

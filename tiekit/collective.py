@@ -1,0 +1,230 @@
+"""Coordination between the ranks of a run. Every function here that waits for other ranks says
+so: its name starts with ``collective_`` and every rank must call it, in the same order.
+
+Everything else in tiekit is local: `tiekit.save_model` writes where it is called and never
+waits. The one convention for multi-rank code:
+
+* one writer: ``if tiekit.is_writer(): tiekit.save_model(model, path)``, then your own
+  ``dist.barrier()`` if other ranks read the file next (Lightning calls its ``CheckpointIO``
+  on rank 0 only: that is this pattern);
+* or every rank calls `collective_save_model` (or `collective_save_checkpoint`): each distinct
+  path is written once, by the lowest rank that names it (so one shared path is written once,
+  per-rank paths each by their rank), and a failure of any writer is raised on every rank.
+
+Ranks are torch.distributed processes, ``torch_xla.launch`` replicas (threads of one process on
+XLA:CPU, processes on TPU hosts), or the hosts of a multi-host SPMD run (one process each,
+told apart by the process index: under SPMD every host is XLA replica 0).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+
+from tiekit import devices
+from tiekit.errors import CheckpointError, TiekitError
+
+T = TypeVar("T")
+
+#: Seconds a collective waits for the other ranks before it fails (threads, gloo): a stuck
+#: rank is an error naming it, never a hang.
+DEFAULT_TIMEOUT = 1800.0
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Where this process (or launch thread) stands in its run: ``rank`` of ``world``, and how the
+    ranks are joined: ``"single"``, ``"torch.distributed"``, ``"xla-threads"`` (launch threads
+    of one process), ``"xla-processes"`` or ``"spmd-hosts"``."""
+
+    rank: int
+    world: int
+    kind: str
+
+    @property
+    def is_writer(self) -> bool:
+        """True on the rank that writes shared files: rank 0."""
+        return self.rank == 0
+
+
+def ranks() -> Ranks:
+    """This process's `Ranks` (local: asks the runtimes, never waits, never starts torch_xla)."""
+    replicas = devices.xla_replicas()
+    if replicas is not None:
+        ordinal, world, processes = replicas
+        return Ranks(ordinal, world, "xla-threads" if processes == 1 else "xla-processes")
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return Ranks(int(dist.get_rank()), int(dist.get_world_size()), "torch.distributed")
+    hosts = devices.spmd_hosts()
+    if hosts is not None:
+        return Ranks(hosts[0], hosts[1], "spmd-hosts")
+    return Ranks(0, 1, "single")
+
+
+def is_writer() -> bool:
+    """True in the one rank of the run that writes shared files (local, never waits): global
+    rank 0, XLA global ordinal 0, SPMD process index 0, or the only process there is."""
+    return ranks().is_writer
+
+
+# -- collectives ------------------------------------------------------------------------------
+
+
+def collective_gather(value: Any, *, timeout: float = DEFAULT_TIMEOUT) -> list[Any]:
+    """Collective: every rank's picklable ``value``, in rank order, on every rank.
+
+    A rank that does not arrive within ``timeout`` seconds is a `TiekitError` naming it (launch
+    threads, gloo); nccl and XLA processes wait as long as their runtime's own timeout.
+    """
+    where = ranks()
+    if where.world == 1:
+        return [value]
+    if where.kind == "xla-threads":
+        return _threads.gather(where.rank, where.world, value, timeout)
+    if where.kind == "torch.distributed":
+        return _dist_gather(where, value, timeout)
+    # XLA replicas or SPMD hosts in several processes: the runtime's rendezvous carries bytes.
+    payloads = devices.xla_rendezvous("tiekit.collective", pickle.dumps(value))
+    return [pickle.loads(p) for p in payloads]  # peers of this very run, not files from outside
+
+
+def collective_barrier(*, timeout: float = DEFAULT_TIMEOUT) -> None:
+    """Collective: return once every rank has called it (`TiekitError` naming the missing ranks
+    after ``timeout`` seconds, where the runtime allows)."""
+    collective_gather(None, timeout=timeout)
+
+
+def collective_agree(value: T, what: str, *, timeout: float = DEFAULT_TIMEOUT) -> T:
+    """Collective: rank 0's ``value`` (picklable, comparable), after checking every rank holds the
+    same; a disagreement is a `TiekitError` on every rank naming ``what`` and the ranks that differ."""
+    values = collective_gather(value, timeout=timeout)
+    differ = [r for r, v in enumerate(values) if v != values[0]]
+    if differ:
+        shown = "; ".join(f"rank {r}: {values[r]!r}" for r in [0, *differ[:7]])
+        raise TiekitError(f"the ranks disagree on {what} ({shown}); it must be the same on every rank")
+    return values[0]
+
+
+def collective_run(path_key: str, write: Callable[[], None], *, what: str, timeout: float = DEFAULT_TIMEOUT) -> None:
+    """Collective: run ``write`` once per distinct ``path_key`` (on the lowest rank naming it) and
+    raise every writer's failure on every rank (`CheckpointError` naming the rank and its error).
+    The building block of `collective_save_model`; ``what`` names the operation in errors."""
+    where = ranks()
+    keys = collective_gather(path_key, timeout=timeout)
+    error = None
+    if keys.index(path_key) == where.rank:
+        try:
+            write()
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below, then re-raised here
+            error = f"{type(exc).__name__}: {exc}"
+            own = exc
+    errors = collective_gather(error, timeout=timeout)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if not failed:
+        return
+    if error is not None and len(failed) == 1:
+        raise own
+    detail = "; ".join(f"rank {r}: {e}" for r, e in failed)
+    raise CheckpointError(f"{what} failed on {len(failed)} of {where.world} rank(s): {detail}")
+
+
+def collective_save_model(model: torch.nn.Module, path: str | os.PathLike[str], **kwargs: Any) -> None:
+    """Collective: every rank calls it; `tiekit.save_model` runs once per distinct path, on the
+    lowest rank naming it (one shared path: written once; per-rank paths: each by its rank). A
+    failure of any writer raises `CheckpointError` on every rank. Keywords as `tiekit.save_model`."""
+    from tiekit.checkpoint import save_model
+
+    target = os.path.abspath(os.fspath(path))
+    collective_run(target, lambda: save_model(model, target, **kwargs), what=f"saving {target}")
+
+
+def collective_save_checkpoint(path: str | os.PathLike[str], **kwargs: Any) -> None:
+    """Collective: `tiekit.save_checkpoint` as `collective_save_model` runs `tiekit.save_model`:
+    once per distinct path, every writer's failure raised on every rank."""
+    from tiekit.checkpoint import save_checkpoint
+
+    target = os.path.abspath(os.fspath(path))
+    collective_run(target, lambda: save_checkpoint(target, **kwargs), what=f"saving {target}")
+
+
+# -- runtimes ---------------------------------------------------------------------------------
+
+
+def _dist_gather(where: Ranks, value: Any, timeout: float) -> list[Any]:
+    dist = torch.distributed
+    if dist.get_backend() == "gloo":
+        # monitored_barrier names the ranks that did not arrive instead of hanging.
+        try:
+            dist.monitored_barrier(timeout=timedelta(seconds=timeout), wait_all_ranks=True)
+        except RuntimeError as exc:
+            raise TiekitError(f"rank {where.rank}: not every rank arrived within {timeout:g} s: {exc}") from exc
+    out: list[Any] = [None] * where.world
+    dist.all_gather_object(out, value)
+    return out
+
+
+class _ThreadRendezvous:
+    """Gathers for the launch threads of one process: the n-th collective of every thread meets
+    the n-th of the others (they run the same program), each meeting a slot table and a barrier."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._meetings: dict[int, tuple[threading.Barrier, list[Any], list[int]]] = {}
+        self._count = threading.local()
+        self._failure = ""
+
+    def gather(self, rank: int, world: int, value: Any, timeout: float) -> list[Any]:
+        if self._failure:
+            raise TiekitError(f"replica {rank}: stopped because another replica failed: {self._failure}")
+        n = getattr(self._count, "n", 0)
+        self._count.n = n + 1
+        with self._lock:
+            barrier, slots, left = self._meetings.setdefault(n, (threading.Barrier(world), [None] * world, [world]))
+        slots[rank] = value
+        try:
+            barrier.wait(timeout)
+        except threading.BrokenBarrierError:
+            reason = self._failure or f"not every replica arrived within {timeout:g} s (one is stuck)"
+            raise TiekitError(f"replica {rank}: collective #{n} failed: {reason}") from None
+        result = list(slots)
+        with self._lock:
+            left[0] -= 1
+            if left[0] == 0:
+                del self._meetings[n]
+        return result
+
+    def abort(self, reason: str) -> None:
+        """Release every waiting thread, and fail every later gather: a replica failed."""
+        with self._lock:
+            self._failure = self._failure or reason
+            for barrier, _, _ in self._meetings.values():
+                barrier.abort()
+
+    def reset(self) -> None:
+        """Forget an earlier launch's meetings and failure (before new launch threads start)."""
+        with self._lock:
+            self._meetings.clear()
+            self._failure = ""
+        self._count = threading.local()
+
+
+_threads = _ThreadRendezvous()
+
+
+def abort_thread_collectives(reason: str) -> None:
+    """Local: release this process's launch threads waiting in a collective, with ``reason``
+    (a replica failed); later collectives of this launch fail at once."""
+    _threads.abort(reason)
+
+
+def reset_thread_collectives() -> None:
+    """Local: start a new launch's thread collectives afresh (call before ``torch_xla.launch``)."""
+    _threads.reset()
