@@ -110,7 +110,8 @@ def collective_agree(value: T, what: str, *, timeout: float = DEFAULT_TIMEOUT) -
     if differ:
         shown = "; ".join(f"rank {r}: {values[r]!r}" for r in [0, *differ[:7]])
         raise TiekitError(f"the ranks disagree on {what} ({shown}); it must be the same on every rank")
-    return values[0]
+    agreed: T = values[0]
+    return agreed
 
 
 def collective_run(path_key: str, write: Callable[[], None], *, what: str, timeout: float = DEFAULT_TIMEOUT) -> None:

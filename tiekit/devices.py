@@ -121,7 +121,7 @@ def xla_replicas() -> tuple[int, int, int] | None:
         return None
     import torch_xla.runtime as xr
 
-    if xr.is_spmd() or xr.world_size() <= 1:
+    if bool(xr.is_spmd()) or xr.world_size() <= 1:  # type: ignore[no-untyped-call]
         return None
     return int(xr.global_ordinal()), int(xr.world_size()), int(xr.process_count())
 
@@ -137,7 +137,7 @@ def spmd_hosts() -> tuple[int, int] | None:
         return None
     import torch_xla.runtime as xr
 
-    if not xr.is_spmd() or xr.process_count() <= 1:
+    if not xr.is_spmd() or xr.process_count() <= 1:  # type: ignore[no-untyped-call]
         return None
     return int(xr.process_index()), int(xr.process_count())
 
