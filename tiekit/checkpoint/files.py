@@ -1,0 +1,239 @@
+"""Atomic files: a save is written in a private work folder and renamed into place.
+
+A crash at any point leaves the previous checkpoint loadable. Single files are fsynced (when
+``durable``) and renamed over the target; sharded saves rename their shards first (keeping the
+previous save's shards reachable through backup links) and commit with the index, written last.
+Work folders of killed saves are removed by the next save into the same folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+from tiekit._header import read_json
+from tiekit.checkpoint.layout import INDEX_SUFFIX, PLAN_KEY, SAVE_ID_KEY, nbytes
+from tiekit.errors import CheckpointError
+from tiekit.plan import TiePlan
+
+_TEMP_TAG = ".tiekit-tmp-"
+_BACKUP_TAG = ".tiekit-prev-"
+_TEMP_RE = re.compile(r"\..+" + re.escape(_TEMP_TAG) + r"(\d+)-[0-9a-f]+")
+
+
+def write_single(target: Path, state: dict[str, torch.Tensor], header: dict[str, str], durable: bool) -> None:
+    _prepare_folder(target)
+    _commit_file(target, lambda tmp: _save_tensors(state, tmp, header), durable)
+    # A sharded save that this file now replaces: drop it, or a loader might still pick it.
+    index = target.with_name(target.name + INDEX_SUFFIX)
+    if index.exists():
+        _remove(target.parent, [index.name, *_weight_map_files(index)])
+    _remove(target.parent, _backups(target))
+
+
+def write_sharded(
+    target: Path, state: dict[str, torch.Tensor], header: dict[str, str], plan: TiePlan, limit: int, durable: bool
+) -> None:
+    folder = target.parent
+    _prepare_folder(target)
+    shards = _split(state, limit)
+    stem = target.name.removesuffix(".safetensors")
+    files = [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    index_path = target.with_name(target.name + INDEX_SUFFIX)
+    old_files = _weight_map_files(index_path) if index_path.exists() else []
+    save_id = secrets.token_hex(8)
+    shard_header = {k: v for k, v in header.items() if k != PLAN_KEY}
+    shard_header[SAVE_ID_KEY] = save_id
+    try:
+        work = _work_folder(index_path)
+    except OSError as exc:
+        raise CheckpointError(f"{index_path}: cannot write: {exc.strerror or exc}") from exc
+    try:
+        for file, keys in zip(files, shards, strict=True):
+            _save_tensors({k: state[k] for k in keys}, work / file, shard_header)
+            if durable:
+                _fsync(work / file)
+        backups = _protect_previous(index_path, old_files, set(files))
+        for file in files:
+            os.replace(work / file, folder / file)
+        if durable:
+            _fsync(folder)
+        index = {
+            "metadata": {
+                **{k: v for k, v in header.items() if k != PLAN_KEY},
+                "total_size": sum(nbytes(t) for t in state.values()),
+                SAVE_ID_KEY: save_id,
+                PLAN_KEY: plan.to_dict(),
+            },
+            "weight_map": {key: file for file, keys in zip(files, shards, strict=True) for key in keys},
+        }
+        text = json.dumps(index, indent=2)
+        _commit_file(index_path, lambda tmp: tmp.write_text(text, encoding="utf-8"), durable)
+    except OSError as exc:
+        raise CheckpointError(f"{index_path}: cannot write the sharded checkpoint: {exc}") from exc
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    # Committed: the previous save's leftovers and a single file this save replaces go.
+    _remove(folder, [f for f in [*old_files, *backups, *_backups(target), target.name] if f not in files])
+
+
+def _split(state: dict[str, torch.Tensor], limit: int) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
+    size = 0
+    for key, t in state.items():
+        if shards[-1] and size + nbytes(t) > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(key)
+        size += nbytes(t)
+    return shards
+
+
+def _protect_previous(index_path: Path, old_files: list[str], new_files: set[str]) -> list[str]:
+    """Keep the previous sharded save loadable while its shard names are being overwritten.
+
+    Shards about to be replaced get a hard link under a hidden name, and the previous index
+    is rewritten to point at those links, so whatever instant a crash happens, one complete
+    index names complete shards. Returns the backup names, removed once the new index is in.
+    """
+    colliding = [f for f in old_files if f in new_files]
+    if not colliding:
+        return []
+    folder = index_path.parent
+    token = secrets.token_hex(4)
+    renamed = {f: f".{f}{_BACKUP_TAG}{token}" for f in colliding}
+    for old, backup in renamed.items():
+        try:
+            os.link(folder / old, folder / backup)
+        except OSError:  # a filesystem without hard links: copy
+            with open(folder / old, "rb") as src, open(folder / backup, "wb") as dst:
+                while chunk := src.read(1 << 24):
+                    dst.write(chunk)
+            _fsync(folder / backup)
+    raw = read_json(index_path, "index")
+    raw["weight_map"] = {k: renamed.get(v, v) for k, v in raw["weight_map"].items()}
+    text = json.dumps(raw, indent=2)
+    _commit_file(index_path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    return list(renamed.values())
+
+
+def _backups(target: Path) -> list[str]:
+    """Backup links of shards of ``target`` left by a save killed after its index was committed."""
+    stem = target.name.removesuffix(".safetensors")
+    pattern = re.compile(re.escape(f".{stem}-") + r".+" + re.escape(_BACKUP_TAG) + r"[0-9a-f]+")
+    return [p.name for p in target.parent.iterdir() if pattern.fullmatch(p.name)]
+
+
+def _weight_map_files(index_path: Path) -> list[str]:
+    """Shard files an existing index names, when they are plain names inside its folder."""
+    try:
+        raw = read_json(index_path, "index")
+    except CheckpointError:
+        return []
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict):
+        return []
+    return sorted({f for f in weight_map.values() if isinstance(f, str) and f and "/" not in f and f != ".."})
+
+
+def _prepare_folder(target: Path) -> None:
+    folder = target.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(f"{target}: cannot create the folder: {exc.strerror or exc}") from exc
+    # Work folders of saves that were killed (their process is gone) are garbage.
+    for entry in folder.iterdir():
+        match = _TEMP_RE.fullmatch(entry.name)
+        if match and not _alive(int(match.group(1))):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    entry.unlink()
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def _work_folder(target: Path) -> Path:
+    """A private folder next to ``target`` (same filesystem, so renames out of it are atomic).
+
+    Writers put their own temporary files in it (safetensors does), and one ``rmtree`` removes
+    whatever a crash left there.
+    """
+    work = target.with_name(f".{target.name}{_TEMP_TAG}{os.getpid()}-{secrets.token_hex(4)}")
+    work.mkdir()
+    return work
+
+
+def _commit_file(target: Path, write: Callable[[Path], object], durable: bool = True) -> None:
+    """Write in a work folder, fsync (if ``durable``), rename over ``target``, fsync the folder."""
+    try:
+        work = _work_folder(target)
+    except OSError as exc:
+        raise CheckpointError(f"{target}: cannot write: {exc.strerror or exc}") from exc
+    try:
+        tmp = work / target.name
+        write(tmp)
+        if durable:
+            _fsync(tmp)
+        os.replace(tmp, target)
+        if durable:
+            _fsync(target.parent)
+    except OSError as exc:
+        raise CheckpointError(f"{target}: cannot write: {exc.strerror or exc}") from exc
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _save_tensors(state: dict[str, torch.Tensor], path: Path, header: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    try:
+        save_file(state, os.fspath(path), metadata=header)
+    except (ValueError, RuntimeError, TypeError) as exc:
+        raise CheckpointError(f"{path}: safetensors refused the tensors: {exc}") from exc
+
+
+def _fsync(path: Path) -> None:
+    # A file's data (or a folder's entries) reach the disk before the rename that publishes it.
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) if path.is_dir() else os.O_RDONLY
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        if path.is_dir():
+            return  # some platforms cannot open folders; the rename is still atomic there
+        raise
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(folder: Path, names: Iterable[str]) -> None:
+    removed = False
+    for name in names:
+        with contextlib.suppress(OSError):
+            (folder / name).unlink()
+            removed = True
+    if removed:  # leftovers only: the new checkpoint is already published, durably or not
+        with contextlib.suppress(OSError):
+            _fsync(folder)

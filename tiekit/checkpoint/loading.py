@@ -1,0 +1,339 @@
+"""Loading: stage (validate everything against the model, change nothing), then commit.
+
+Real tensors are overwritten in place, so parameter identity and optimizers stay valid; meta
+tensors (and tensors on another device than the one asked for) are replaced by one new tensor
+per unique weight, then re-tied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiekit import devices
+from tiekit._header import FileIdentity, TensorEntry
+from tiekit._slots import assign, resolve
+from tiekit.analyze import dtype_name, find_ties
+from tiekit.checkpoint.codec import decode
+from tiekit.checkpoint.layout import CHECKPOINT_NAME, Device, PathLike, name_list
+from tiekit.checkpoint.optimizer import stage_optimizer
+from tiekit.checkpoint.reads import read_into, read_tensor
+from tiekit.checkpoint.saving import declared_ties
+from tiekit.checkpoint.source import Source, open_source, training_record
+from tiekit.errors import CheckpointError, TieError
+from tiekit.plan import MemberKind, TieGroup, TieMember, TiePlan
+from tiekit.retie import retie, tie_changes
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What `load_model` did.
+
+    ``missing``: names of the model's state that the file did not provide (left unchanged).
+    ``unexpected``: keys of the file that nothing in the model took. ``retied``: the tie
+    groups applied to the model, by the model's names. ``plan_origin``: where the ties came
+    from: ``"tiekit"`` (the file's plan), ``"safetensors"`` (safetensors' ``save_model``
+    metadata) or ``"model"`` (the model's own ties, for files without tie metadata).
+    """
+
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+    retied: tuple[TieGroup, ...]
+    plan_origin: str
+
+
+@dataclass(frozen=True)
+class Staged:
+    """Everything validated, nothing changed yet: the plan to apply and what to read where."""
+
+    groups: tuple[TieGroup, ...]
+    loads: tuple[tuple[str, str], ...]  # (model name to fill, file key)
+    anchor: Mapping[str, str]  # model name -> the name holding its tensor after the load
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+    device: torch.device | None
+
+
+def load_model(model: nn.Module, path: PathLike, *, strict: bool = True, device: Device = None) -> LoadResult:
+    """Load a safetensors file, an index or a folder into ``model`` and re-tie it.
+
+    Works whatever state the model is in: tied, untied, ties broken by an XLA move, or on
+    the meta device (each unique tensor is allocated once, on ``device`` or the CPU). Ties
+    come from the file's plan, else safetensors' ``save_model`` metadata, else the model's
+    own (detected and declared) ties. ``device`` is where the weights end up; by default
+    they stay where the model's tensors are. With ``strict`` missing or unexpected keys
+    raise `CheckpointError`; every error is raised before the model is changed.
+    """
+    source = open_source(path)
+    staged = _stage(model, source, strict=strict, device=devices.resolve_device(device))
+    _commit(model, source, staged)
+    return LoadResult(staged.missing, staged.unexpected, staged.groups, source.plan_origin)
+
+
+def _slots(model: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Tensor, MemberKind]]:
+    slots: dict[str, tuple[nn.Module, str, torch.Tensor, MemberKind]] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = prefix + "." if prefix else ""
+        for attr, p in module._parameters.items():
+            if p is not None:
+                slots[dot + attr] = (module, attr, p, "parameter")
+        for attr, b in module._buffers.items():
+            if b is not None:
+                slots[dot + attr] = (module, attr, b, "buffer")
+    return slots
+
+
+def _stage(model: nn.Module, source: Source, *, strict: bool, device: torch.device | None) -> Staged:
+    where, entries = source.where, source.entries
+    slots = _slots(model)
+    expected = [n for n in model.state_dict(keep_vars=True) if n in slots]
+    try:
+        model_plan = find_ties(model, declared=declared_ties(model) or None)
+    except TieError as exc:
+        raise CheckpointError(f"{where}: cannot load into {type(model).__name__}: {exc}") from exc
+    if source.plan is None:
+        groups = _rekey(_group_table(model_plan), entries)
+    else:
+        groups = _group_table(source.plan)
+        _reconcile(groups, model_plan, entries, where, type(model).__name__)
+    key_of = {m.name: (source_key, m) for source_key, members in groups.items() for m in members}
+
+    retie_groups: list[TieGroup] = []
+    anchor: dict[str, str] = {}
+    loads: list[tuple[str, str]] = []
+    for source_key, members in groups.items():
+        present = [m for m in members if m.name in slots]
+        holder = next((m for m in present if m.view is None), None)
+        if holder is None or source_key not in entries:
+            continue  # nothing to load: its names are reported missing below
+        tied = [TieMember(m.name, slots[m.name][3], m.view, m.requires_grad) for m in present if m is not holder]
+        entry = entries[source_key][1]
+        group = TieGroup(
+            holder.name,
+            (TieMember(holder.name, slots[holder.name][3]), *tied),
+            "view" if any(m.view for m in tied) else slots[holder.name][3],
+            entry.shape,
+            dtype_name(entry.dtype),
+        )
+        loads.append((holder.name, source_key))
+        anchor.update({m.name: holder.name for m in present})
+        if tied:
+            retie_groups.append(group)
+    loads.extend((n, n) for n in expected if n not in key_of and n in entries)
+
+    missing = [n for n in expected if n not in anchor and (n in key_of or n not in entries)]
+    absent = set(missing)
+    consumed = {key_of.get(n, (n, None))[0] for n in expected if n not in absent}
+    if source.plan is None:
+        consumed |= _equal_duplicates(expected, key_of, source)
+    unexpected = [k for k in entries if k not in consumed]
+    if strict and (missing or unexpected):
+        problems = [f"missing {name_list(missing)}"] if missing else []
+        problems += [f"unexpected {name_list(unexpected)}"] if unexpected else []
+        raise CheckpointError(
+            f"{where}: does not match {type(model).__name__}: {'; '.join(problems)} (load with strict=False to accept)"
+        )
+
+    for name in expected:
+        key, member = key_of.get(name, (name, None))
+        if name not in absent:
+            _check_fits(name, slots[name][2], entries[key][1], member, where)
+    for group in retie_groups:
+        try:
+            tie_changes(model, group)  # the checks retie makes, without changing anything
+        except TieError as exc:
+            raise CheckpointError(f"{where}: cannot re-tie {type(model).__name__}: {exc}") from exc
+    return Staged(tuple(retie_groups), tuple(loads), anchor, tuple(missing), tuple(unexpected), device)
+
+
+def _group_table(plan: TiePlan) -> dict[str, list[TieMember]]:
+    return {g.source: list(g.members) for g in plan.groups}
+
+
+def _rekey(groups: dict[str, list[TieMember]], entries: Mapping[str, Any]) -> dict[str, list[TieMember]]:
+    """For the model's own plan: a group whose source name the file lacks takes its data from
+    another member the file has (a file that kept ``lm_head.weight`` instead of the embedding)."""
+    out: dict[str, list[TieMember]] = {}
+    for key, members in groups.items():
+        if key not in entries:
+            key = next((m.name for m in members if m.view is None and m.name in entries), key)
+        out[key] = members
+    return out
+
+
+def _reconcile(
+    groups: dict[str, list[TieMember]], model_plan: TiePlan, entries: Mapping[str, Any], where: str, cls: str
+) -> None:
+    """Check the file's ties against the model's (detected and declared) and extend them.
+
+    A model tie the file has no data for (``lm_head.weight`` absent) joins the file's group;
+    a model tie between two tensors the file stores separately is a disagreement: loading
+    two different tensors into one would silently drop one of them.
+    """
+    key_of = {m.name: (key, m) for key, members in groups.items() for m in members}
+    for group in model_plan.groups:
+        source_key, source_member = key_of.get(group.source, (group.source, None))
+        for member in group.members[1:]:
+            key, _ = key_of.get(member.name, (member.name, None))
+            if key == source_key:
+                continue
+            if key in entries and source_key not in entries and group.source not in key_of and member.view is None:
+                # The file holds this tie's one tensor under the member's name: the source joins it.
+                source_member = TieMember(group.source, group.members[0].kind)
+                groups.setdefault(key, [TieMember(key, "parameter")]).append(source_member)
+                key_of[group.source] = (key, source_member)
+                source_key = key
+                continue
+            if key in entries or member.name in key_of:
+                raise CheckpointError(
+                    f"{where}: the file's tie plan disagrees with {cls}: it stores {key!r} and "
+                    f"{source_key!r} as separate tensors, but the model ties {member.name!r} to "
+                    f"{group.source!r}. Load into a model built without this tie, or save it tied."
+                )
+            if source_member is not None and source_member.view is not None and member.view is None:
+                member = TieMember(member.name, member.kind, source_member.view, source_member.requires_grad)
+            elif source_member is not None and source_member.view is not None:
+                raise CheckpointError(
+                    f"{where}: cannot reconcile the view {member.name!r} of {group.source!r}, itself a view in the file"
+                )
+            groups.setdefault(source_key, [TieMember(source_key, "parameter")]).append(member)
+            key_of[member.name] = (source_key, member)
+
+
+def _equal_duplicates(expected: list[str], key_of: Mapping[str, tuple[str, TieMember]], source: Source) -> set[str]:
+    """Keys of a file without tie metadata that repeat a tied tensor: accepted when equal."""
+    entries, where = source.entries, source.where
+    duplicates: set[str] = set()
+    for name in expected:
+        key, member = key_of.get(name, (name, None))
+        if key == name or name not in entries or key not in entries or member is None:
+            continue
+        value = read_tensor(*entries[key], source.files)
+        if member.view is not None:
+            v = member.view
+            if v.offset + 1 + sum((s - 1) * st for s, st in zip(v.size, v.stride, strict=True)) > value.numel():
+                continue
+            value = value.reshape(-1).as_strided(v.size, v.stride, v.offset)
+        copy = read_tensor(*entries[name], source.files)
+        if copy.shape != value.shape or copy.dtype != value.dtype or not torch.equal(copy, value):
+            raise CheckpointError(
+                f"{where}: stores {name!r} and {key!r} with different values, but the model ties them; "
+                "load into a model built without this tie"
+            )
+        duplicates.add(name)
+    return duplicates
+
+
+def _check_fits(name: str, tensor: torch.Tensor, entry: TensorEntry, member: TieMember | None, where: str) -> None:
+    shape = entry.shape if member is None or member.view is None else member.view.size
+    if tuple(tensor.shape) != shape:
+        via = "" if entry.name == name else f" (through key {entry.name!r})"
+        raise CheckpointError(
+            f"{where}: shape mismatch for {name!r}{via}: the file has {shape}, the model {tuple(tensor.shape)}"
+        )
+    if tensor.dtype != entry.dtype:
+        raise CheckpointError(
+            f"{where}: dtype mismatch for {name!r}: the file has {dtype_name(entry.dtype)}, the model "
+            f"{dtype_name(tensor.dtype)}; cast the model first (tiekit.move(model, dtype=...))"
+        )
+
+
+def _commit(model: nn.Module, source: Source, staged: Staged) -> None:
+    plan = TiePlan(staged.groups, 0, 0)
+    with torch.no_grad():
+        retie(model, plan)  # ties broken by a move: point members at their source, then fill it
+        jobs: list[tuple[torch.Tensor, tuple[str, TensorEntry], torch.device, bool]] = []
+        seen: set[int] = set()
+        for name, key in staged.loads:
+            tensor = resolve(model, name)[2]
+            if id(tensor) in seen:
+                continue  # one tensor under several names the plan does not know (the model's own ties)
+            seen.add(id(tensor))
+            target = staged.device or (torch.device("cpu") if tensor.is_meta else tensor.device)
+            replace = tensor.is_meta or not _same_device(tensor.device, target)
+            jobs.append((tensor, source.entries[key], target, replace))
+        fresh = _fill(jobs, source.files)
+        if staged.device is not None:
+            for _, _, tensor, _ in _slots(model).values():
+                if id(tensor) not in seen and not tensor.is_meta and not _same_device(tensor.device, staged.device):
+                    seen.add(id(tensor))
+                    fresh[id(tensor)] = tensor.to(staged.device)
+        if fresh:
+            for module, attr, tensor, kind in _slots(model).values():
+                new = fresh.get(id(tensor))
+                if new is not None:
+                    if kind == "parameter" and not isinstance(new, nn.Parameter):
+                        new = nn.Parameter(new, requires_grad=tensor.requires_grad)
+                        fresh[id(tensor)] = new
+                    assign(module, attr, new, kind)
+        retie(model, plan)  # views are rebuilt on the new sources
+
+
+def _fill(
+    jobs: list[tuple[torch.Tensor, tuple[str, TensorEntry], torch.device, bool]], files: Mapping[str, FileIdentity]
+) -> dict[int, torch.Tensor]:
+    """Read each job's bytes into its tensor (in place) or into a new tensor; {id(old): new}."""
+    fresh: dict[int, torch.Tensor] = {}
+    reads: list[tuple[str, TensorEntry, torch.Tensor]] = []
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor, bool]]] = {}
+    for tensor, (path, entry), target, replace in jobs:
+        if target.type == "cpu" and not replace and tensor.is_contiguous():
+            reads.append((path, entry, tensor.detach()))  # straight into the parameter's memory
+            continue
+        host = torch.empty(entry.shape, dtype=entry.dtype)
+        reads.append((path, entry, host))
+        if target.type != "cpu":
+            by_device.setdefault(target, []).append((tensor, host, replace))
+        elif replace:
+            fresh[id(tensor)] = host
+        else:
+            copies.append((tensor, host))
+    read_into(reads, files)
+    for tensor, host in copies:
+        tensor.copy_(host)
+    for target, items in by_device.items():
+        moved = devices.to_device([host for _, host, _ in items], target)  # one batched transfer
+        for (tensor, _, replace), value in zip(items, moved, strict=True):
+            if replace:
+                fresh[id(tensor)] = value
+            else:
+                tensor.copy_(value)
+    if by_device:
+        devices.sync()
+    return fresh
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def load_checkpoint(
+    path: PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, Any]:
+    """Load a `save_checkpoint` file into ``model`` (and ``optimizer``); returns step and extra.
+
+    The returned dict holds ``"step"``, ``"extra"`` and ``"load_result"`` (a `LoadResult`).
+    The optimizer's parameters are re-bound to the model's (re-tied) parameters and get their
+    state back, matched by parameter name.
+    """
+    source = open_source(path, (CHECKPOINT_NAME,))
+    record = training_record(source)
+    staged = _stage(model, source, strict=True, device=None)
+    tensors = {k: read_tensor(*v, source.files) for k, v in source.side.items()}
+    step = decode(record.get("step"), tensors, source.where)
+    extra = decode(record.get("extra"), tensors, source.where)
+    restore: Callable[[], None] | None = None
+    if optimizer is not None:
+        if not record.get("optimizer"):
+            raise CheckpointError(f"{source.where}: holds no optimizer state")
+        restore = stage_optimizer(optimizer, model, staged, record["optimizer"], tensors, source.where)
+    _commit(model, source, staged)
+    if restore is not None:
+        restore()
+    result = LoadResult(staged.missing, staged.unexpected, staged.groups, source.plan_origin)
+    return {"step": step, "extra": extra, "load_result": result}

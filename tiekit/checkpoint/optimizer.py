@@ -1,0 +1,120 @@
+"""Optimizer state in tied checkpoints: stored once per unique parameter, under its source name.
+
+Saving records each param group's parameter names and options, and each parameter's state
+(tensors beside the weights, the rest as JSON); loading validates all of it against the live
+optimizer before the model changes, and returns the step that restores it afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from tiekit._slots import resolve
+from tiekit.checkpoint.codec import decode, encode
+from tiekit.checkpoint.layout import name_list
+from tiekit.errors import CheckpointError
+from tiekit.plan import TiePlan
+
+if TYPE_CHECKING:
+    from tiekit.checkpoint.loading import Staged
+
+
+def optimizer_record(
+    optimizer: torch.optim.Optimizer, model: nn.Module, plan: TiePlan, side: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), plan.source_of(name))
+    packed = optimizer.state_dict()
+    index_name: dict[int, str] = {}
+    groups = []
+    for i, (live, saved) in enumerate(zip(optimizer.param_groups, packed["param_groups"], strict=True)):
+        group_names = []
+        for p, index in zip(live["params"], saved["params"], strict=True):
+            found = names.get(id(p))
+            if found is None:
+                raise CheckpointError(
+                    f"cannot save the optimizer: param group {i} holds a tensor of shape {tuple(p.shape)} that is "
+                    f"not a parameter of {type(model).__name__} (tiekit stores optimizer state by parameter name)"
+                )
+            group_names.append(found)
+            index_name[index] = found
+        options = {k: v for k, v in saved.items() if k != "params"}
+        groups.append({"params": group_names, "options": encode(options, f"optimizer/param_groups/{i}", side)})
+    state: dict[str, Any] = {}
+    for index, values in packed["state"].items():
+        name = index_name[index]
+        if name not in state:  # tied names share one parameter, so one state
+            state[name] = encode(dict(values), f"optimizer/state/{name}", side)
+    return {"class": type(optimizer).__name__, "param_groups": groups, "state": state}
+
+
+def stage_optimizer(
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module,
+    staged: Staged,
+    record: Any,
+    tensors: Mapping[str, torch.Tensor],
+    where: str,
+) -> Callable[[], None]:
+    """Validate the saved optimizer state against ``optimizer``; return the commit step."""
+    if not isinstance(record, dict) or not isinstance(record.get("param_groups"), list):
+        raise CheckpointError(f"{where}: corrupted optimizer record")
+    if record.get("class") != type(optimizer).__name__:
+        raise CheckpointError(f"{where}: holds {record.get('class')} state, not {type(optimizer).__name__}")
+    saved_groups = record["param_groups"]
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"{where}: {len(saved_groups)} optimizer param group(s) saved, "
+            f"the optimizer has {len(optimizer.param_groups)}"
+        )
+    # Names before the commit (it may replace or re-tie tensors), mapped to the name that
+    # holds each tensor afterwards.
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), staged.anchor.get(name, name))
+    key_anchor = {key: name for name, key in staged.loads}
+    live_groups: list[list[str]] = []
+    options: list[dict[str, Any]] = []
+    for i, (live, saved) in enumerate(zip(optimizer.param_groups, saved_groups, strict=True)):
+        anchors = list(dict.fromkeys(names.get(id(p), "") for p in live["params"]))
+        if "" in anchors:
+            raise CheckpointError(f"optimizer param group {i} holds a tensor that is not a parameter of the model")
+        saved_names = [key_anchor.get(n, n) for n in saved.get("params", [])]
+        if set(saved_names) != set(anchors):
+            raise CheckpointError(
+                f"{where}: optimizer param group {i}: the checkpoint has state for {name_list(sorted(saved_names))} "
+                f"but the optimizer holds {name_list(sorted(anchors))}"
+            )
+        live_groups.append(anchors)
+        decoded = decode(saved.get("options", {}), tensors, where)
+        if not isinstance(decoded, dict):
+            raise CheckpointError(f"{where}: corrupted options of optimizer param group {i}")
+        options.append(decoded)
+    state: dict[str, Any] = {}
+    for name, values in record.get("state", {}).items():
+        decoded = decode(values, tensors, where)
+        if not isinstance(decoded, dict):
+            raise CheckpointError(f"{where}: corrupted optimizer state of {name!r}")
+        state[key_anchor.get(name, name)] = decoded
+
+    def restore() -> None:
+        packed: dict[str, Any] = {"state": {}, "param_groups": []}
+        index = 0
+        for group, anchors, opts in zip(optimizer.param_groups, live_groups, options, strict=True):
+            group["params"] = [resolve(model, a)[2] for a in anchors]
+            ids = []
+            for anchor in anchors:
+                if anchor in state:
+                    packed["state"][index] = state[anchor]
+                ids.append(index)
+                index += 1
+            packed["param_groups"].append({**opts, "params": ids})
+        optimizer.state.clear()
+        optimizer.load_state_dict(packed)
+
+    return restore

@@ -1,0 +1,232 @@
+"""Saving: which tensors a tied checkpoint stores (one per tie group) and its header metadata."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiekit import devices
+from tiekit._header import DTYPE_CODES
+from tiekit._slots import resolve
+from tiekit.analyze import find_ties
+from tiekit.checkpoint.codec import encode
+from tiekit.checkpoint.files import write_sharded, write_single
+from tiekit.checkpoint.layout import (
+    CHECKPOINT_NAME,
+    PLAN_KEY,
+    STATE_KEY,
+    STATE_VERSION,
+    WEIGHTS_NAME,
+    PathLike,
+    nbytes,
+    target_path,
+)
+from tiekit.checkpoint.optimizer import optimizer_record
+from tiekit.errors import CheckpointError, TieError
+from tiekit.mixin import TPUMixin
+from tiekit.plan import TiePlan
+from tiekit.retie import tie_changes
+
+
+def save_model(
+    model: nn.Module,
+    path: PathLike,
+    *,
+    metadata: Mapping[str, str] | None = None,
+    max_shard_size: int | str | None = None,
+    durable: bool = True,
+) -> None:
+    """Save ``model``'s weights to a safetensors file, one tensor per tie group, with its `TiePlan`.
+
+    ``path`` is a file (``.../model.safetensors``) or a folder (``model.safetensors`` inside
+    it). With ``max_shard_size`` (bytes, or a string like ``"2GB"``/``"500MiB"``) a model
+    larger than that is written as Hugging Face style shards plus ``<name>.index.json``.
+    XLA tensors cross to the host in one batched transfer. Local: it writes in the calling
+    process and never waits for other ranks (with several, call it on one rank, or every rank
+    calls `tiekit.collective_save_model`).
+
+    The file appears whole or not at all (written aside, then renamed). ``durable=True`` also
+    fsyncs it before the rename, so it survives a power loss; ``durable=False`` skips that wait
+    for the disk (safetensors' own guarantee) and stays safe against a killed process.
+    """
+    target = target_path(path, WEIGHTS_NAME)
+    limit = None if max_shard_size is None else _parse_size(max_shard_size)
+    plan = _saving_plan(model)
+    names, tensors = _unique_tensors(model, plan)
+    header = _header_metadata(metadata, plan)
+
+    state = dict(zip(names, _host_tensors(tensors), strict=True))
+    if limit is None or sum(nbytes(t) for t in state.values()) <= limit:
+        write_single(target, state, header, durable)
+    else:
+        write_sharded(target, state, header, plan, limit, durable)
+
+
+def save_checkpoint(
+    path: PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    step: int | None = None,
+    extra: Any = None,
+    durable: bool = True,
+) -> None:
+    """Save a training checkpoint: weights (one per tie group), optimizer state, step and ``extra``.
+
+    The optimizer state is stored once per unique (tied) parameter, under the parameter's
+    source name. ``extra`` may hold tensors, numbers, strings, None, and lists, tuples and
+    string-keyed dicts of these (RNG states, data-loader positions...); nothing is pickled.
+    ``durable`` as in `save_model`. Local, as `save_model`.
+    """
+    target = target_path(path, CHECKPOINT_NAME)
+    plan = _saving_plan(model)
+    names, tensors = _unique_tensors(model, plan)
+    side: dict[str, torch.Tensor] = {}
+    record: dict[str, Any] = {
+        "version": STATE_VERSION,
+        "step": encode(step, "extra/step", side),
+        "extra": encode(extra, "extra/value", side),
+        "optimizer": None if optimizer is None else optimizer_record(optimizer, model, plan, side),
+    }
+    clash = sorted(set(names) & set(side))
+    if clash:
+        raise CheckpointError(f"cannot save {type(model).__name__}: parameter names {clash} clash with optimizer keys")
+    header = _header_metadata(None, plan)
+    header[STATE_KEY] = json.dumps(record, separators=(",", ":"))
+    all_names = [*names, *side]
+
+    hosts = _host_tensors([*tensors, *side.values()])
+    write_single(target, dict(zip(all_names, hosts, strict=True)), header, durable)
+
+
+def _parse_size(size: int | str) -> int:
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    elif isinstance(size, str):
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", size.upper().replace("IB", "iB"))
+        if match is None:
+            raise ValueError(f"max_shard_size {size!r} is not a size like 5GB, 500MiB or 1000000")
+        number, unit, binary = match.groups()
+        base = 1024 if binary else 1000
+        value = int(float(number) * base ** "_KMGT".index(unit or "_"))
+    else:
+        raise ValueError(f"max_shard_size must be an int or a string, not {type(size).__name__}")
+    if value <= 0:
+        raise ValueError(f"max_shard_size must be positive, got {size!r}")
+    return value
+
+
+def _saving_plan(model: nn.Module) -> TiePlan:
+    """The model's ties, plus the declared ties that hold in its current tensors.
+
+    A declared tie whose two tensors differ (a tie broken by a move, then trained) is left
+    out: dropping one of them would lose data. The file then records two tensors.
+    """
+    declared = {t: s for t, s in declared_ties(model).items() if _same_values(model, t, s)}
+    try:
+        return find_ties(model, declared=declared or None)
+    except TieError as exc:
+        raise CheckpointError(f"cannot save {type(model).__name__}: {exc}") from exc
+
+
+def _same_values(model: nn.Module, target: str, source: str) -> bool:
+    a, b = resolve(model, target)[2], resolve(model, source)[2]
+    if a is b:
+        return True
+    if a.shape != b.shape or a.dtype != b.dtype or a.is_meta or b.is_meta or a.device != b.device:
+        return False
+    with torch.no_grad():
+        return bool(torch.equal(a, b))
+
+
+def declared_ties(model: nn.Module) -> dict[str, str]:
+    """``{target: source}`` ties the model declares: ``TPUMixin.tied_weights`` and transformers'
+    ``_tied_weights_keys`` (expanded), restricted to names that exist in the model."""
+    declared: dict[str, str] = {}
+    expand = getattr(model, "get_expanded_tied_weights_keys", None)
+    if callable(expand):
+        with contextlib.suppress(TypeError, AttributeError, KeyError, ValueError, RuntimeError):
+            found = expand(all_submodels=True)
+            if isinstance(found, Mapping):
+                declared.update({t: s for t, s in found.items() if isinstance(t, str) and isinstance(s, str)})
+    if isinstance(model, TPUMixin):
+        declared.update(model.tied_weights)
+    out = {}
+    for target, source in declared.items():
+        try:
+            a, b = resolve(model, target)[2], resolve(model, source)[2]
+        except TieError:
+            continue
+        if a.shape == b.shape and a.dtype == b.dtype:
+            out[target] = source
+    return out
+
+
+def _unique_tensors(model: nn.Module, plan: TiePlan) -> tuple[list[str], list[torch.Tensor]]:
+    """The names to store (each group's source once, every untied name) and their tensors."""
+    state = model.state_dict(keep_vars=True)
+    names: list[str] = []
+    seen: set[str] = set()
+    for name in state:
+        key = plan.source_of(name)
+        if key not in seen:
+            seen.add(key)
+            names.append(key)
+    for group in plan.groups:
+        if group.source in seen:
+            try:
+                tie_changes(model, group)  # the same checks retie makes, so the file can be re-tied
+            except TieError as exc:
+                raise CheckpointError(f"cannot save {type(model).__name__}: {exc}") from exc
+    tensors = []
+    for name in names:
+        tensor = state[name] if name in state else resolve(model, name)[2]
+        if not isinstance(tensor, torch.Tensor):
+            raise CheckpointError(
+                f"cannot save {type(model).__name__}: state {name!r} is a {type(tensor).__name__}, not a tensor"
+            )
+        if tensor.is_meta:
+            raise CheckpointError(f"cannot save {type(model).__name__}: {name!r} is on the meta device (no data)")
+        if tensor.layout != torch.strided or tensor.dtype not in DTYPE_CODES:
+            raise CheckpointError(
+                f"cannot save {type(model).__name__}: {name!r} is a {tensor.layout} {tensor.dtype} tensor, "
+                "which safetensors cannot store"
+            )
+        tensors.append(tensor.detach())
+    return names, tensors
+
+
+def _host_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """CPU, contiguous, non-overlapping copies where needed; XLA tensors in one batched transfer."""
+    hosts = devices.to_host(tensors)
+    out = []
+    storages: set[int] = set()
+    for t in hosts:
+        if not t.is_contiguous():
+            t = t.contiguous()
+        if t.numel():
+            # Names left out of the plan can still share memory (a reinterpreting view, two
+            # disjoint slices of one buffer); safetensors refuses that, so store a copy.
+            storage = t.untyped_storage().data_ptr()
+            if storage in storages:
+                t = t.clone()
+            else:
+                storages.add(storage)
+        out.append(t)
+    return out
+
+
+def _header_metadata(metadata: Mapping[str, str] | None, plan: TiePlan) -> dict[str, str]:
+    user = dict(metadata or {})
+    for key, value in user.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise CheckpointError(f"metadata must map strings to strings; {key!r}: {value!r} does not")
+        if key.startswith("tiekit.") or (key == "format" and value != "pt"):
+            raise CheckpointError(f"metadata key {key!r} is reserved by tiekit")
+    return {**user, "format": "pt", PLAN_KEY: plan.to_json()}

@@ -1,0 +1,188 @@
+"""Opening a checkpoint: validate a file, an index or a folder without reading any tensor.
+
+Headers, shard paths, save ids and the tie plan are checked, and each file's identity is
+recorded, so reading can refuse a file replaced after validation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from tiekit._header import FileIdentity, Header, TensorEntry, read_header, read_json
+from tiekit.analyze import dtype_name
+from tiekit.checkpoint.layout import (
+    INDEX_SUFFIX,
+    PLAN_KEY,
+    SAVE_ID_KEY,
+    SIDE_PREFIXES,
+    STATE_KEY,
+    STATE_VERSION,
+    WEIGHTS_NAME,
+    PathLike,
+)
+from tiekit.errors import CheckpointError, TieError
+from tiekit.plan import TieGroup, TieMember, TiePlan
+
+
+@dataclass(frozen=True)
+class Source:
+    """A validated checkpoint on disk: where each key's bytes are, its metadata and its ties."""
+
+    where: str
+    entries: Mapping[str, tuple[str, TensorEntry]]
+    metadata: Mapping[str, Any]
+    plan: TiePlan | None
+    plan_origin: str
+    side: Mapping[str, tuple[str, TensorEntry]] = field(default_factory=dict)
+    # Identity of each file when its header was validated; reading checks it, so a save that
+    # replaces the file in between is an error before anything is loaded, not a silent mix.
+    files: Mapping[str, FileIdentity] = field(default_factory=dict)
+
+
+def open_source(path: PathLike, preferred: tuple[str, ...] = (WEIGHTS_NAME, WEIGHTS_NAME + INDEX_SUFFIX)) -> Source:
+    """Validate the checkpoint at ``path`` (a file, an index, or a folder holding one) without
+    reading any tensor: headers, shard paths, save ids and the tie plan. Within tiekit: the
+    loaders and ``tiekit inspect`` start here."""
+    target = Path(path)
+    if target.is_dir():
+        target = _pick_in_folder(target, preferred)
+    if not target.is_file():
+        raise CheckpointError(f"{target}: no such checkpoint file")
+    if target.name.endswith(".json"):
+        return _open_index(target)
+    header = read_header(target)
+    entries = {k: (header.path, e) for k, e in header.entries.items()}
+    return _with_plan(header.path, entries, header.metadata, _identities([header]))
+
+
+def _pick_in_folder(folder: Path, preferred: tuple[str, ...]) -> Path:
+    for name in preferred:
+        if (folder / name).is_file():
+            return folder / name
+    candidates = sorted(p.name for p in folder.glob("*.safetensors.index.json")) or sorted(
+        p.name for p in folder.glob("*.safetensors") if not p.name.startswith(".")
+    )
+    if len(candidates) == 1:
+        return folder / candidates[0]
+    if not candidates:
+        raise CheckpointError(f"{folder}: no safetensors file or index in this folder")
+    raise CheckpointError(f"{folder}: several checkpoints in this folder ({', '.join(candidates)}); name one")
+
+
+def _open_index(index_path: Path) -> Source:
+    where = os.fspath(index_path)
+    raw = read_json(index_path, "index")
+    if not isinstance(raw, dict) or not isinstance(raw.get("weight_map"), dict):
+        raise CheckpointError(f"{where}: not a safetensors index (no 'weight_map' object)")
+    metadata = raw.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"{where}: the index 'metadata' is not an object")
+    folder = index_path.parent.resolve()
+    headers: dict[str, Any] = {}
+    entries: dict[str, tuple[str, TensorEntry]] = {}
+    for key, file in raw["weight_map"].items():
+        if not isinstance(file, str) or not file:
+            raise CheckpointError(f"{where}: key {key!r} maps to {file!r}, not a shard file name")
+        if file not in headers:
+            shard = _inside(folder, file, where, key)
+            if not shard.is_file():
+                raise CheckpointError(f"{where}: shard {file!r} (holding key {key!r}) is missing")
+            headers[file] = read_header(shard)
+        header = headers[file]
+        if key not in header.entries:
+            raise CheckpointError(f"{where}: the index puts key {key!r} in {file!r}, which does not contain it")
+        entries[key] = (header.path, header.entries[key])
+    save_id = metadata.get(SAVE_ID_KEY)
+    if save_id is not None:
+        for file, header in headers.items():
+            if header.metadata.get(SAVE_ID_KEY) != save_id:
+                raise CheckpointError(
+                    f"{where}: shard {file!r} belongs to another save than this index (interrupted or mixed copy)"
+                )
+    return _with_plan(where, entries, metadata, _identities(headers.values()))
+
+
+def _identities(headers: Iterable[Header]) -> dict[str, FileIdentity]:
+    return {h.path: h.identity for h in headers if h.identity is not None}
+
+
+def _inside(folder: Path, file: str, where: str, key: str) -> Path:
+    relative = PurePosixPath(file)
+    if relative.is_absolute() or ".." in relative.parts or "\\" in file or ":" in file:
+        raise CheckpointError(f"{where}: shard path {file!r} (key {key!r}) escapes the index's folder")
+    full = (folder / relative).resolve()
+    if not full.is_relative_to(folder):
+        raise CheckpointError(f"{where}: shard path {file!r} (key {key!r}) escapes the index's folder (symlink)")
+    return full
+
+
+def _with_plan(
+    where: str,
+    entries: dict[str, tuple[str, TensorEntry]],
+    metadata: Mapping[str, Any],
+    files: Mapping[str, FileIdentity],
+) -> Source:
+    side: dict[str, tuple[str, TensorEntry]] = {}
+    if STATE_KEY in metadata:
+        side = {k: v for k, v in entries.items() if k.startswith(SIDE_PREFIXES)}
+        entries = {k: v for k, v in entries.items() if k not in side}
+    raw_plan = metadata.get(PLAN_KEY)
+    if raw_plan is not None:
+        try:
+            plan = TiePlan.from_dict(raw_plan) if isinstance(raw_plan, dict) else TiePlan.from_json(raw_plan)
+        except TieError as exc:
+            raise CheckpointError(f"{where}: invalid tie plan in {PLAN_KEY!r}: {exc}") from exc
+        for group in plan.groups:
+            if group.source not in entries:
+                raise CheckpointError(
+                    f"{where}: the tie metadata names key {group.source!r} (source of {', '.join(group.names[1:])}) "
+                    "but the file has no such tensor"
+                )
+            entry = entries[group.source][1]
+            if entry.shape != group.shape or dtype_name(entry.dtype) != group.dtype:
+                raise CheckpointError(
+                    f"{where}: the tie metadata says key {group.source!r} is {group.shape} {group.dtype} "
+                    f"but the file stores {entry.shape} {dtype_name(entry.dtype)}"
+                )
+        return Source(where, entries, metadata, plan, "tiekit", side, files)
+    # safetensors.torch.save_model records each dropped duplicate as {removed: kept}.
+    pairs: dict[str, list[str]] = {}
+    for removed, kept in metadata.items():
+        if isinstance(kept, str) and kept in entries and removed not in entries:
+            pairs.setdefault(kept, []).append(removed)
+    if not pairs:
+        return Source(where, entries, metadata, None, "model", side, files)
+    groups = tuple(
+        TieGroup(
+            kept,
+            tuple(TieMember(n, "parameter") for n in [kept, *sorted(removed)]),
+            "parameter",
+            entries[kept][1].shape,
+            dtype_name(entries[kept][1].dtype),
+        )
+        for kept, removed in pairs.items()
+    )
+    return Source(where, entries, metadata, TiePlan(groups, len(entries), len(entries)), "safetensors", side, files)
+
+
+def training_record(source: Source) -> dict[str, Any]:
+    text = source.metadata.get(STATE_KEY)
+    if text is None:
+        return {}
+    try:
+        record = json.loads(text)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{source.where}: corrupted {STATE_KEY!r} metadata: {exc}") from exc
+    if not isinstance(record, dict) or not isinstance(record.get("version"), int):
+        raise CheckpointError(f"{source.where}: corrupted {STATE_KEY!r} metadata (no version)")
+    if record["version"] > STATE_VERSION:
+        raise CheckpointError(
+            f"{source.where}: checkpoint format {record['version']} is newer than this tiekit reads "
+            f"({STATE_VERSION}); upgrade tiekit"
+        )
+    return record
