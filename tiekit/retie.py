@@ -33,7 +33,7 @@ def retie(model: nn.Module, plan: TiePlan) -> tuple[str, ...]:
     """
     changes: list[tuple[nn.Module, str, torch.Tensor, TieMember]] = []
     for group in plan.groups:
-        changes.extend(_group_changes(model, group))
+        changes.extend(tie_changes(model, group))
     with torch.no_grad():
         for module, attr, source, member in changes:
             tensor = source if member.view is None else _rebuild_view(source, member)
@@ -41,7 +41,7 @@ def retie(model: nn.Module, plan: TiePlan) -> tuple[str, ...]:
     return tuple(member.name for _, _, _, member in changes)
 
 
-def _group_changes(model: nn.Module, group: TieGroup) -> list[tuple[nn.Module, str, torch.Tensor, TieMember]]:
+def tie_changes(model: nn.Module, group: TieGroup) -> list[tuple[nn.Module, str, torch.Tensor, TieMember]]:
     _, _, source, source_kind = resolve(model, group.source, f"tie source of group {group.source!r}:")
     if tuple(source.shape) != group.shape:
         raise TieError(f"tie source {group.source!r} has shape {tuple(source.shape)}, the plan expects {group.shape}")
