@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -56,20 +56,30 @@ class Staged:
     missing: tuple[str, ...]
     unexpected: tuple[str, ...]
     device: torch.device | None
+    keep_file_dtype: bool
 
 
-def load_model(model: nn.Module, path: PathLike, *, strict: bool = True, device: Device = None) -> LoadResult:
+DtypePolicy = Literal["model", "file"]
+
+
+def load_model(
+    model: nn.Module, path: PathLike, *, strict: bool = True, device: Device = None, dtype: DtypePolicy = "model"
+) -> LoadResult:
     """Load a safetensors file, an index or a folder into ``model`` and re-tie it.
 
     Works whatever state the model is in: tied, untied, ties broken by an XLA move, or on
     the meta device (each unique tensor is allocated once, on ``device`` or the CPU). Ties
     come from the file's plan, else safetensors' ``save_model`` metadata, else the model's
     own (detected and declared) ties. ``device`` is where the weights end up; by default
-    they stay where the model's tensors are. With ``strict`` missing or unexpected keys
-    raise `CheckpointError`; every error is raised before the model is changed.
+    they stay where the model's tensors are. ``dtype="model"`` casts floating-point values
+    to the model's dtypes, as ``load_state_dict`` does; ``dtype="file"`` gives the model the
+    file's dtypes (a meta model built in float32 loads a bfloat16 file as bfloat16). With
+    ``strict`` missing or unexpected keys raise `CheckpointError`. Every error is raised before
+    the model changes (ties included); see docs/checkpoints.md for the one exception, an I/O
+    error in the middle of reading bytes into the model's own memory.
     """
     source = open_source(path)
-    staged = _stage(model, source, strict=strict, device=devices.resolve_device(device))
+    staged = _stage(model, source, strict=strict, device=_device(device, source.where), dtype=dtype)
     _commit(model, source, staged)
     return LoadResult(staged.missing, staged.unexpected, staged.groups, source.plan_origin)
 
@@ -87,8 +97,19 @@ def _slots(model: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Tensor, Me
     return slots
 
 
-def _stage(model: nn.Module, source: Source, *, strict: bool, device: torch.device | None) -> Staged:
+def _device(device: Device, where: str) -> torch.device | None:
+    try:
+        return devices.resolve_device(device)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise CheckpointError(f"{where}: cannot load onto device {device!r}: {exc}") from exc
+
+
+def _stage(
+    model: nn.Module, source: Source, *, strict: bool, device: torch.device | None, dtype: DtypePolicy
+) -> Staged:
     where, entries = source.where, source.entries
+    if dtype not in ("model", "file"):
+        raise CheckpointError(f"{where}: dtype must be 'model' or 'file', not {dtype!r}")
     slots = _slots(model)
     expected = [n for n in model.state_dict(keep_vars=True) if n in slots]
     try:
@@ -141,13 +162,13 @@ def _stage(model: nn.Module, source: Source, *, strict: bool, device: torch.devi
     for name in expected:
         key, member = key_of.get(name, (name, None))
         if name not in absent:
-            _check_fits(name, slots[name][2], entries[key][1], member, where)
+            _check_fits(name, slots[name][2], entries[key][1], member, where, cast=dtype == "model")
     for group in retie_groups:
         try:
             tie_changes(model, group)  # the checks retie makes, without changing anything
         except TieError as exc:
             raise CheckpointError(f"{where}: cannot re-tie {type(model).__name__}: {exc}") from exc
-    return Staged(tuple(retie_groups), tuple(loads), anchor, tuple(missing), tuple(unexpected), device)
+    return Staged(tuple(retie_groups), tuple(loads), anchor, tuple(missing), tuple(unexpected), device, dtype == "file")
 
 
 def _group_table(plan: TiePlan) -> dict[str, list[TieMember]]:
@@ -228,40 +249,57 @@ def _equal_duplicates(expected: list[str], key_of: Mapping[str, tuple[str, TieMe
     return duplicates
 
 
-def _check_fits(name: str, tensor: torch.Tensor, entry: TensorEntry, member: TieMember | None, where: str) -> None:
+def _check_fits(
+    name: str, tensor: torch.Tensor, entry: TensorEntry, member: TieMember | None, where: str, *, cast: bool
+) -> None:
     shape = entry.shape if member is None or member.view is None else member.view.size
     if tuple(tensor.shape) != shape:
         via = "" if entry.name == name else f" (through key {entry.name!r})"
         raise CheckpointError(
             f"{where}: shape mismatch for {name!r}{via}: the file has {shape}, the model {tuple(tensor.shape)}"
         )
-    if tensor.dtype != entry.dtype:
+    if cast and tensor.dtype != entry.dtype and not (tensor.is_floating_point() and entry.dtype.is_floating_point):
         raise CheckpointError(
             f"{where}: dtype mismatch for {name!r}: the file has {dtype_name(entry.dtype)}, the model "
-            f"{dtype_name(tensor.dtype)}; cast the model first (tiekit.move(model, dtype=...))"
+            f"{dtype_name(tensor.dtype)}; tiekit casts only between floating-point types (load with "
+            "dtype='file' to take the file's dtype)"
         )
 
 
 def _commit(model: nn.Module, source: Source, staged: Staged) -> None:
-    plan = TiePlan(staged.groups, 0, 0)
+    """Read, then change the model: every file is opened and checked before the first byte is
+    read, and ties are applied only after every read succeeded, so a failure leaves it as it was."""
     with torch.no_grad():
-        retie(model, plan)  # ties broken by a move: point members at their source, then fill it
-        jobs: list[tuple[torch.Tensor, tuple[str, TensorEntry], torch.device, bool]] = []
+        jobs: list[_Job] = []
         seen: set[int] = set()
         for name, key in staged.loads:
             tensor = resolve(model, name)[2]
             if id(tensor) in seen:
                 continue  # one tensor under several names the plan does not know (the model's own ties)
             seen.add(id(tensor))
-            target = staged.device or (torch.device("cpu") if tensor.is_meta else tensor.device)
-            replace = tensor.is_meta or not _same_device(tensor.device, target)
-            jobs.append((tensor, source.entries[key], target, replace))
+            entry = source.entries[key]
+            device = staged.device or (torch.device("cpu") if tensor.is_meta else tensor.device)
+            dtype = entry[1].dtype if staged.keep_file_dtype else tensor.dtype
+            replace = tensor.is_meta or not _same_device(tensor.device, device) or tensor.dtype != dtype
+            jobs.append(_Job(tensor, entry, device, dtype, replace))
         fresh = _fill(jobs, source.files)
         if staged.device is not None:
+            retied = {id(resolve(model, m.name)[2]) for g in staged.groups for m in g.members[1:]}
             for _, _, tensor, _ in _slots(model).values():
-                if id(tensor) not in seen and not tensor.is_meta and not _same_device(tensor.device, staged.device):
+                if id(tensor) in seen or id(tensor) in retied or tensor.is_meta:
+                    continue  # loaded above, or about to point at its tie source
+                if not _same_device(tensor.device, staged.device):
                     seen.add(id(tensor))
                     fresh[id(tensor)] = tensor.to(staged.device)
+        for group in staged.groups:
+            # A member about to point at a source that changed dtype (dtype="file") must not fail
+            # retie's dtype check: it gets a placeholder of the new dtype, dropped by the retie.
+            source = resolve(model, group.source)[2]
+            new_dtype = fresh.get(id(source), source).dtype
+            for member in group.members[1:]:
+                old = resolve(model, member.name)[2]
+                if old is not source and old.dtype != new_dtype and id(old) not in fresh:
+                    fresh[id(old)] = torch.empty(old.shape, dtype=new_dtype, device="meta")
         if fresh:
             for module, attr, tensor, kind in _slots(model).values():
                 new = fresh.get(id(tensor))
@@ -270,39 +308,63 @@ def _commit(model: nn.Module, source: Source, staged: Staged) -> None:
                         new = nn.Parameter(new, requires_grad=tensor.requires_grad)
                         fresh[id(tensor)] = new
                     assign(module, attr, new, kind)
-        retie(model, plan)  # views are rebuilt on the new sources
+        retie(model, TiePlan(staged.groups, 0, 0))  # members point at their loaded source; views rebuilt
 
 
-def _fill(
-    jobs: list[tuple[torch.Tensor, tuple[str, TensorEntry], torch.device, bool]], files: Mapping[str, FileIdentity]
-) -> dict[int, torch.Tensor]:
-    """Read each job's bytes into its tensor (in place) or into a new tensor; {id(old): new}."""
+@dataclass(frozen=True)
+class _Job:
+    """One tensor to fill: from ``entry`` (file, header entry), ending on ``device`` as ``dtype``;
+    ``replace``: a new tensor takes the slot (meta, another device or dtype), else in place."""
+
+    tensor: torch.Tensor
+    entry: tuple[str, TensorEntry]
+    device: torch.device
+    dtype: torch.dtype
+    replace: bool
+
+
+def _fill(jobs: list[_Job], files: Mapping[str, FileIdentity]) -> dict[int, torch.Tensor]:
+    """Read each job's bytes into its tensor (in place) or into a new tensor; {id(old): new}.
+
+    Values are cast to the job's dtype as ``load_state_dict`` casts them. Only same-dtype CPU
+    tensors are read straight into their memory; whatever else changes the model happens after
+    every read succeeded.
+    """
     fresh: dict[int, torch.Tensor] = {}
     reads: list[tuple[str, TensorEntry, torch.Tensor]] = []
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-    by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor, bool]]] = {}
-    for tensor, (path, entry), target, replace in jobs:
-        if target.type == "cpu" and not replace and tensor.is_contiguous():
-            reads.append((path, entry, tensor.detach()))  # straight into the parameter's memory
+    by_device: dict[torch.device, list[tuple[_Job, torch.Tensor]]] = {}
+    for job in jobs:
+        path, entry = job.entry
+        direct = not job.replace and job.device.type == "cpu" and job.tensor.dtype == entry.dtype
+        if direct and job.tensor.is_contiguous():
+            reads.append((path, entry, job.tensor.detach()))  # straight into the parameter's memory
             continue
         host = torch.empty(entry.shape, dtype=entry.dtype)
         reads.append((path, entry, host))
-        if target.type != "cpu":
-            by_device.setdefault(target, []).append((tensor, host, replace))
-        elif replace:
-            fresh[id(tensor)] = host
+        if job.device.type != "cpu":
+            by_device.setdefault(job.device, []).append((job, host))
+        elif job.replace:
+            fresh[id(job.tensor)] = host
         else:
-            copies.append((tensor, host))
+            copies.append((job.tensor, host))
     read_into(reads, files)
+    for job in jobs:
+        new = fresh.get(id(job.tensor))
+        if new is not None and new.dtype != job.dtype:
+            fresh[id(job.tensor)] = new.to(job.dtype)
+    on_device: list[tuple[_Job, torch.Tensor]] = []
+    for device, items in by_device.items():
+        moved = devices.to_device([host.to(job.dtype) for job, host in items], device)  # one batched transfer
+        on_device.extend((job, value) for (job, _), value in zip(items, moved, strict=True))
+    # Everything is read and on its device: only now does the model change.
     for tensor, host in copies:
-        tensor.copy_(host)
-    for target, items in by_device.items():
-        moved = devices.to_device([host for _, host, _ in items], target)  # one batched transfer
-        for (tensor, _, replace), value in zip(items, moved, strict=True):
-            if replace:
-                fresh[id(tensor)] = value
-            else:
-                tensor.copy_(value)
+        tensor.copy_(host)  # casts
+    for job, value in on_device:
+        if job.replace:
+            fresh[id(job.tensor)] = value
+        else:
+            job.tensor.copy_(value)
     if by_device:
         devices.sync()
     return fresh
@@ -313,17 +375,22 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 
 
 def load_checkpoint(
-    path: PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    path: PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    dtype: DtypePolicy = "model",
 ) -> dict[str, Any]:
     """Load a `save_checkpoint` file into ``model`` (and ``optimizer``); returns step and extra.
 
     The returned dict holds ``"step"``, ``"extra"`` and ``"load_result"`` (a `LoadResult`).
     The optimizer's parameters are re-bound to the model's (re-tied) parameters and get their
-    state back, matched by parameter name.
+    state back, matched by parameter name (cast to the parameters' dtypes by torch's
+    ``Optimizer.load_state_dict``). ``dtype`` as in `load_model`. Local; all or nothing.
     """
     source = open_source(path, (CHECKPOINT_NAME,))
     record = training_record(source)
-    staged = _stage(model, source, strict=True, device=None)
+    staged = _stage(model, source, strict=True, device=None, dtype=dtype)
     tensors = {k: read_tensor(*v, source.files) for k, v in source.side.items()}
     step = decode(record.get("step"), tensors, source.where)
     extra = decode(record.get("extra"), tensors, source.where)
