@@ -163,7 +163,7 @@ def test_failure_at_the_header_stage(tmp_path: Path) -> None:
     corrupt_header(tmp_path / "m.safetensors")
     model = broken_tie()
     before = snapshot(model)
-    with pytest.raises(CheckpointError, match="m.safetensors"):
+    with pytest.raises(CheckpointError, match=r"m\.safetensors"):
         load_model(model, tmp_path / "m.safetensors")
     assert_exactly_as_before(model, before)
 
