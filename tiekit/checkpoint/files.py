@@ -14,6 +14,7 @@ import os
 import re
 import secrets
 import shutil
+import socket
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -26,7 +27,14 @@ from tiekit.plan import TiePlan
 
 _TEMP_TAG = ".tiekit-tmp-"
 _BACKUP_TAG = ".tiekit-prev-"
-_TEMP_RE = re.compile(r"\..+" + re.escape(_TEMP_TAG) + r"(\d+)-[0-9a-f]+")
+# Work folders are named after their writer's host and process id: a later save cleans up only
+# what a dead process of its own host left (a shared folder's other hosts may be writing).
+_TEMP_RE = re.compile(r"\..+" + re.escape(_TEMP_TAG) + r"(?:(?P<host>[A-Za-z0-9_.-]+)-)??(?P<pid>\d+)-[0-9a-f]+")
+
+
+def _host() -> str:
+    """This host's name, as it may stand in a file name."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "localhost"
 
 
 def write_single(target: Path, state: dict[str, torch.Tensor], header: dict[str, str], durable: bool) -> None:
@@ -153,7 +161,8 @@ def _prepare_folder(target: Path) -> None:
     # Work folders of saves that were killed (their process is gone) are garbage.
     for entry in folder.iterdir():
         match = _TEMP_RE.fullmatch(entry.name)
-        if match and not _alive(int(match.group(1))):
+        ours = match is not None and match.group("host") in (None, _host())  # None: named before hosts were
+        if match and ours and not _alive(int(match.group("pid"))):
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry, ignore_errors=True)
             else:
@@ -179,7 +188,7 @@ def _work_folder(target: Path) -> Path:
     Writers put their own temporary files in it (safetensors does), and one ``rmtree`` removes
     whatever a crash left there.
     """
-    work = target.with_name(f".{target.name}{_TEMP_TAG}{os.getpid()}-{secrets.token_hex(4)}")
+    work = target.with_name(f".{target.name}{_TEMP_TAG}{_host()}-{os.getpid()}-{secrets.token_hex(4)}")
     work.mkdir()
     return work
 
