@@ -294,11 +294,11 @@ def _commit(model: nn.Module, source: Source, staged: Staged) -> None:
         for group in staged.groups:
             # A member about to point at a source that changed dtype (dtype="file") must not fail
             # retie's dtype check: it gets a placeholder of the new dtype, dropped by the retie.
-            source = resolve(model, group.source)[2]
-            new_dtype = fresh.get(id(source), source).dtype
+            loaded = resolve(model, group.source)[2]
+            new_dtype = fresh.get(id(loaded), loaded).dtype
             for member in group.members[1:]:
                 old = resolve(model, member.name)[2]
-                if old is not source and old.dtype != new_dtype and id(old) not in fresh:
+                if old is not loaded and old.dtype != new_dtype and id(old) not in fresh:
                     fresh[id(old)] = torch.empty(old.shape, dtype=new_dtype, device="meta")
         if fresh:
             for module, attr, tensor, kind in _slots(model).values():
