@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -156,7 +157,8 @@ def _stage(
         problems = [f"missing {name_list(missing)}"] if missing else []
         problems += [f"unexpected {name_list(unexpected)}"] if unexpected else []
         raise CheckpointError(
-            f"{where}: does not match {type(model).__name__}: {'; '.join(problems)} (load with strict=False to accept)"
+            f"{where}: does not match {type(model).__name__}: {'; '.join(problems)} (load with strict=False to "
+            f"accept){_pretrained_hint(where, model)}"
         )
 
     for name in expected:
@@ -169,6 +171,24 @@ def _stage(
         except TieError as exc:
             raise CheckpointError(f"{where}: cannot re-tie {type(model).__name__}: {exc}") from exc
     return Staged(tuple(retie_groups), tuple(loads), anchor, tuple(missing), tuple(unexpected), device, dtype == "file")
+
+
+def _pretrained_hint(where: str, model: nn.Module) -> str:
+    """Why a transformers ``save_pretrained`` folder may not match its own model class."""
+    config = Path(where).parent / "config.json"
+    try:
+        written_by_transformers = "transformers_version" in config.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return ""
+    if not written_by_transformers:
+        return ""
+    return (
+        f". This folder was written by transformers' save_pretrained, which renames or re-lays some keys on save "
+        "for some architectures (ESM's LayerNorm weight/bias as gamma/beta, fused experts such as Jamba's written "
+        "per expert, Marian's sinusoidal positions not stored): only from_pretrained undoes that. Load it with "
+        f"{type(model).__name__}.from_pretrained(folder) (which re-ties declared ties), then keep the ties through "
+        "moves with tiekit.move or tiekit.preserve_ties"
+    )
 
 
 def _group_table(plan: TiePlan) -> dict[str, list[TieMember]]:
