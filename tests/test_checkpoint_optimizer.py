@@ -137,12 +137,18 @@ def test_unstorable_extra_is_refused_before_writing(tmp_path: Path) -> None:
 def test_no_pickle_in_the_checkpoint_modules() -> None:
     """No pickle import, no torch.load / torch.save call anywhere in the checkpoint code."""
     import ast
+    import importlib
     import inspect
+    import pkgutil
 
     import tiekit._header
     import tiekit.checkpoint
 
-    for module in (tiekit.checkpoint, tiekit._header):
+    package = [
+        importlib.import_module(f"tiekit.checkpoint.{m.name}") for m in pkgutil.iter_modules(tiekit.checkpoint.__path__)
+    ]
+    assert len(package) >= 8  # every module of the package, not only its __init__
+    for module in (tiekit.checkpoint, *package, tiekit._header):
         tree = ast.parse(inspect.getsource(module))
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom) for a in n.names}
         imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}

@@ -1,46 +1,110 @@
-"""Values beside the tensors (optimizer options, step, ``extra``) as JSON plus tensors: no pickle."""
+"""Values beside the tensors (optimizer options, step, ``extra``, Lightning's checkpoint entries)
+as JSON plus tensors.
+
+Tensors go beside the weights under derived keys; numbers, strings, None, lists and string-keyed
+dicts are JSON; tuples, dicts with other keys, ``torch.dtype`` and ``torch.device`` get a marker
+object. Anything else is refused, unless the caller passes a ``fallback`` that stores it (the
+Lightning integration's opt-in pickling, for files the user trusts, is one); nothing in this
+package pickles.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from tiekit.errors import CheckpointError
 
+#: A value the codec cannot store, its key and the tensor table -> a one-key marker object
+#: (``{"__pickle__": key}``) whose tensors it put in the table.
+Fallback = Callable[[Any, str, dict[str, torch.Tensor]], dict[str, Any]]
+#: Reads a fallback's marker back: (marker body, tensor table) -> the value.
+Reader = Callable[[Any, Mapping[str, torch.Tensor]], Any]
 
-def encode(value: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
-    """JSON for ``value``, its tensors moved into ``tensors`` under keys derived from ``key``."""
+_MARKERS = frozenset({"__tensor__", "__tuple__", "__items__", "__dtype__", "__device__", "__pickle__"})
+
+
+def encode(value: Any, key: str, tensors: dict[str, torch.Tensor], *, fallback: Fallback | None = None) -> Any:
+    """JSON for ``value``, its tensors moved into ``tensors`` under keys derived from ``key``;
+    ``fallback`` stores what the codec cannot (else `CheckpointError` naming ``key``)."""
     if isinstance(value, torch.Tensor):
         tensors[key] = value.detach()
         return {"__tensor__": key}
     if value is None or isinstance(value, bool | int | float | str):
         return value
     if isinstance(value, tuple):
-        return {"__tuple__": [encode(v, f"{key}/{i}", tensors) for i, v in enumerate(value)]}
+        return {"__tuple__": [encode(v, f"{key}/{i}", tensors, fallback=fallback) for i, v in enumerate(value)]}
     if isinstance(value, list):
-        return [encode(v, f"{key}/{i}", tensors) for i, v in enumerate(value)]
+        return [encode(v, f"{key}/{i}", tensors, fallback=fallback) for i, v in enumerate(value)]
+    if isinstance(value, torch.dtype):
+        return {"__dtype__": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.device):
+        return {"__device__": str(value)}
     if isinstance(value, dict):
-        if not all(isinstance(k, str) for k in value) or {"__tensor__", "__tuple__"} & set(value):
-            raise CheckpointError(f"cannot store {key!r}: dict keys must be strings other than __tensor__/__tuple__")
-        return {k: encode(v, f"{key}/{k}", tensors) for k, v in value.items()}
+        if all(isinstance(k, str) for k in value) and not _MARKERS & set(value):
+            return {k: encode(v, f"{key}/{k}", tensors, fallback=fallback) for k, v in value.items()}
+        items = [
+            [encode(k, f"{key}/<key {i}>", tensors, fallback=fallback),
+             encode(v, f"{key}/<value {i}>", tensors, fallback=fallback)]
+            for i, (k, v) in enumerate(value.items())
+        ]  # fmt: skip
+        return {"__items__": items}
+    if fallback is not None:
+        return fallback(value, key, tensors)
     raise CheckpointError(
-        f"cannot store {key!r}: a {type(value).__name__} (tiekit stores tensors, numbers, strings, None, and "
-        "lists, tuples and dicts of these; it never pickles)"
+        f"cannot store {key!r}: a {type(value).__name__} (tiekit stores tensors, numbers, strings, None, dtypes, "
+        "devices, and lists, tuples and dicts of these; it never pickles)"
     )
 
 
-def decode(value: Any, tensors: Mapping[str, torch.Tensor], where: str) -> Any:
-    if isinstance(value, list):
-        return [decode(v, tensors, where) for v in value]
-    if isinstance(value, dict):
-        if set(value) == {"__tensor__"}:
-            key = value["__tensor__"]
-            if key not in tensors:
-                raise CheckpointError(f"{where}: the checkpoint metadata names key {key!r}, which the file lacks")
-            return tensors[key]
-        if set(value) == {"__tuple__"} and isinstance(value["__tuple__"], list):
-            return tuple(decode(v, tensors, where) for v in value["__tuple__"])
-        return {k: decode(v, tensors, where) for k, v in value.items()}
-    return value
+def decode(
+    value: Any, tensors: Mapping[str, torch.Tensor], where: str, *, readers: Mapping[str, Reader] | None = None
+) -> Any:
+    """The value `encode` stored as ``value``; ``readers`` read a fallback's markers back.
+    `CheckpointError` naming ``where`` if the metadata is malformed."""
+
+    def tensor(key: Any) -> torch.Tensor:
+        if not isinstance(key, str) or key not in tensors:
+            raise CheckpointError(f"{where}: the checkpoint metadata names key {key!r}, which the file lacks")
+        return tensors[key]
+
+    def walk(v: Any) -> Any:
+        if isinstance(v, list):
+            return [walk(x) for x in v]
+        if not isinstance(v, dict):
+            return v
+        if len(v) == 1 and next(iter(v)) in _MARKERS:
+            ((marker, body),) = v.items()
+            if readers and marker in readers:
+                return readers[marker](body, tensors)
+            return _unmark(marker, body, tensor, walk, where)
+        return {k: walk(x) for k, x in v.items()}
+
+    return walk(value)
+
+
+def _unmark(marker: str, body: Any, tensor: Callable[[Any], Any], walk: Callable[[Any], Any], where: str) -> Any:
+    if marker == "__tensor__":
+        return tensor(body)
+    if marker == "__tuple__" and isinstance(body, list):
+        return tuple(walk(x) for x in body)
+    if marker == "__items__" and isinstance(body, list) and all(isinstance(p, list) and len(p) == 2 for p in body):
+        pairs = [(walk(k), walk(x)) for k, x in body]
+        try:
+            return dict(pairs)
+        except TypeError as exc:  # a key that cannot be a dict key
+            raise CheckpointError(f"{where}: corrupted checkpoint metadata (a dict key): {exc}") from exc
+    if marker == "__dtype__" and isinstance(body, str) and isinstance(getattr(torch, body, None), torch.dtype):
+        return getattr(torch, body)
+    if marker == "__device__" and isinstance(body, str):
+        try:
+            return torch.device(body)
+        except RuntimeError as exc:
+            raise CheckpointError(f"{where}: corrupted checkpoint metadata (device {body!r}): {exc}") from exc
+    if marker == "__pickle__":
+        raise CheckpointError(
+            f"{where}: holds a pickled value, which this loader does not read (tiekit never unpickles)"
+        )
+    raise CheckpointError(f"{where}: corrupted checkpoint metadata ({marker} with {type(body).__name__})")
