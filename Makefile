@@ -5,7 +5,7 @@ VENV := .venv
 LATEST := .venv-latest
 PIP_FLAGS := -q --disable-pip-version-check
 # The newest torch, installed without torch_xla, proves the core does not need it.
-LATEST_TORCH := torch==2.13.0
+LATEST_TORCH := torch==2.14.1
 
 # pytest exits 5 when it collected no test: a run that tests nothing must not pass.
 PYTEST_STATUS = rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
