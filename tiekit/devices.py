@@ -310,6 +310,17 @@ _gates: dict[str, _CompileGate] = {}
 _gates_lock = threading.Lock()
 
 
+def xla_cpu_threads() -> bool:
+    """True when this process runs several XLA:CPU replicas as ``torch_xla.launch`` threads (one
+    process, one thread per device), where threads share process-wide state a TPU process does
+    not share; False elsewhere (TPUs, one replica, SPMD, no runtime). Never starts the runtime."""
+    replicas = xla_replicas()
+    if replicas is None or replicas[2] > 1:
+        return False
+    xr = _xla_module("torch_xla.runtime")
+    return bool(xr.device_type() == "CPU")
+
+
 def xla_step_sync(key: str) -> Callable[[], None]:
     """The call that ends a training step on this XLA replica: ``torch_xla.sync()``, except on
     XLA:CPU with several launch threads in the process, where it goes through a compile gate
@@ -317,7 +328,7 @@ def xla_step_sync(key: str) -> Callable[[], None]:
     torch_xla = xla()
     xr = _xla_module("torch_xla.runtime")
 
-    if xr.device_type() != "CPU" or xr.world_size() <= 1 or xr.process_count() > 1:
+    if not xla_cpu_threads():
         return torch_xla.sync  # type: ignore[no-any-return]
     with _gates_lock:
         gate = _gates.setdefault(key, _CompileGate(int(xr.world_size())))

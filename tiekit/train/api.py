@@ -112,15 +112,13 @@ def fit(
     config.check()
     if not isinstance(model, nn.Module) and not callable(model):
         raise TiekitError(f"model must be an nn.Module or a zero-argument factory, not {type(model).__name__}")
-    if isinstance(config.resume, Path) and not config.resume.exists():
-        raise TiekitError(f"resume: no checkpoint at {config.resume}")
     job = Job(
         model=model,
         train_data=train_data,
         val_data=val_data,
         config=config,
         strategy=resolve_strategy(strategy, devices),
-        run_id=uuid.uuid4().hex,
+        run_id=uuid.uuid4().hex,  # a proposal: the ranks of a run take rank 0's (tiekit.train.coordinate)
     )
     outcomes, trained = run(job)
     master = outcomes[0]

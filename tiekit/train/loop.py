@@ -21,7 +21,7 @@ from tiekit import devices
 from tiekit.analyze import find_ties
 from tiekit.errors import TiekitError
 from tiekit.retie import move, verify
-from tiekit.train import state
+from tiekit.train import coordinate, state
 from tiekit.train.config import Job, LossFn, Outcome
 from tiekit.train.data import ReplicaLoader, make_loader
 from tiekit.train.log import TrainLog
@@ -42,7 +42,7 @@ def train_step(
     loss_fn: LossFn | None,
 ) -> torch.Tensor:
     """One optimisation step, from a batch on the device to updated weights; returns the loss."""
-    with precision.autocast(backend.device):
+    with precision.autocast(backend.device, cache=backend.autocast_cache):
         loss = compute_loss(model, precision.cast_batch(batch), loss_fn)
     loss.backward()  # type: ignore[no-untyped-call]
     backend.optimizer_step(optimizer)  # "xla": gradients averaged over the replicas, in the graph
@@ -81,26 +81,30 @@ def compute_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch.
 
 
 def run_replica(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
-    """Train this replica; its `Outcome` and its trained model (on the CPU, ties kept)."""
+    """Train this replica; its `Outcome` and its trained model (on the CPU, ties kept).
+
+    Collective: every replica of the run calls it (see `tiekit.train.coordinate`). A replica
+    that fails releases the peers waiting for it in this process (launch threads)."""
     try:
         return _run(job, backend)
-    except RuntimeError as exc:
-        backend.abort(f"{type(exc).__name__}: {exc}")
-        if "device_ready_queues_" in str(exc):
+    except BaseException as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+        backend.abort(reason)  # XLA:CPU threads: peers waiting in the step's compile gate
+        coordinate.abort(backend, reason)  # peers waiting in one of fit's collectives
+        if isinstance(exc, RuntimeError) and "device_ready_queues_" in str(exc):
             raise TiekitError(
                 "this process ran a backward pass before the XLA runtime started, and torch's autograd "
                 "engine cannot use XLA devices after that (pytorch/xla#4174). Call torch_xla.device() "
                 "before any training on CPU, or run tiekit.fit in a fresh process."
             ) from exc
         raise
-    except BaseException as exc:
-        backend.abort(f"{type(exc).__name__}: {exc}")
-        raise
 
 
 def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
     cfg = job.config
     started = time.perf_counter()
+    coordinator = coordinate.join(job, backend)  # rank 0's run id; the options checked equal
+    backend.start(coordinator.run_id)
     precision = resolve_precision(cfg.precision, backend.device.type)
     model, original_dtype = _build(job, backend)
     was_training = model.training
@@ -114,10 +118,7 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
     # Validation keeps its short last batch (one more graph on XLA, compiled once): no padded
     # duplicates in the mean.
     val = None if job.val_data is None else _loader(job, job.val_data, backend, shuffle=False, drop_last=False)
-    position = state.Position()
-    resume_from = _resume_path(job)
-    if resume_from is not None:
-        position = state.resume(resume_from, model, optimizer, backend.devices_in_run, backend.device)
+    position = coordinator.resume(cfg, model, optimizer, backend)  # rank 0 chooses, every rank loads
     backend.end_step()  # XLA: run the set-up's pending work (a resume's copies) through the gate
     per_epoch = train.batches_per_epoch(cfg.drop_last)
     if position.batches >= per_epoch:  # saved after an epoch's last batch: next epoch
@@ -149,8 +150,8 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
                 step, done = step + 1, done + 1
                 log.step(step, epoch, loss, after - before)
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                    with log.outside_steps():
-                        _save(job, model, optimizer, state.Position(epoch, done, step), backend)
+                    with log.outside_steps():  # collective: one writer, its failure raised on every rank
+                        coordinator.save(cfg, model, optimizer, state.Position(epoch, done, step), backend)
                     saved_at = step
                 if cfg.max_steps is not None and step >= cfg.max_steps:
                     break
@@ -164,7 +165,7 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
         log.stop_clock()
         if cfg.checkpoint_dir is not None and saved_at != step:
             with log.outside_steps():
-                _save(job, model, optimizer, state.Position(epoch, done, step), backend)
+                coordinator.save(cfg, model, optimizer, state.Position(epoch, done, step), backend)
     finally:
         log.close()
     if backend.device.type == "xla":
@@ -187,7 +188,7 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
         val_losses=tuple(log.val_losses),
         samples_per_second=log.samples_per_second,
         seconds=time.perf_counter() - started,
-        checkpoint=str(_last_checkpoint(job)) if cfg.checkpoint_dir is not None else None,
+        checkpoint=None if coordinator.last_saved is None else str(coordinator.last_saved),
         compilations=None if counters is None else counters.compilations,
         xla_report=None if counters is None else counters.report(),
     )
@@ -241,7 +242,7 @@ def _validate(model: nn.Module, val: ReplicaLoader, backend: Backend, precision:
     with torch.no_grad():
         for batch in backend.batches(val.epoch(0)):
             rows = _rows(batch)
-            with precision.autocast(backend.device):
+            with precision.autocast(backend.device, cache=backend.autocast_cache):
                 loss = compute_loss(model, precision.cast_batch(batch), loss_fn).detach().float()
             total, samples = total + loss * rows, samples + rows
             backend.end_step()  # XLA: each graph compiled once for all replicas (the loader's sync is not gated)
@@ -263,27 +264,6 @@ def _rows(batch: Any) -> int:
     except (StopIteration, TypeError):
         return 1
     return int(first.shape[0]) if first.dim() else 1
-
-
-def _resume_path(job: Job) -> Any:
-    cfg = job.config
-    if cfg.resume is None:
-        return None
-    if cfg.resume == "last":
-        assert cfg.checkpoint_dir is not None
-        return state.last_checkpoint(cfg.checkpoint_dir)  # None: nothing saved yet, start fresh
-    return cfg.resume
-
-
-def _save(job: Job, model: nn.Module, optimizer: torch.optim.Optimizer, at: state.Position, backend: Backend) -> None:
-    assert job.config.checkpoint_dir is not None
-    path = state.checkpoint_path(job.config.checkpoint_dir, at.step)
-    state.save(path, model, optimizer, at, backend.devices_in_run, backend.device)
-
-
-def _last_checkpoint(job: Job) -> Any:
-    assert job.config.checkpoint_dir is not None
-    return state.last_checkpoint(job.config.checkpoint_dir)
 
 
 def _digest(model: nn.Module) -> str:

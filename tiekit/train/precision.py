@@ -30,11 +30,12 @@ class Precision:
     param_dtype: torch.dtype | None
     autocast_dtype: torch.dtype | None
 
-    def autocast(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
-        """The autocast context of the forward pass on ``device`` (a no-op without autocast)."""
+    def autocast(self, device: torch.device, *, cache: bool = True) -> contextlib.AbstractContextManager[Any]:
+        """The autocast context of the forward pass on ``device`` (a no-op without autocast);
+        ``cache=False`` casts a weight again at every use instead of caching the cast."""
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(device.type, dtype=self.autocast_dtype)
+        return torch.autocast(device.type, dtype=self.autocast_dtype, cache_enabled=cache)
 
     def cast_batch(self, batch: Any) -> Any:
         """The batch with its floating tensors in ``param_dtype`` (ids and masks untouched)."""

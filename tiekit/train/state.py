@@ -1,7 +1,7 @@
 """Training checkpoints of `tiekit.fit`: tied weights, optimizer, position in the data, RNG states.
 
-Written with `tiekit.save_checkpoint` (one tensor per tie group, safetensors, master only)
-as ``<checkpoint_dir>/step-<step>.safetensors``. The ``extra`` record holds where the run
+Written with `tiekit.save_checkpoint` (one tensor per tie group, safetensors; one writer, see
+`tiekit.train.coordinate`) as ``<checkpoint_dir>/step-<step>.safetensors``. The ``extra`` record holds where the run
 stands (epoch, batches done in it, global step) and every random number generator state the
 step touches, so a resumed run continues exactly where the saved one stood.
 """
@@ -19,8 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiekit import devices
-from tiekit.checkpoint import load_checkpoint, save_checkpoint
+from tiekit import devices, load_checkpoint
 from tiekit.errors import CheckpointError
 
 _STEP_FILE = re.compile(r"step-(\d+)\.safetensors")
@@ -36,6 +35,7 @@ class Position:
 
 
 def checkpoint_path(folder: Path, step: int) -> Path:
+    """Where the checkpoint of ``step`` goes in ``folder``."""
     return folder / f"step-{step:08d}.safetensors"
 
 
@@ -45,22 +45,23 @@ def last_checkpoint(folder: Path) -> Path | None:
     return max(found)[1] if found else None
 
 
-def save(
-    path: Path,
+def contents(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     position: Position,
     world_size: int,
     device: torch.device,
-) -> None:
-    """Write a training checkpoint (every replica calls it; the master writes)."""
+) -> dict[str, Any]:
+    """The keywords of `tiekit.save_checkpoint` for a training checkpoint at ``position``: the
+    model, the optimizer, the step, and (``extra``) the data position and this replica's RNG
+    states. Local: the caller decides who writes."""
     extra = {
         "epoch": position.epoch,
         "batches": position.batches,
         "world_size": world_size,
         "rng": _rng_states(device),
     }
-    save_checkpoint(path, model=model, optimizer=optimizer, step=position.step, extra=extra)
+    return {"model": model, "optimizer": optimizer, "step": position.step, "extra": extra}
 
 
 def resume(

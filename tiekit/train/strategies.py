@@ -7,7 +7,7 @@ torch_xla-specific goes through `tiekit.devices`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -15,28 +15,41 @@ import torch.distributed as dist
 from torch import nn
 
 from tiekit import devices
+from tiekit.collective import Ranks, ranks
+
+#: The ranks of a run of one process and one device: it decides alone and waits for nobody.
+ALONE = Ranks(0, 1, "single")
 
 
 class Backend:
     """One replica's view of the run.
 
-    ``data_rank``/``data_replicas`` place this replica's sampler; ``batch_scale`` multiplies the
-    per-device batch size into the loader's (SPMD: the host's devices share one loader);
-    ``devices_in_run`` counts every device, for throughput.
+    ``ranks`` are the `tiekit.collective.Ranks` that train together (`ALONE` for one process on
+    one device): fit's run-wide decisions are collectives over them, and their writer (rank 0,
+    under SPMD process index 0) writes the run's files. ``data_rank``/``data_replicas`` place
+    this replica's sampler; ``batch_scale`` multiplies the per-device batch size into the
+    loader's (SPMD: the host's devices share one loader); ``devices_in_run`` counts every
+    device, for throughput. ``autocast_cache``: whether autocast may cache its casts here.
     """
 
     name: str
     device: torch.device
+    ranks: Ranks = ALONE
     replica_rank: int = 0
     replica_count: int = 1
     data_rank: int = 0
     data_replicas: int = 1
     batch_scale: int = 1
     devices_in_run: int = 1
+    autocast_cache: bool = True
 
     @property
     def is_master(self) -> bool:
-        return self.replica_rank == 0
+        """True on the one replica that writes the run's files, logs and progress bar."""
+        return self.ranks.is_writer
+
+    def start(self, run_id: str) -> None:
+        """Join run ``run_id`` (the id every rank agreed on) before the first step."""
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """The module the step calls (a DDP wrapper, or ``model`` itself)."""
@@ -66,6 +79,7 @@ class TorchBackend(Backend):
     def __init__(self, device: torch.device, rank: int = 0, world: int = 1) -> None:
         self.name = "ddp" if world > 1 else "single"
         self.device = device
+        self.ranks = ranks() if world > 1 else ALONE  # torch.distributed's, once its group is up
         self.replica_rank = self.data_rank = rank
         self.replica_count = self.data_replicas = self.devices_in_run = world
 
@@ -91,10 +105,11 @@ class TorchBackend(Backend):
 class XlaBackend(Backend):
     """An XLA device: the process's only one, one ``torch_xla.launch`` replica, or SPMD over all."""
 
-    def __init__(self, run_id: str, *, spmd: bool = False) -> None:
-        self.run_id = run_id
+    def __init__(self, *, spmd: bool = False) -> None:
         self.spmd = spmd
+        self.run_id = ""
         self._sharding: Any = None
+        self._sync: Callable[[], None] | None = None
         if spmd:
             self.name = "spmd"
             self.device, self._mesh, host, hosts = devices.spmd_mesh()
@@ -108,6 +123,15 @@ class XlaBackend(Backend):
             self.name = "xla"
             self.replica_rank = self.data_rank = rank
             self.replica_count = self.data_replicas = self.devices_in_run = world
+        # Launch replicas, or SPMD hosts (process index 0 writes: every host is replica 0 there).
+        self.ranks = ranks() if spmd or self.replica_count > 1 else ALONE
+        # autocast's cast cache is process-wide: one launch thread leaving autocast clears the
+        # casts another thread is still using, which then traces a different graph from its
+        # peers (one more cast), whose all-reduce never meets theirs. So no cache for threads.
+        self.autocast_cache = not devices.xla_cpu_threads()
+
+    def start(self, run_id: str) -> None:
+        self.run_id = run_id
         self._sync = devices.xla_step_sync(run_id)
 
     def batches(self, loader: Iterable[Any]) -> Iterable[Any]:
@@ -123,16 +147,19 @@ class XlaBackend(Backend):
             devices.xla_optimizer_step(optimizer)  # all-reduce in the step's graph, then step
 
     def end_step(self) -> None:
+        if self._sync is None:
+            raise RuntimeError("XlaBackend.start(run_id) must come before the first step")
         self._sync()
 
     def sum_over_replicas(self, t: torch.Tensor) -> torch.Tensor:
         if not self.spmd and self.replica_count > 1:
             t = devices.xla_all_reduce_sum(t)
-        self._sync()
+        self.end_step()
         return t
 
     def abort(self, reason: str) -> None:
-        devices.xla_abort_step_sync(self.run_id, f"replica {self.replica_rank}: {reason}")
+        if self.run_id:
+            devices.xla_abort_step_sync(self.run_id, f"replica {self.replica_rank}: {reason}")
 
 
 def _to(value: Any, device: torch.device, non_blocking: bool) -> Any:

@@ -1,0 +1,353 @@
+"""tiekit.fit under real launchers: torchrun (one node with 2 processes, and 2 nodes of 1 process
+started as two torchruns), spawned DDP processes that die, and the launchers' device choices.
+
+Node-local folders: every process is given the checkpoint_dir ``/proc/self/cwd/ckpt``, one path
+string on every rank that each process resolves in its own working directory, as a folder on a
+node's local disk is one path on every node with different contents. Every launch is a
+subprocess with a timeout, in its own session, killed whole when the time is up.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import WeightSharingModule
+from torch.utils.data import TensorDataset
+
+import tiekit
+from tiekit.train.launch import ddp_device, local_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
+LOCAL = "/proc/self/cwd/ckpt"  # the same path on every rank, resolved in each process's own folder
+
+WORKER = """
+import functools, json, os, sys, time
+import torch, torch.nn.functional as F
+import tiekit
+from models import WeightSharingModule
+from test_train_launchers import dataset
+
+out, options = sys.argv[1], json.loads(sys.argv[2])
+rank = int(os.environ["RANK"])
+own = options.pop("own_folder", None)  # "{rank}" -> this process's folder
+if own:
+    os.chdir(own.format(rank=rank))
+started = time.time()
+try:
+    result = tiekit.fit(WeightSharingModule, dataset(256), loss_fn=F.mse_loss, strategy="ddp", batch_size=8,
+                        progress=False, optimizer=functools.partial(torch.optim.AdamW, lr=1e-2), **options)
+    record = dict(steps=result.steps, losses=len(result.losses), world=result.world_size,
+                  checkpoint=str(result.checkpoint), digest=result.replica_digests[0])
+except Exception as exc:
+    record = dict(error=type(exc).__name__, tiekit=isinstance(exc, tiekit.TiekitError), message=str(exc))
+record.update(rank=rank, cwd=os.getcwd(), seconds=time.time() - started)
+with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
+    json.dump(record, f)
+"""
+
+
+def dataset(size: int = 256) -> TensorDataset:
+    """A noisy linear map the seeds' module can learn (the workers import it from here)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(size, 32, generator=generator)
+    return TensorDataset(x, x @ torch.randn(32, 10, generator=generator) / 32**0.5)
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PJRT_DEVICE", None)  # DDP on the CPU: no XLA here
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start(command: list[str], cwd: Path) -> subprocess.Popen[str]:
+    """Start ``command`` in ``cwd`` as the leader of its own session (so it can be killed whole)."""
+    pipe = subprocess.PIPE
+    return subprocess.Popen(
+        command, env=_env(), cwd=cwd, stdout=pipe, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+
+
+def _wait(processes: list[subprocess.Popen[str]], timeout: float) -> list[str]:
+    """Wait for every process (each leads its own session); kill them all and fail at the deadline."""
+    deadline = time.monotonic() + timeout
+    outputs = []
+    try:
+        for process in processes:
+            outputs.append(process.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+    except subprocess.TimeoutExpired:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail(f"the launch did not end within {timeout:g} s")
+    return outputs
+
+
+def _records(out: Path, world: int = 2) -> list[dict[str, Any]]:
+    files = sorted(out.glob("rank-*.json"))
+    assert len(files) == world, f"{len(files)} of {world} ranks reported"
+    return [json.loads(f.read_text()) for f in files]
+
+
+def torchrun_one_node(tmp_path: Path, name: str, options: dict[str, Any], timeout: float = 120) -> list[dict[str, Any]]:
+    """``torchrun --nproc-per-node 2 worker.py``: what each rank's fit returned or raised."""
+    out = tmp_path / name
+    out.mkdir()
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent(WORKER))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    command += ["--master-port", str(_free_port()), str(script), str(out), json.dumps(options)]
+    process = _start(command, cwd=tmp_path)
+    output = _wait([process], timeout)[0]
+    assert process.returncode == 0, output[-3000:]
+    return _records(out)
+
+
+def seed_checkpoint(folder: Path, steps: int) -> Path:
+    """A single-process run of ``steps`` steps writing its checkpoint into ``folder/ckpt``."""
+    kw: dict[str, Any] = {"loss_fn": F.mse_loss, "batch_size": 8, "progress": False, "optimizer": ADAMW}
+    result = tiekit.fit(
+        WeightSharingModule, dataset(256), devices="cpu", max_steps=steps, checkpoint_dir=folder / "ckpt", **kw
+    )
+    assert result.checkpoint is not None
+    return result.checkpoint
+
+
+# -- 1. resume="last" with node-local folders ---------------------------------------------------
+
+
+def test_resume_from_a_checkpoint_only_rank_0_has_fails_on_every_rank_under_torchrun(tmp_path: Path) -> None:
+    # Before: rank 0 resumed at step 10 and rank 1 started at step 0; DDP averaged their
+    # gradients across different steps without a word, and rank 1 wrote a step-5 file of its own.
+    seed_checkpoint(tmp_path / "node0", 10)
+    (tmp_path / "node1").mkdir()
+    options = {"checkpoint_dir": LOCAL, "checkpoint_every": 5, "resume": "last", "max_steps": 15}
+    options["own_folder"] = str(tmp_path / "node{rank}")
+    records = torchrun_one_node(tmp_path, "lacking", options)
+    path = f"{LOCAL}/step-00000010.safetensors"
+    for record in records:
+        assert record.get("tiekit"), record
+        assert f"rank(s) 1 of 2 cannot open {path}" in record["message"]
+        assert f"working directory {tmp_path / 'node1'}" in record["message"]
+        assert record["seconds"] < 60
+    assert sorted(os.listdir(tmp_path / "node0" / "ckpt")) == ["step-00000010.safetensors"]
+    assert not (tmp_path / "node1" / "ckpt").exists()  # nobody trained, nobody wrote
+
+    # The control: with a copy on rank 1's node too, both resume at 10 and run to 15; the
+    # step-15 checkpoint is written once, by rank 0, into its own folder.
+    (tmp_path / "node1" / "ckpt").mkdir()
+    shutil.copy(tmp_path / "node0" / "ckpt" / "step-00000010.safetensors", tmp_path / "node1" / "ckpt")
+    records = torchrun_one_node(tmp_path, "both", options)
+    assert [(r.get("error"), r["steps"], r["losses"]) for r in records] == [(None, 15, 5), (None, 15, 0)]
+    assert records[0]["digest"] == records[1]["digest"]
+    assert sorted(os.listdir(tmp_path / "node0" / "ckpt")) == ["step-00000010.safetensors", "step-00000015.safetensors"]
+    assert sorted(os.listdir(tmp_path / "node1" / "ckpt")) == ["step-00000010.safetensors"]
+
+
+def test_two_torchrun_nodes_with_different_checkpoints_refuse_to_resume(tmp_path: Path) -> None:
+    # Two "nodes" (torchrun --nnodes=2, c10d rendezvous), each in its own folder: one holds step 10,
+    # the other step 5. Whichever node the rendezvous makes rank 0, rank 1 lacks its newest file.
+    seed_checkpoint(tmp_path / "nodeA", 10)
+    seed_checkpoint(tmp_path / "nodeB", 5)
+    out = tmp_path / "out"
+    out.mkdir()
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent(WORKER))
+    options = {"checkpoint_dir": LOCAL, "checkpoint_every": 5, "resume": "last", "max_steps": 15}
+    port = _free_port()
+    processes = []
+    for node_rank, node in enumerate(("nodeA", "nodeB")):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1"]
+        command += [f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
+        command += ["--rdzv-id=tiekit-test", str(script), str(out), json.dumps(options)]
+        processes.append(_start(command, cwd=tmp_path / node))
+    outputs = _wait(processes, timeout=150)
+    assert all(p.returncode == 0 for p in processes), "\n".join(o[-2000:] for o in outputs)
+    records = _records(out)
+    newest = {"nodeA": "step-00000010.safetensors", "nodeB": "step-00000005.safetensors"}
+    chosen = newest[Path(records[0]["cwd"]).name]  # rank 0's newest
+    for record in records:
+        assert record.get("tiekit"), record
+        assert f"rank(s) 1 of 2 cannot open {LOCAL}/{chosen}" in record["message"]
+        assert f"working directory {records[1]['cwd']}" in record["message"]
+    for node, name in newest.items():
+        assert os.listdir(tmp_path / node / "ckpt") == [name]  # untouched
+
+
+# -- 1. a failing save ------------------------------------------------------------------------------
+
+
+def test_a_save_that_fails_on_the_writer_raises_on_every_rank(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")  # root ignores permissions, but not a file in the path
+    options = {"checkpoint_dir": str(blocker / "ckpt"), "checkpoint_every": 4, "max_steps": 12}
+    records = torchrun_one_node(tmp_path, "out", options)
+    path = str(blocker / "ckpt" / "step-00000004.safetensors")
+    for record in records:
+        assert record.get("error") == "CheckpointError", record
+        assert path in record["message"] and "Not a directory" in record["message"]
+        assert record["seconds"] < 60  # raised at step 4 on both, nobody waits for a timeout
+    assert "rank 0" in records[1]["message"]  # rank 1 says whose save failed
+
+
+# -- 4. a dead worker --------------------------------------------------------------------------------
+
+DYING = """
+import functools, json, os, signal, sys, time
+import torch, torch.distributed as dist, torch.nn.functional as F
+from torch.utils.data import Dataset
+import tiekit
+from models import WeightSharingModule
+from test_train_launchers import dataset
+
+class DiesOnRank1(Dataset):
+    '''Rank 1's process SIGKILLs itself while reading the batch of step 8.'''
+
+    def __init__(self, folder):
+        self.data, self.folder, self.reads = dataset(512), folder, 0
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        self.reads += 1
+        if dist.get_rank() == 1 and self.reads > 7 * 8:
+            with open(os.path.join(self.folder, "killed"), "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.data[i]
+
+if __name__ == "__main__":
+    folder = sys.argv[1]
+    try:
+        tiekit.fit(WeightSharingModule, DiesOnRank1(folder), loss_fn=F.mse_loss, strategy="ddp", devices=2,
+                   batch_size=8, max_steps=20, checkpoint_dir=os.path.join(folder, "ckpt"), checkpoint_every=3,
+                   progress=False, optimizer=functools.partial(torch.optim.AdamW, lr=1e-2))
+        error = None
+    except Exception as exc:
+        error = dict(type=type(exc).__name__, tiekit=isinstance(exc, tiekit.TiekitError), message=str(exc))
+    print("RECORD " + json.dumps(dict(error=error, at=time.time())), flush=True)
+"""
+
+
+def test_a_killed_ddp_worker_ends_fit_within_seconds_and_the_last_checkpoint_loads(tmp_path: Path) -> None:
+    script = tmp_path / "dying.py"
+    script.write_text(textwrap.dedent(DYING))
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], env=_env(), capture_output=True, text=True, timeout=150
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(next(line[7:] for line in done.stdout.splitlines() if line.startswith("RECORD ")))
+    error = record["error"]
+    assert error is not None and error["tiekit"], error  # before: torch's ProcessExitedException
+    assert "replica 1" in error["message"] and "killed by signal SIGKILL" in error["message"]
+    last = tmp_path / "ckpt" / "step-00000006.safetensors"
+    assert f"the last checkpoint: {last}" in error["message"]
+    killed = float((tmp_path / "killed").read_text())
+    assert record["at"] - killed < 20  # the survivor was stopped, not left waiting in its all-reduce
+    model = WeightSharingModule()
+    optimizer = ADAMW(model.parameters())
+    assert tiekit.load_checkpoint(last, model=model, optimizer=optimizer)["step"] == 6
+    assert model.layer_3.weight is model.layer_1.weight
+
+
+# -- 5. which GPU a DDP process uses -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("env", "rank", "world", "gpus", "expected"),
+    [
+        # torchrun, 2 nodes x 1 GPU: rank 1 is local rank 0 of 1 on its node. Before: CPU and gloo,
+        # because 1 GPU < world size 2; and rank % count picked the GPU.
+        ({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}, 1, 2, 1, ("cuda:0", "nccl")),
+        ({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}, 0, 2, 1, ("cuda:0", "nccl")),
+        # 2 nodes x 4 GPUs, global rank 6 is local rank 2: cuda:2 (rank % count would also say 2;
+        # with 3 GPUs per node and 2 processes per node it would not).
+        ({"LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4"}, 6, 8, 4, ("cuda:2", "nccl")),
+        ({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, 3, 4, 3, ("cuda:1", "nccl")),
+        # More processes on this node than GPUs: every process of the node on the CPU, with gloo.
+        ({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}, 0, 2, 1, ("cpu", "gloo")),
+        ({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, 1, 2, 1, ("cpu", "gloo")),
+        # No GPU at all.
+        ({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}, 0, 2, 0, ("cpu", "gloo")),
+        # A launcher that sets LOCAL_RANK only: a GPU when this local rank has one.
+        ({"LOCAL_RANK": "1"}, 1, 2, 2, ("cuda:1", "nccl")),
+        ({"LOCAL_RANK": "2"}, 2, 4, 2, ("cpu", "gloo")),
+        # Spawned by fit itself (no launcher variables): all on this host.
+        ({}, 1, 2, 2, ("cuda:1", "nccl")),
+        ({}, 1, 2, 1, ("cpu", "gloo")),
+    ],
+)
+def test_a_ddp_process_uses_its_local_gpu_when_every_process_of_its_host_has_one(
+    env: dict[str, str], rank: int, world: int, gpus: int, expected: tuple[str, str]
+) -> None:
+    local_rank, local_world = local_ranks(rank, world, env)
+    device, backend = ddp_device(local_rank, local_world, gpus)
+    assert (str(device), backend) == expected
+
+
+# -- 6. who writes under SPMD ------------------------------------------------------------------------
+
+SPMD = """
+import json, os, sys, torch.nn.functional as F
+import tiekit
+from tiekit.collective import ranks
+from tiekit.train.strategies import XlaBackend
+from models import WeightSharingModule
+from test_train_launchers import dataset
+
+folder = sys.argv[1]
+result = tiekit.fit(WeightSharingModule, dataset(), loss_fn=F.mse_loss, strategy="spmd", batch_size=4, max_steps=4,
+                    checkpoint_dir=folder, progress=False)
+backend = XlaBackend(spmd=True)
+print(json.dumps(dict(ranks=list(vars(ranks()).values()), backend=list(vars(backend.ranks).values()),
+                      writer=backend.is_master, replica=backend.replica_rank, world=result.world_size,
+                      checkpoint=str(result.checkpoint), files=os.listdir(folder))))
+"""
+
+
+@pytest.mark.xla
+def test_under_spmd_the_writer_is_process_index_0_not_the_xla_replica(tmp_path: Path) -> None:
+    env = {**_env(), "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
+    done = subprocess.run(
+        [sys.executable, "-c", SPMD, str(tmp_path)], env=env, capture_output=True, text=True, timeout=150
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    # One host driving 4 devices is one rank; it writes, and its one checkpoint is there.
+    assert out["ranks"] == out["backend"] == [0, 1, "single"]
+    assert out["writer"] and out["world"] == 4
+    assert out["files"] == ["step-00000004.safetensors"] and out["checkpoint"] == str(tmp_path / out["files"][0])
+
+
+def test_the_writer_comes_from_the_ranks_not_from_the_replica_number() -> None:
+    # Host 1 of a 2-host SPMD run is XLA replica 0 like host 0; only its process index tells them
+    # apart, and the backend's writer flag follows the ranks (from tiekit.collective.ranks()).
+    from tiekit.collective import Ranks
+    from tiekit.train.strategies import TorchBackend
+
+    backend = TorchBackend(torch.device("cpu"))
+    assert backend.replica_rank == 0 and backend.is_master
+    backend.ranks = Ranks(1, 2, "spmd-hosts")
+    assert backend.replica_rank == 0 and not backend.is_master

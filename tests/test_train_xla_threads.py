@@ -1,0 +1,136 @@
+"""tiekit.fit with XLA:CPU launch threads (one process, one thread per device): fit inside your own
+``torch_xla.launch``, bf16-mixed on a tied weight without racing, and a failing replica that
+releases its peers with a TiekitError. Every run is a subprocess with a timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.xla
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_file(
+    tmp_path: Path, code: str, timeout: float
+) -> tuple[subprocess.CompletedProcess[str], list[dict[str, Any]]]:
+    """Run ``code`` as a script file (launch's worker process re-imports it) on 2 XLA:CPU devices;
+    the process and the JSON records it printed (lines starting with ``RECORD``)."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(code))
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2", "XLA_ENABLE_PARAM_ALIASING": "0"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, env=env, timeout=timeout
+    )
+    records = [json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RECORD ")]
+    return done, records
+
+
+# Ten fits inside the user's own torch_xla.launch (2 threads), bf16-mixed, on the seeds' module
+# whose one weight feeds two Linear layers. The last one writes checkpoints: the renames show who
+# wrote them.
+OWN_LAUNCH = """
+import functools, json, sys, threading, torch, torch.nn.functional as F, torch_xla
+import torch_xla.runtime as xr
+import tiekit
+from models import WeightSharingModule
+from examples.weight_sharing import dataset
+
+folder = sys.argv[1]
+lock = threading.Lock()
+
+def record(**fields):
+    with lock:
+        print("RECORD " + json.dumps(fields), flush=True)
+
+def audit(event, args):
+    if event == "os.rename" and str(args[1]).endswith(".safetensors"):
+        record(kind="rename", ordinal=xr.global_ordinal(), file=str(args[1]))
+
+def replica(index):
+    sys.addaudithook(audit) if index == 0 else None
+    for run in range(10):
+        ckpt = dict(checkpoint_dir=folder + "/ckpt", checkpoint_every=6) if run == 9 else {}
+        result = tiekit.fit(WeightSharingModule, dataset(256), loss_fn=F.mse_loss, strategy="xla", max_steps=12,
+                            batch_size=8, precision="bf16-mixed", progress=False,
+                            optimizer=functools.partial(torch.optim.AdamW, lr=1e-2), **ckpt)
+        record(kind="fit", ordinal=index, run=run, steps=result.steps, world=result.world_size,
+               digest=result.replica_digests[0], ties_kept=result.ties_kept, first=result.losses[:1],
+               last=result.losses[-1:], checkpoint=str(result.checkpoint))
+
+if __name__ == "__main__":
+    torch_xla.launch(replica)
+"""
+
+
+def test_ten_bf16_mixed_fits_inside_your_own_launch_never_race(tmp_path: Path) -> None:
+    # Before: with autocast's cast cache on, one thread leaving autocast cleared the casts the
+    # other was using; it traced one more cast, its all-reduce met nobody, and XLA aborted the
+    # process ("Termination timeout for all reduce ... only 1 of them arrived") in the first fit.
+    # And each thread's fit made its own run id, so their compile gates never met: a hang.
+    done, records = run_file(tmp_path, OWN_LAUNCH, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    fits = [r for r in records if r["kind"] == "fit"]
+    assert sorted((r["run"], r["ordinal"]) for r in fits) == [(run, o) for run in range(10) for o in (0, 1)]
+    for run in range(10):
+        pair = [r for r in fits if r["run"] == run]
+        assert all(r["steps"] == 12 and r["world"] == 2 and r["ties_kept"] for r in pair)
+        assert pair[0]["digest"] == pair[1]["digest"]  # each replica ends bit-identical to its peer
+    assert all(r["last"][0] < r["first"][0] for r in fits if r["ordinal"] == 0)
+    # The run's checkpoints: written once each, by ordinal 0; both replicas name the last one.
+    renames = [r for r in records if r["kind"] == "rename"]
+    assert [(r["ordinal"], Path(r["file"]).name) for r in renames] == [
+        (0, "step-00000006.safetensors"),
+        (0, "step-00000012.safetensors"),
+    ]
+    last = str(tmp_path / "ckpt" / "step-00000012.safetensors")
+    assert [r["checkpoint"] for r in fits if r["run"] == 9] == [last, last]
+
+
+FAILING_REPLICA = """
+import json, sys, time, torch, torch.nn.functional as F
+import torch_xla.runtime as xr
+import tiekit
+from models import WeightSharingModule
+from examples.weight_sharing import dataset
+
+calls = {}
+
+def loss_on_replica_1_fails_at_step_4(out, target):
+    ordinal = xr.global_ordinal()
+    calls[ordinal] = calls.get(ordinal, 0) + 1
+    if ordinal == 1 and calls[ordinal] == 4:
+        raise ValueError("replica 1 cannot compute this loss")
+    return F.mse_loss(out, target)
+
+if __name__ == "__main__":
+    started = time.time()
+    try:
+        tiekit.fit(WeightSharingModule, dataset(256), loss_fn=loss_on_replica_1_fails_at_step_4, strategy="xla",
+                   devices=2, max_steps=12, batch_size=8, progress=False)
+        error = None
+    except Exception as exc:
+        error = {"type": type(exc).__name__, "tiekit": isinstance(exc, tiekit.TiekitError), "message": str(exc)}
+    print("RECORD " + json.dumps({"error": error, "seconds": time.time() - started}), flush=True)
+"""
+
+
+def test_a_replica_that_raises_releases_its_peer_with_a_tiekit_error(tmp_path: Path) -> None:
+    started = time.monotonic()
+    done, records = run_file(tmp_path, FAILING_REPLICA, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    error = records[-1]["error"]
+    assert error is not None and error["tiekit"], error
+    assert "replica 0 stopped because another replica failed" in error["message"]
+    assert "replica 1: ValueError: replica 1 cannot compute this loss" in error["message"]
+    assert time.monotonic() - started < 120  # released at once, not after XLA's or a collective's timeout

@@ -1,0 +1,182 @@
+"""The run-wide decisions of one `tiekit.fit` run: made once, on rank 0, checked on every rank.
+
+The ranks of a run (torch.distributed processes, ``torch_xla.launch`` replicas, SPMD hosts)
+each run `tiekit.train.loop`; whatever they must share goes through a `Coordinator`, and
+nowhere else. Its methods are collectives over the backend's ranks (every rank calls them, in
+the same order, in `tiekit.train.loop`); a run of one rank decides alone and waits for nobody:
+
+1. `join`: rank 0's run id (the key of the run's XLA compile gate) and the options that must be
+   equal on every rank (``checkpoint_dir``, ``resume``, ``max_steps``...), checked.
+2. `Coordinator.resume`: the checkpoint to resume from, decided on rank 0 (``"last"``: the newest
+   in rank 0's ``checkpoint_dir``), then opened by every rank: a rank that cannot (node-local
+   folders) is a `TiekitError` on every rank naming it and the path. After the load, every
+   rank must stand at the same step.
+3. `Coordinator.save`: one writer per checkpoint (rank 0; process index 0 under SPMD), its
+   failure raised on every rank.
+4. `abort`: a failing rank releases the launch threads waiting for it in a collective.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import tiekit
+from tiekit.collective import Ranks, abort_thread_collectives, collective_gather, collective_save_checkpoint
+from tiekit.errors import TiekitError
+from tiekit.train import state
+from tiekit.train.config import FitConfig, Job
+from tiekit.train.strategies import Backend
+
+#: The options of `tiekit.fit` every rank must pass alike: a rank with another ``max_steps`` or
+#: ``checkpoint_dir`` would leave its peers waiting in a collective, or train on other steps.
+SHARED_OPTIONS = (
+    "epochs",
+    "max_steps",
+    "batch_size",
+    "precision",
+    "seed",
+    "drop_last",
+    "shuffle",
+    "checkpoint_dir",
+    "checkpoint_every",
+    "resume",
+)
+
+
+@dataclass
+class Coordinator:
+    """One rank's handle on its run's shared decisions (see the module docstring)."""
+
+    ranks: Ranks
+    run_id: str
+    last_saved: Path | None = None
+
+    def gather(self, value: Any) -> list[Any]:
+        """Collective: every rank's ``value`` in rank order (``[value]`` in a run of one rank)."""
+        return collective_gather(value) if self.ranks.world > 1 else [value]
+
+    def resume(
+        self, cfg: FitConfig, model: nn.Module, optimizer: torch.optim.Optimizer, backend: Backend
+    ) -> state.Position:
+        """Collective: load the checkpoint rank 0 chose into ``model`` and ``optimizer`` on every
+        rank; where the run stands (the start without ``resume``, or when ``"last"`` finds none).
+
+        `TiekitError` on every rank, before anything is loaded, when a rank cannot open the
+        file, and after it when a rank failed to load it or the ranks stand at different steps
+        (each read its own copy of the file, and the copies differ).
+        """
+        if cfg.resume is None:
+            return state.Position()
+        chosen = self.gather(_choose(cfg) if self.ranks.rank == 0 else None)[0]
+        if chosen is None:
+            return state.Position()  # resume="last" and nothing saved yet: every rank starts fresh
+        path = Path(chosen)
+        problems = self.gather(_cannot_open(path))
+        failed = [(rank, problem) for rank, problem in enumerate(problems) if problem is not None]
+        if failed:
+            raise TiekitError(_unreadable(path, failed, cfg, self.ranks.world))
+        self.last_saved = path
+        if self.ranks.world == 1:
+            return state.resume(path, model, optimizer, backend.devices_in_run, backend.device)
+        loaded: state.Position | str
+        try:
+            loaded = state.resume(path, model, optimizer, backend.devices_in_run, backend.device)
+        except TiekitError as exc:  # reported to every rank below (a failed load changes nothing)
+            loaded = f"{type(exc).__name__}: {exc}"
+        outcomes = self.gather(loaded)
+        if isinstance(loaded, str) or len(set(outcomes)) > 1:
+            shown = "; ".join(f"rank {r}: {_loaded(o)}" for r, o in enumerate(outcomes))
+            raise TiekitError(
+                f"resume: the ranks did not all load {path} at the same step ({shown}); each read its own "
+                "copy of it: every rank must resume from the same checkpoint"
+            )
+        return loaded
+
+    def save(
+        self, cfg: FitConfig, model: nn.Module, optimizer: torch.optim.Optimizer, at: state.Position, backend: Backend
+    ) -> None:
+        """Collective: write the checkpoint of step ``at.step`` into ``cfg.checkpoint_dir`` once,
+        on the writer; its failure is raised on every rank (`tiekit.CheckpointError`)."""
+        assert cfg.checkpoint_dir is not None  # fit saves only with a checkpoint_dir
+        path = state.checkpoint_path(cfg.checkpoint_dir, at.step)
+        contents = state.contents(model, optimizer, at, backend.devices_in_run, backend.device)
+        if self.ranks.world > 1:
+            collective_save_checkpoint(path, **contents)
+        else:
+            tiekit.save_checkpoint(path, **contents)
+        self.last_saved = path
+
+
+def join(job: Job, backend: Backend) -> Coordinator:
+    """Collective: the `Coordinator` of this rank; rank 0's run id, and the options that must be
+    equal checked on every rank (a `TiekitError` naming the option and the ranks that differ)."""
+    where = backend.ranks
+    if where.world == 1:
+        return Coordinator(where, job.run_id)
+    options = {name: _comparable(getattr(job.config, name)) for name in SHARED_OPTIONS}
+    gathered = collective_gather((job.run_id, options))
+    first = gathered[0][1]
+    for name in SHARED_OPTIONS:
+        differ = [r for r, (_, other) in enumerate(gathered) if other[name] != first[name]]
+        if differ:
+            shown = "; ".join(f"rank {r}: {gathered[r][1][name]!r}" for r in [0, *differ[:7]])
+            raise TiekitError(
+                f"the ranks of this run passed fit different {name} ({shown}); it must be the same on every rank"
+            )
+    return Coordinator(where, str(gathered[0][0]))
+
+
+def abort(backend: Backend, reason: str) -> None:
+    """Local: this rank failed with ``reason``; release the launch threads of this process that
+    wait for it in a collective (processes find out by its exit)."""
+    if backend.ranks.kind == "xla-threads":
+        abort_thread_collectives(reason)
+
+
+def _choose(cfg: FitConfig) -> str | None:
+    """Rank 0's choice: the checkpoint named by ``resume``, or for ``"last"`` the newest in its
+    ``checkpoint_dir`` (None: nothing saved yet)."""
+    if cfg.resume == "last":
+        assert cfg.checkpoint_dir is not None  # FitConfig.check
+        last = state.last_checkpoint(cfg.checkpoint_dir)
+        return None if last is None else str(last)
+    return str(cfg.resume)
+
+
+def _cannot_open(path: Path) -> str | None:
+    """Why this rank cannot read ``path`` (None: it can)."""
+    try:
+        with path.open("rb") as f:
+            f.read(8)
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc.strerror or exc} (working directory {os.getcwd()})"
+    return None
+
+
+def _unreadable(path: Path, failed: list[tuple[int, str]], cfg: FitConfig, world: int) -> str:
+    if world == 1:
+        return f"resume: no checkpoint at {path} ({failed[0][1]})"
+    ranks = ", ".join(str(rank) for rank, _ in failed)
+    detail = "; ".join(f"rank {rank}: {problem}" for rank, problem in failed)
+    chosen = "the newest in rank 0's checkpoint_dir" if cfg.resume == "last" else "the resume= path"
+    return (
+        f"resume: rank(s) {ranks} of {world} cannot open {path} ({chosen}), so the ranks would resume at "
+        f"different steps: {detail}. Every rank must read the same checkpoint: put checkpoint_dir on storage "
+        "every node shares, or copy the checkpoint to every node"
+    )
+
+
+def _loaded(outcome: state.Position | str) -> str:
+    if isinstance(outcome, str):
+        return outcome
+    return f"step {outcome.step} (epoch {outcome.epoch}, batch {outcome.batches})"
+
+
+def _comparable(value: Any) -> Any:
+    return str(value) if isinstance(value, Path) else value
