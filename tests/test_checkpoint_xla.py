@@ -106,13 +106,14 @@ def test_saving_from_xla_moves_each_unique_tensor_once(tmp_path: Path, xla_devic
 
 REPLICAS = textwrap.dedent(
     """
-    import json, sys, threading, time
+    import json, os, sys, threading, time
     import torch, torch_xla
     import torch_xla.runtime as xr
     from torch import nn
     import tiekit
 
     lock = threading.Lock()
+    local_done = threading.Event()
 
     def record(kind, **fields):
         with lock:
@@ -120,7 +121,7 @@ REPLICAS = textwrap.dedent(
                   flush=True)
 
     def audit(event, args):
-        if event == "os.rename" and str(args[1]).endswith("model.safetensors"):
+        if event == "os.rename" and str(args[1]).endswith(".safetensors"):
             record("rename", dst=str(args[1]))
 
     sys.addaudithook(audit)
@@ -135,13 +136,22 @@ REPLICAS = textwrap.dedent(
                 self.embed.weight.copy_(torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16))
 
     def replica(index):
+        shared, local = sys.argv[1], sys.argv[2]
         model = tiekit.move(Tied(), "xla")
+        # A local save on replica 0 alone returns without the other replica, which waits for it.
         if xr.global_ordinal() == 0:
-            time.sleep(1.0)  # the master comes late: the others must wait for its file
-        tiekit.save_model(model, sys.argv[1])
-        record("returned")
+            tiekit.save_model(model, local)
+            record("local_returned")
+            local_done.set()
+        else:
+            record("local_seen", done=local_done.wait(60))
+        # Every replica calls the collective save; the master comes late: the others must wait.
+        if xr.global_ordinal() == 0:
+            time.sleep(1.0)
+        tiekit.collective_save_model(model, shared)
+        record("returned", exists=os.path.exists(shared))
         check = Tied()
-        tiekit.load_model(check, sys.argv[1])
+        tiekit.load_model(check, shared)
         assert check.head.weight is check.embed.weight
         record("loaded")
 
@@ -153,17 +163,21 @@ REPLICAS = textwrap.dedent(
 
 def test_only_the_master_replica_writes_and_the_others_wait(tmp_path: Path) -> None:
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"}
-    target = tmp_path / "model.safetensors"
+    shared, local = tmp_path / "model.safetensors", tmp_path / "local.safetensors"
     script = tmp_path / "replicas.py"  # launch's worker processes re-import the main module from a file
     script.write_text(REPLICAS)
     run = subprocess.run(
-        [sys.executable, str(script), str(target)], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, str(script), str(shared), str(local)], env=env, capture_output=True, text=True, timeout=300
     )
     assert run.returncode == 0, run.stderr[-3000:]
     events = [json.loads(line[6:]) for line in run.stdout.splitlines() if line.startswith("EVENT ")]
-    renames = [e for e in events if e["kind"] == "rename"]
-    assert [e["ordinal"] for e in renames] == [0]  # one write, by the master
-    returned = {e["ordinal"]: e["t"] for e in events if e["kind"] == "returned"}
+    # tiekit.save_model is local: replica 0 saved alone and returned; replica 1 saw it finish.
+    assert [e["ordinal"] for e in events if e["kind"] == "local_returned"] == [0]
+    assert [(e["ordinal"], e["done"]) for e in events if e["kind"] == "local_seen"] == [(1, True)]
+    # tiekit.collective_save_model: one write, by ordinal 0; every replica returns once the file is there.
+    renames = [e for e in events if e["kind"] == "rename" and e["dst"] == str(shared)]
+    assert [e["ordinal"] for e in renames] == [0]
+    returned = {e["ordinal"]: e for e in events if e["kind"] == "returned"}
     assert sorted(returned) == [0, 1]
-    assert returned[1] >= renames[0]["t"]  # the other replica waited for the file
+    assert all(e["exists"] and e["t"] >= renames[0]["t"] for e in returned.values())
     assert sorted(e["ordinal"] for e in events if e["kind"] == "loaded") == [0, 1]
