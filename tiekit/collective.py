@@ -120,21 +120,21 @@ def collective_run(path_key: str, write: Callable[[], None], *, what: str, timeo
     The building block of `collective_save_model`; ``what`` names the operation in errors."""
     where = ranks()
     keys = collective_gather(path_key, timeout=timeout)
-    error = None
+    error: str | None = None
+    own: Exception | None = None
     if keys.index(path_key) == where.rank:
         try:
             write()
-        except Exception as exc:  # noqa: BLE001 - reported to every rank below, then re-raised here
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below, then raised here too
             error = f"{type(exc).__name__}: {exc}"
             own = exc
     errors = collective_gather(error, timeout=timeout)
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if not failed:
         return
-    if error is not None and len(failed) == 1:
-        raise own
-    detail = "; ".join(f"rank {r}: {e}" for r, e in failed)
-    raise CheckpointError(f"{what} failed on {len(failed)} of {where.world} rank(s): {detail}")
+    # The same error on every rank, the writer's own included: it names the ranks that failed.
+    detail = "; ".join(f"rank {r} ({keys[r]}): {e}" for r, e in failed)
+    raise CheckpointError(f"{what} failed on {len(failed)} of {where.world} rank(s): {detail}") from own
 
 
 def collective_save_model(model: torch.nn.Module, path: str | os.PathLike[str], **kwargs: Any) -> None:
@@ -144,7 +144,7 @@ def collective_save_model(model: torch.nn.Module, path: str | os.PathLike[str], 
     from tiekit.checkpoint import save_model
 
     target = os.path.abspath(os.fspath(path))
-    collective_run(target, lambda: save_model(model, target, **kwargs), what=f"saving {target}")
+    collective_run(target, lambda: save_model(model, target, **kwargs), what="collective_save_model")
 
 
 def collective_save_checkpoint(path: str | os.PathLike[str], **kwargs: Any) -> None:
@@ -153,7 +153,7 @@ def collective_save_checkpoint(path: str | os.PathLike[str], **kwargs: Any) -> N
     from tiekit.checkpoint import save_checkpoint
 
     target = os.path.abspath(os.fspath(path))
-    collective_run(target, lambda: save_checkpoint(target, **kwargs), what=f"saving {target}")
+    collective_run(target, lambda: save_checkpoint(target, **kwargs), what="collective_save_checkpoint")
 
 
 # -- runtimes ---------------------------------------------------------------------------------
