@@ -170,6 +170,45 @@ def test_checkpoint_io_writes_tied_safetensors_and_resumes_exactly(tmp_path: Pat
     assert not path.exists()
 
 
+def test_checkpoint_io_records_identity_ties_as_identity_and_real_views_as_views(tmp_path: Path) -> None:
+    # Lightning's state_dict holds a detached tensor per name: head.weight and embed.weight are
+    # two objects over one memory, as are the view buffers. The file must record head.weight as
+    # the same tensor as embed.weight (an identity tie), and only the real views as views.
+    model = TiedViews()
+    model.register_buffer("embed_cols", model.embed.weight.detach()[:, 2:5])  # a slice: a real view
+    state = model.state_dict()
+    assert state["head.weight"] is not state["embed.weight"]
+    assert state["head.weight"].data_ptr() == state["embed.weight"].data_ptr()
+    path = tmp_path / "step.ckpt"
+    TiedCheckpointIO().save_checkpoint({"state_dict": state, "global_step": 1}, path)
+
+    with safe_open(path, "pt") as f:
+        assert set(f.keys()) == {"embed.weight"}
+        plan = tiekit.TiePlan.from_json(f.metadata()["tiekit.plan"])
+    [group] = plan.groups
+    views = {m.name: m.view for m in group.members}
+    assert views["head.weight"] is None  # not a "view" covering the whole source
+    assert views["embed_t"] is not None and views["embed_t"].stride == (1, WIDTH)
+    assert views["embed_cols"] is not None and views["embed_cols"].size == (VOCAB, 3)
+    assert views["embed_cols"].offset == 2
+
+    # Loaded into a module whose tie is broken: the same Parameter object again, views as views.
+    broken = TiedViews()
+    broken.register_buffer("embed_cols", torch.zeros(VOCAB, 3))
+    broken.head.weight = nn.Parameter(torch.zeros(VOCAB, WIDTH))
+    tiekit.load_model(broken, path)
+    assert broken.head.weight is broken.embed.weight and len(list(broken.parameters())) == 1
+    assert is_view_of_transpose(broken.embed_t, broken.embed.weight)
+    assert broken.embed_cols.data_ptr() == broken.embed.weight.data_ptr() + 2 * broken.embed.weight.element_size()
+    assert torch.equal(broken.embed.weight, model.embed.weight)
+    assert torch.equal(broken.embed_cols, model.embed.weight[:, 2:5])
+
+    # And back into Lightning's dict: every name, the identity tie one tensor again.
+    loaded = TiedCheckpointIO().load_checkpoint(path)["state_dict"]
+    assert set(loaded) == set(state) and loaded["embed_cols"].shape == (VOCAB, 3)
+    assert loaded["head.weight"].data_ptr() == loaded["embed.weight"].data_ptr()
+
+
 def test_checkpoint_io_round_trips_lightning_entries_and_refuses_pickle(tmp_path: Path) -> None:
     shared = torch.arange(6.0).reshape(2, 3)
     checkpoint = {

@@ -28,8 +28,9 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
+from tiekit import load_checkpoint, save_checkpoint
 from tiekit.analyze import find_ties
-from tiekit.checkpoint import load_checkpoint, save_checkpoint
+from tiekit.devices import storage_key
 from tiekit.errors import CheckpointError
 from tiekit.plan import TiePlan
 from tiekit.retie import OnError, retie, verify
@@ -187,9 +188,20 @@ def _target(path: Any) -> Path:
 
 def _holder(tensors: Mapping[str, torch.Tensor]) -> nn.Module:
     """A module holding ``tensors`` as buffers under their dotted names, so the tie machinery
-    (which works on modules) can plan, save and load a plain state dict."""
+    (which works on modules) can plan, save and load a plain state dict.
+
+    A state dict holds a tied parameter once per name, as separate detached tensors over one
+    memory: tensors with the same storage, offset, shape, strides and dtype become one object
+    here, so the plan records an identity tie (loaded as the same object), not a view covering
+    the whole source. A real view (a slice, a transpose) keeps its own tensor and stays a view.
+    """
     root = nn.Module()
+    same: dict[tuple[Any, ...], torch.Tensor] = {}
     for name, tensor in tensors.items():
+        storage = storage_key(tensor)
+        if storage is not None:
+            key = (storage, tensor.device, tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype)
+            tensor = same.setdefault(key, tensor)
         *path, attr = name.split(".")
         module = root
         for part in path:
