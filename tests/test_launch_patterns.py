@@ -1,0 +1,197 @@
+"""tiekit's saves under real launchers: two processes (or replicas) per run, never a hang.
+
+Each test runs an example of ``examples/launch_*.py`` under its real launcher (plain
+torch.distributed processes, torchrun on one node and on two, torch.multiprocessing.spawn,
+accelerate launch, torch_xla.launch, tiekit.fit), with a deadline and SIGKILL for every process
+left (`launching.run_together`). Each file's writes are counted from the outside: an audit
+hook in every launched Python process logs each rename that publishes a file, with its rank.
+
+The bug these guard against: saves used to wait for every rank inside ``save_model``, so the
+everyday ``if rank == 0: save(...)`` followed by ``dist.barrier()`` deadlocked (rank 0 in the
+hidden barrier, the others in the user's). `test_a_hidden_barrier_in_save_model_fails_the_test`
+puts that barrier back and checks the harness fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from launching import BIN, EXAMPLES, audit_env, base_env, free_port, renames, run_ok, run_together
+
+pytestmark = pytest.mark.slow
+
+WORLD = 2
+TORCHRUN_EXAMPLE = str(EXAMPLES / "launch_torchrun.py")
+
+
+def plain_processes(script: list[str], port: int) -> list[list[str]]:
+    """The environment torchrun would give, set by hand: no launcher at all."""
+    return [
+        [
+            "env",
+            f"RANK={rank}",
+            f"LOCAL_RANK={rank}",
+            f"WORLD_SIZE={WORLD}",
+            "MASTER_ADDR=127.0.0.1",
+            f"MASTER_PORT={port}",
+            str(BIN / "python"),
+            *script,
+        ]
+        for rank in range(WORLD)
+    ]
+
+
+def torchrun_two_nodes(script: list[str], port: int) -> list[list[str]]:
+    """Two torchrun agents, one process each, meeting through the c10d rendezvous."""
+    return [
+        [
+            str(BIN / "torchrun"),
+            "--nnodes=2",
+            "--nproc-per-node=1",
+            f"--node-rank={node}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=tiekit-test",
+            *script,
+        ]
+        for node in range(2)
+    ]
+
+
+def check_save_patterns(out: Path, audit: Path, output: str) -> None:
+    """What `launch_torchrun.save_patterns` must leave behind, read from the files, the renames
+    and the output of every rank."""
+    written = renames(audit, out)
+    # 1. One writer: rank 0 wrote the file; the barrier, a load and an all_reduce followed on both.
+    assert written["writer.safetensors"] == [0]
+    # 2. Every rank called collective_save_model with one path: one write, by rank 0.
+    assert written["shared.safetensors"] == [0]
+    # 3. Per-rank paths: each rank wrote its own file, through the collective and locally.
+    for rank in range(WORLD):
+        assert written[f"rank{rank}.safetensors"] == [rank]
+        assert written[f"local{rank}.safetensors"] == [rank]
+    # 4. Failing writers: nothing was published under the blocked path (a regular file) ...
+    assert (out / "blocked").is_file() and not any(name.startswith("blocked") for name in written)
+    assert written["again0.safetensors"] == [0] and f"again{WORLD - 1}.safetensors" not in written
+    for rank in range(WORLD):
+        # ... and every rank, the writer itself included, got the error naming the failing rank.
+        assert f"rank {rank}: writer pattern: saved by rank 0, all_reduce 3" in output
+        assert f"rank {rank}: shared path: written once, present on return" in output
+        failures = [line for line in output.splitlines() if line.startswith(f"rank {rank}: writer failure seen: ")]
+        assert len(failures) == 2, output
+        assert "collective_save_model failed on 1 of 2 rank(s): rank 0 (" in failures[0]
+        assert "blocked/shared.safetensors): CheckpointError: " in failures[0]
+        assert f"rank {WORLD - 1} (" in failures[1] and f"blocked/rank{WORLD - 1}.safetensors" in failures[1]
+
+
+def run_patterns(tmp_path: Path, commands: list[list[str]]) -> None:
+    out, audit = tmp_path / "out", tmp_path / "audit"
+    runs = run_ok(commands, env=base_env(**audit_env(audit)), cwd=tmp_path)
+    check_save_patterns(out, audit, "\n".join(r.output for r in runs))
+
+
+def test_save_patterns_in_plain_torch_distributed_processes(tmp_path: Path) -> None:
+    run_patterns(tmp_path, plain_processes([TORCHRUN_EXAMPLE, "out"], free_port()))
+
+
+def test_save_patterns_under_torchrun_on_one_node(tmp_path: Path) -> None:
+    torchrun = [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={WORLD}", TORCHRUN_EXAMPLE, "out"]
+    run_patterns(tmp_path, [torchrun])
+
+
+def test_save_patterns_under_torchrun_on_two_nodes(tmp_path: Path) -> None:
+    run_patterns(tmp_path, torchrun_two_nodes([TORCHRUN_EXAMPLE, "out"], free_port()))
+
+
+def test_save_patterns_under_torch_multiprocessing_spawn(tmp_path: Path) -> None:
+    run_patterns(tmp_path, [[str(BIN / "python"), str(EXAMPLES / "launch_spawn.py"), "out"]])
+
+
+HIDDEN_BARRIER = '''
+"""The old tiekit: save_model waited for every rank after writing (a hidden barrier)."""
+import runpy, sys
+
+import torch.distributed as dist
+
+import tiekit
+
+_save = tiekit.save_model
+
+
+def save_model(*args, **kwargs):
+    _save(*args, **kwargs)
+    dist.barrier()
+
+
+tiekit.save_model = save_model
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+'''
+
+
+def test_a_hidden_barrier_in_save_model_fails_the_test(tmp_path: Path) -> None:
+    # The rank-0 pattern with the old save_model: rank 0 waits in the save's barrier while
+    # rank 1 waits in the user's; they pair up, and the next collectives do not: a hang, which
+    # the harness turns into a failure.
+    (tmp_path / "old_tiekit.py").write_text(HIDDEN_BARRIER)
+    commands = plain_processes([str(tmp_path / "old_tiekit.py"), TORCHRUN_EXAMPLE, "out"], free_port())
+    with pytest.raises(AssertionError, match=r"killed: not done within 20 s"):
+        run_together(commands, env=base_env(), cwd=tmp_path, timeout=20)
+    assert (tmp_path / "out" / "writer.safetensors").is_file()  # it got as far as the save
+
+
+def test_accelerate_launch_main_process_and_collective_saves(tmp_path: Path) -> None:
+    # `accelerate launch --cpu --num_processes 2` starts ONE process (accelerate 1.x sends --cpu
+    # to its single-process launcher unless mpirun is configured); --multi_gpu is its torchrun
+    # launcher, and Accelerator(cpu=True) makes the processes gloo CPU processes.
+    audit = tmp_path / "audit"
+    command = [
+        str(BIN / "accelerate"),
+        "launch",
+        "--multi_gpu",
+        f"--num_processes={WORLD}",
+        "--num_machines=1",
+        "--mixed_precision=no",
+        "--dynamo_backend=no",
+        f"--main_process_port={free_port()}",
+        str(EXAMPLES / "launch_accelerate.py"),
+        "out",
+    ]
+    [run] = run_ok([command], env=base_env(**audit_env(audit)), cwd=tmp_path)
+    for rank in range(WORLD):
+        assert f"process {rank}: saved and reloaded tied ({WORLD} processes)" in run.output
+    assert renames(audit, tmp_path / "out") == {"collective.safetensors": [0], "main.safetensors": [0]}
+
+
+@pytest.mark.xla
+def test_torch_xla_launch_on_two_xla_cpu_devices(tmp_path: Path) -> None:
+    audit = tmp_path / "audit"
+    command = [str(BIN / "python"), str(EXAMPLES / "launch_xla.py"), "out"]
+    env = base_env(**audit_env(audit), PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(WORLD))
+    [run] = run_ok([command], env=env, cwd=tmp_path)
+    for rank in range(WORLD):
+        assert f"replica {rank} of {WORLD}: saved and reloaded tied" in run.output
+    written = renames(audit, tmp_path / "out")
+    # Replicas are threads of one process here: the audit hook asked tiekit which one renamed.
+    assert written == {
+        "writer.safetensors": [0],
+        "shared.safetensors": [0],
+        **{f"replica{r}.safetensors": [r] for r in range(WORLD)},
+    }
+
+
+def test_fit_spawns_ddp_processes_and_checkpoints_from_the_master(tmp_path: Path) -> None:
+    audit = tmp_path / "audit"
+    command = [str(BIN / "python"), str(EXAMPLES / "launch_fit.py"), "out"]
+    [run] = run_ok([command], env=base_env(**audit_env(audit)), cwd=tmp_path)
+    assert "ddp on 2: ['step-00000002.safetensors', 'step-00000004.safetensors']" in run.output
+    assert renames(audit, tmp_path / "out") == {"step-00000002.safetensors": [0], "step-00000004.safetensors": [0]}
+
+
+def test_fit_under_torchrun_uses_its_processes(tmp_path: Path) -> None:
+    audit = tmp_path / "audit"
+    command = [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={WORLD}", str(EXAMPLES / "launch_fit.py")]
+    [run] = run_ok([[*command, "out"]], env=base_env(**audit_env(audit)), cwd=tmp_path)
+    assert run.output.count("ddp on 2: ['step-00000002.safetensors', 'step-00000004.safetensors']") == WORLD
+    assert renames(audit, tmp_path / "out") == {"step-00000002.safetensors": [0], "step-00000004.safetensors": [0]}
