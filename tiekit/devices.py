@@ -403,6 +403,24 @@ def xla_set_rng_state(seed: int) -> None:
     xm.set_rng_state(seed)
 
 
+def device_rng_state(device: torch.device) -> dict[str, Any]:
+    """The state of ``device``'s own random number generator under its kind (``"cuda"``,
+    ``"xla"``); empty for the CPU, whose generator is torch's global one."""
+    if device.type == "cuda":
+        return {"cuda": torch.cuda.get_rng_state(device)}
+    if device.type == "xla":
+        return {"xla": xla_rng_state()}
+    return {}
+
+
+def set_device_rng_state(device: torch.device, states: dict[str, Any]) -> None:
+    """Restore what `device_rng_state` returned (a state of another kind of device is ignored)."""
+    if device.type == "cuda" and "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"], device)
+    if device.type == "xla" and "xla" in states:
+        xla_set_rng_state(int(states["xla"]))
+
+
 def xla_host_transfers() -> int:
     """Device-to-host transfers so far in this process (``.item()``, ``.cpu()``, printing...)."""
     met = _xla_module("torch_xla.debug.metrics")

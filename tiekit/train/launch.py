@@ -85,7 +85,7 @@ def _single_backend(requested: int | str) -> Backend:
         device = torch.device("xla")
     else:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "xla":
+    if devices.is_xla(device):
         if devices.xla_replica() is not None:
             raise TiekitError('strategy="single" inside a torch_xla.launch replica: use strategy="xla"')
         return XlaBackend()

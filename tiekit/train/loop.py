@@ -110,9 +110,8 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
     was_training = model.training
     plan = find_ties(model)  # before the move: what must still be one tensor on the device
     move(model, backend.device, dtype=precision.param_dtype, plan=plan)
-    counters_at_start = devices.xla_counters() if backend.device.type == "xla" else None
-    if backend.device.type == "xla":
-        devices.xla_set_rng_state(cfg.seed + backend.replica_rank)
+    counters_at_start = backend.counters()  # XLA: this run's compilations, from here on
+    backend.seed(cfg.seed)
     optimizer = cfg.optimizer(model.parameters())
     train = _loader(job, job.train_data, backend, shuffle=cfg.shuffle, drop_last=cfg.drop_last)
     # Validation keeps its short last batch (one more graph on XLA, compiled once): no padded
@@ -133,20 +132,20 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
         samples_per_step=train.batch_size * backend.devices_in_run,
         log_dir=cfg.log_dir,
         log_every=cfg.log_every,
-        xla=backend.device.type == "xla",
+        xla=backend.compiles,
     )
     step_model = backend.wrap(model)
     model.train()
     epoch, skip, step, saved_at = position.epoch, position.batches, position.step, -1
     done = skip
-    watch_transfers = backend.is_master and backend.device.type == "xla"
+    watch_transfers = backend.is_master and backend.compiles
     try:
         while (limit is None or epoch < limit) and (cfg.max_steps is None or step < cfg.max_steps):
             done = skip
             for batch in backend.batches(train.epoch(epoch, skip)):
-                before = devices.xla_host_transfers() if watch_transfers else 0
+                before = backend.host_transfers() if watch_transfers else 0
                 loss = train_step(step_model, optimizer, batch, backend, precision, cfg.loss_fn)
-                after = devices.xla_host_transfers() if watch_transfers else 0
+                after = backend.host_transfers() if watch_transfers else 0
                 step, done = step + 1, done + 1
                 log.step(step, epoch, loss, after - before)
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
@@ -168,9 +167,11 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
                 coordinator.save(cfg, model, optimizer, state.Position(epoch, done, step), backend)
     finally:
         log.close()
-    if backend.device.type == "xla":
-        devices.xla_wait()
-    counters = None if counters_at_start is None else devices.xla_counters().since(counters_at_start)
+    backend.wait()
+    counters_at_end = backend.counters()
+    counters = (
+        None if counters_at_start is None or counters_at_end is None else counters_at_end.since(counters_at_start)
+    )
     ties_kept = verify(model, plan, on_error="warn").ok
     digest = _digest(model)
     move(model, "cpu", dtype=original_dtype if precision.param_dtype is not None else None, plan=plan)
@@ -221,7 +222,7 @@ def _loader(job: Job, data: Any, backend: Backend, *, shuffle: bool, drop_last: 
         shuffle=shuffle,
         seed=cfg.seed,
         drop_last=drop_last,
-        static_shapes=backend.device.type == "xla" and data is job.train_data,
+        static_shapes=backend.compiles and data is job.train_data,
         what="train_data" if data is job.train_data else "val_data",
     )
 

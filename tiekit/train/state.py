@@ -89,10 +89,7 @@ def _rng_states(device: torch.device) -> dict[str, Any]:
     if "numpy" in sys.modules:
         kind, keys, pos, has_gauss, cached = sys.modules["numpy"].random.get_state()
         states["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached]
-    if device.type == "cuda":
-        states["cuda"] = torch.cuda.get_rng_state(device)
-    if device.type == "xla":
-        states["xla"] = devices.xla_rng_state()
+    states.update(devices.device_rng_state(device))  # CUDA's or XLA's own generator
     return states
 
 
@@ -104,7 +101,4 @@ def _set_rng_states(states: dict[str, Any], device: torch.device) -> None:
         np = sys.modules["numpy"]
         kind, keys, pos, has_gauss, cached = states["numpy"]
         np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    if device.type == "cuda" and "cuda" in states:
-        torch.cuda.set_rng_state(states["cuda"], device)
-    if device.type == "xla" and "xla" in states:
-        devices.xla_set_rng_state(int(states["xla"]))
+    devices.set_device_rng_state(device, states)

@@ -30,6 +30,8 @@ class Backend:
     this replica's sampler; ``batch_scale`` multiplies the per-device batch size into the
     loader's (SPMD: the host's devices share one loader); ``devices_in_run`` counts every
     device, for throughput. ``autocast_cache``: whether autocast may cache its casts here.
+    ``compiles``: steps run as compiled graphs (XLA), so batches keep one shape, and compilations
+    and host transfers are watched.
     """
 
     name: str
@@ -42,6 +44,7 @@ class Backend:
     batch_scale: int = 1
     devices_in_run: int = 1
     autocast_cache: bool = True
+    compiles: bool = False
 
     @property
     def is_master(self) -> bool:
@@ -71,6 +74,20 @@ class Backend:
 
     def abort(self, reason: str) -> None:
         """This replica failed (``reason``): release peers that would otherwise wait for it forever."""
+
+    def seed(self, seed: int) -> None:
+        """Seed the device's own random number generator, where it has one (XLA)."""
+
+    def wait(self) -> None:
+        """Block until the device has run everything queued for it."""
+
+    def counters(self) -> devices.XlaCounters | None:
+        """The compiler's counters so far (XLA), else None."""
+        return None
+
+    def host_transfers(self) -> int:
+        """Device-to-host transfers so far (XLA; 0 where they cost nothing to count)."""
+        return 0
 
 
 class TorchBackend(Backend):
@@ -129,6 +146,7 @@ class XlaBackend(Backend):
         # casts another thread is still using, which then traces a different graph from its
         # peers (one more cast), whose all-reduce never meets theirs. So no cache for threads.
         self.autocast_cache = not devices.xla_cpu_threads()
+        self.compiles = True
 
     def start(self, run_id: str) -> None:
         self.run_id = run_id
@@ -160,6 +178,18 @@ class XlaBackend(Backend):
     def abort(self, reason: str) -> None:
         if self.run_id:
             devices.xla_abort_step_sync(self.run_id, f"replica {self.replica_rank}: {reason}")
+
+    def seed(self, seed: int) -> None:
+        devices.xla_set_rng_state(seed + self.replica_rank)
+
+    def wait(self) -> None:
+        devices.xla_wait()
+
+    def counters(self) -> devices.XlaCounters | None:
+        return devices.xla_counters()
+
+    def host_transfers(self) -> int:
+        return devices.xla_host_transfers()
 
 
 def _to(value: Any, device: torch.device, non_blocking: bool) -> Any:
