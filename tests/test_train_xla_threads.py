@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_file(
-    tmp_path: Path, code: str, timeout: float
+    tmp_path: Path, code: str, timeout: float, args: list[str] | None = None
 ) -> tuple[subprocess.CompletedProcess[str], list[dict[str, Any]]]:
     """Run ``code`` as a script file (launch's worker process re-imports it) on 2 XLA:CPU devices;
     the process and the JSON records it printed (lines starting with ``RECORD``)."""
@@ -30,7 +30,11 @@ def run_file(
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2", "XLA_ENABLE_PARAM_ALIASING": "0"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
     done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, env=env, timeout=timeout
+        [sys.executable, str(script), str(tmp_path), *(args or [])],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
     )
     records = [json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RECORD ")]
     return done, records
@@ -100,6 +104,7 @@ def test_ten_bf16_mixed_fits_inside_your_own_launch_never_race(tmp_path: Path) -
 FAILING_REPLICA = """
 import json, sys, time, torch, torch.nn.functional as F
 import torch_xla.runtime as xr
+from torch.utils.data import Dataset
 import tiekit
 from models import WeightSharingModule
 from examples.weight_sharing import dataset
@@ -113,11 +118,29 @@ def loss_on_replica_1_fails_at_step_4(out, target):
         raise ValueError("replica 1 cannot compute this loss")
     return F.mse_loss(out, target)
 
+class SampleOfReplica1Fails(Dataset):
+    # Unshuffled, replica 1 reads the odd samples: it fails in its 4th batch, replica 0 never.
+
+    def __init__(self):
+        self.data = dataset(256)
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        if i == 61:
+            raise ValueError("sample 61 cannot be read")
+        return self.data[i]
+
 if __name__ == "__main__":
     started = time.time()
+    if sys.argv[2] == "loss":
+        data, loss_fn = dataset(256), loss_on_replica_1_fails_at_step_4
+    else:
+        data, loss_fn = SampleOfReplica1Fails(), F.mse_loss
     try:
-        tiekit.fit(WeightSharingModule, dataset(256), loss_fn=loss_on_replica_1_fails_at_step_4, strategy="xla",
-                   devices=2, max_steps=12, batch_size=8, progress=False)
+        tiekit.fit(WeightSharingModule, data, loss_fn=loss_fn, strategy="xla", devices=2, max_steps=12, batch_size=8,
+                   shuffle=False, progress=False)
         error = None
     except Exception as exc:
         error = {"type": type(exc).__name__, "tiekit": isinstance(exc, tiekit.TiekitError), "message": str(exc)}
@@ -125,12 +148,21 @@ if __name__ == "__main__":
 """
 
 
-def test_a_replica_that_raises_releases_its_peer_with_a_tiekit_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("where", "raised"),
+    [
+        ("loss", "ValueError: replica 1 cannot compute this loss"),
+        # Raised in torch_xla's loader thread, which used to swallow it: replica 1's epoch just
+        # ended early, fit went on and returned as if nothing had happened.
+        ("dataset", "ValueError: sample 61 cannot be read"),
+    ],
+)
+def test_a_replica_that_raises_releases_its_peer_with_a_tiekit_error(tmp_path: Path, where: str, raised: str) -> None:
     started = time.monotonic()
-    done, records = run_file(tmp_path, FAILING_REPLICA, timeout=180)
+    done, records = run_file(tmp_path, FAILING_REPLICA, timeout=180, args=[where])
     assert done.returncode == 0, done.stderr[-3000:]
     error = records[-1]["error"]
     assert error is not None and error["tiekit"], error
     assert "replica 0 stopped because another replica failed" in error["message"]
-    assert "replica 1: ValueError: replica 1 cannot compute this loss" in error["message"]
+    assert f"replica 1: {raised}" in error["message"]
     assert time.monotonic() - started < 120  # released at once, not after XLA's or a collective's timeout

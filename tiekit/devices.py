@@ -344,13 +344,36 @@ def xla_abort_step_sync(key: str, reason: str) -> None:
         gate.abort(reason)
 
 
-def xla_loader(loader: Iterable[Any], device: torch.device, input_sharding: Any = None) -> Iterable[Any]:
-    """``MpDeviceLoader``: batches cross to ``device`` in background threads, one graph per batch."""
+class _Caught:
+    """``loader`` with the error its iterator raises caught and kept, for the thread that reads the
+    batches to raise: torch_xla 2.9's loader thread lets it end the thread, which the reader takes
+    for the end of the epoch (a replica whose dataset raised would silently skip the rest of it)."""
+
+    def __init__(self, loader: Iterable[Any]) -> None:
+        self.loader = loader
+        self.error: BaseException | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        self.error = None
+        try:
+            yield from self.loader
+        except Exception as exc:  # noqa: BLE001 - raised again by the reader, see xla_loader
+            self.error = exc
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+
+def xla_loader(loader: Iterable[Any], device: torch.device, input_sharding: Any = None) -> Iterator[Any]:
+    """``MpDeviceLoader``: batches cross to ``device`` in background threads, one graph per batch.
+    An error of ``loader`` (the dataset, the collate function) is raised here, in the reader."""
     loaders = _xla_module("torch_xla.distributed.parallel_loader")
 
     kwargs = {} if input_sharding is None else {"input_sharding": input_sharding}
-    wrapped: Iterable[Any] = loaders.MpDeviceLoader(loader, device, **kwargs)
-    return wrapped
+    caught = _Caught(loader)
+    yield from loaders.MpDeviceLoader(caught, device, **kwargs)
+    if caught.error is not None:
+        raise caught.error
 
 
 def xla_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
