@@ -108,6 +108,32 @@ def test_keep_ties_check_names_a_tie_undone_after_the_move(tmp_path: Path) -> No
         trainer(tmp_path, callbacks=[KeepTies()]).fit(model, data())
 
 
+def test_keep_ties_with_a_plan_made_before_fit_restores_a_view_the_module_lost(tmp_path: Path) -> None:
+    # What ddp_spawn's CPU workers receive (tests/test_lightning_ddp.py): every buffer copied, so
+    # the view buffer is a separate tensor before any callback runs.
+    def copied_view() -> TiedViews:
+        torch.manual_seed(0)
+        model = TiedViews()
+        model.embed_t = model.embed.weight.detach().t().clone()
+        return model
+
+    lost = copied_view()
+    trainer(tmp_path, callbacks=[KeepTies()]).fit(lost, data())
+    assert not is_view_of_transpose(lost.embed_t, lost.embed.weight)  # planned too late: a copy it stays
+
+    torch.manual_seed(0)
+    plan = tiekit.find_ties(TiedViews())  # made from the module as built, before anything copied it
+    model = copied_view()
+    keep = KeepTies(plan=plan)
+    trainer(tmp_path, callbacks=[keep]).fit(model, data())
+    assert keep.plan is plan and model.head.weight is model.embed.weight
+    assert is_view_of_transpose(model.embed_t, model.embed.weight)
+    assert torch.equal(model.embed_t, model.embed.weight.detach().t())  # it followed every step
+
+    with pytest.raises(TypeError, match="declared ties to find_ties"):
+        KeepTies(plan=plan, declared={"head.weight": "embed.weight"})
+
+
 def test_checkpoint_io_writes_tied_safetensors_and_resumes_exactly(tmp_path: Path) -> None:
     # Without tiekit: safetensors refuses a state dict whose tensors share memory.
     with pytest.raises(RuntimeError, match="share memory"):

@@ -44,13 +44,28 @@ class KeepTies(Callback):
     ``declared`` adds ties the module declares as ``{target: source}`` but does not hold in
     memory. ``on_error="warn"`` turns a failed check into a `tiekit.TieWarning`. ``plan`` is
     the plan made at the last setup.
+
+    ``plan=tiekit.find_ties(module)``, made before ``trainer.fit``, is used instead of planning
+    at setup. ``strategy="ddp_spawn"`` on the CPU needs it when buffers are views of weights:
+    Lightning copies every parameter and buffer in the spawned workers before any callback
+    runs, so a view buffer arrives as a separate copy that only the earlier plan knows was a
+    view (parameter ties survive that copy; the plan is not needed for them).
     """
 
-    def __init__(self, *, declared: Mapping[str, str] | None = None, on_error: OnError = "raise") -> None:
+    def __init__(
+        self,
+        *,
+        declared: Mapping[str, str] | None = None,
+        on_error: OnError = "raise",
+        plan: TiePlan | None = None,
+    ) -> None:
         super().__init__()
+        if plan is not None and declared:
+            raise TypeError("KeepTies: pass declared ties to find_ties when making the plan, not with plan=")
         self.declared = dict(declared) if declared else None
         self.on_error: OnError = on_error
-        self.plan: TiePlan | None = None
+        self.plan: TiePlan | None = plan
+        self._given = plan
         self._wrapped: tuple[Any, dict[str, Callable[..., Any]]] | None = None
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -61,7 +76,7 @@ class KeepTies(Callback):
 
         def setup(trainer_: Any) -> None:
             # After configure_model, before the precision plugin casts and the strategy moves.
-            self.plan = find_ties(pl_module, declared=self.declared)
+            self.plan = self._given if self._given is not None else find_ties(pl_module, declared=self.declared)
             originals["setup"](trainer_)
 
         def model_to_device() -> None:
