@@ -195,3 +195,34 @@ def test_fit_under_torchrun_uses_its_processes(tmp_path: Path) -> None:
     [run] = run_ok([[*command, "out"]], env=base_env(**audit_env(audit)), cwd=tmp_path)
     assert run.output.count("ddp on 2: ['step-00000002.safetensors', 'step-00000004.safetensors']") == WORLD
     assert renames(audit, tmp_path / "out") == {"step-00000002.safetensors": [0], "step-00000004.safetensors": [0]}
+
+
+MISSING_RANK = """
+import sys, time
+from pathlib import Path
+
+import torch.distributed as dist
+from torch import nn
+
+import tiekit
+
+dist.init_process_group("gloo")
+if dist.get_rank() == 0:
+    try:
+        tiekit.collective_save_model(nn.Linear(2, 2), Path(sys.argv[1]) / "model.safetensors", timeout=3)
+    except tiekit.TiekitError as error:
+        print(f"rank 0 gave up: {error}", flush=True)
+else:
+    time.sleep(6)  # never calls the collective (rank 0 gives up after 3 s)
+"""
+
+
+def test_a_rank_that_never_calls_the_collective_is_an_error_after_its_timeout(tmp_path: Path) -> None:
+    (tmp_path / "missing.py").write_text(MISSING_RANK)
+    runs = run_together(
+        plain_processes([str(tmp_path / "missing.py"), str(tmp_path)], free_port()), env=base_env(), cwd=tmp_path
+    )
+    output = "\n".join(r.output for r in runs)
+    assert "rank 0 gave up: rank 0: not every rank arrived within 3 s" in output, output
+    assert "Rank 1 failed to pass monitoredBarrier" in output, output
+    assert not (tmp_path / "model.safetensors").exists()

@@ -137,23 +137,30 @@ def collective_run(path_key: str, write: Callable[[], None], *, what: str, timeo
     raise CheckpointError(f"{what} failed on {len(failed)} of {where.world} rank(s): {detail}") from own
 
 
-def collective_save_model(model: torch.nn.Module, path: str | os.PathLike[str], **kwargs: Any) -> None:
+def collective_save_model(
+    model: torch.nn.Module, path: str | os.PathLike[str], *, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any
+) -> None:
     """Collective: every rank calls it; `tiekit.save_model` runs once per distinct path, on the
     lowest rank naming it (one shared path: written once; per-rank paths: each by its rank). A
-    failure of any writer raises `CheckpointError` on every rank. Keywords as `tiekit.save_model`."""
+    failure of any writer raises `CheckpointError` on every rank. ``timeout`` as in
+    `collective_gather`; other keywords as `tiekit.save_model`."""
     from tiekit.checkpoint import save_model
 
     target = os.path.abspath(os.fspath(path))
-    collective_run(target, lambda: save_model(model, target, **kwargs), what="collective_save_model")
+    collective_run(target, lambda: save_model(model, target, **kwargs), what="collective_save_model", timeout=timeout)
 
 
-def collective_save_checkpoint(path: str | os.PathLike[str], **kwargs: Any) -> None:
+def collective_save_checkpoint(
+    path: str | os.PathLike[str], *, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any
+) -> None:
     """Collective: `tiekit.save_checkpoint` as `collective_save_model` runs `tiekit.save_model`:
     once per distinct path, every writer's failure raised on every rank."""
     from tiekit.checkpoint import save_checkpoint
 
     target = os.path.abspath(os.fspath(path))
-    collective_run(target, lambda: save_checkpoint(target, **kwargs), what="collective_save_checkpoint")
+    collective_run(
+        target, lambda: save_checkpoint(target, **kwargs), what="collective_save_checkpoint", timeout=timeout
+    )
 
 
 # -- runtimes ---------------------------------------------------------------------------------
