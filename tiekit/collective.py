@@ -190,11 +190,14 @@ class _ThreadRendezvous:
         self._failure = ""
 
     def gather(self, rank: int, world: int, value: Any, timeout: float) -> list[Any]:
-        if self._failure:
-            raise TiekitError(f"replica {rank}: stopped because another replica failed: {self._failure}")
         n = getattr(self._count, "n", 0)
         self._count.n = n + 1
         with self._lock:
+            # Checked under the lock abort() takes: a failure either is seen here, or comes later
+            # and aborts this meeting's barrier. Checked before taking the lock, an abort in between
+            # left this thread waiting in a new meeting until the timeout.
+            if self._failure:
+                raise TiekitError(f"replica {rank}: stopped because another replica failed: {self._failure}")
             barrier, slots, left = self._meetings.setdefault(n, (threading.Barrier(world), [None] * world, [world]))
         slots[rank] = value
         try:
