@@ -91,7 +91,7 @@ def test_resaving_replaces_shards_and_cleans_up(tmp_path: Path) -> None:
 def test_small_model_with_a_shard_limit_is_one_file(tmp_path: Path) -> None:
     save_model(gpt2(), tmp_path, max_shard_size="10MB")
     assert visible(tmp_path) == ["model.safetensors"]
-    with pytest.raises(ValueError, match="not a size"):
+    with pytest.raises(CheckpointError, match="not a size"):
         save_model(gpt2(), tmp_path, max_shard_size="ten")
 
 

@@ -310,6 +310,8 @@ def _merge_declared(
     by_name = {n: i for i, (_, g) in enumerate(groups) for n in g.names}
     order = {walk.name(i): i for i in range(len(walk.tensors))}  # registration index, as groups use
     for target, source in declared.items():
+        if not isinstance(target, str) or not isinstance(source, str):
+            raise TieError(f"declared ties map names to names; got {target!r}: {source!r}")
         seen = {target}
         while source in declared:  # follow chains a -> b -> c to the root source
             if source in seen:

@@ -7,6 +7,7 @@ optimizer before the model changes, and returns the step that restores it afterw
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -84,23 +85,34 @@ def stage_optimizer(
         anchors = list(dict.fromkeys(names.get(id(p), "") for p in live["params"]))
         if "" in anchors:
             raise CheckpointError(f"optimizer param group {i} holds a tensor that is not a parameter of the model")
-        saved_names = [key_anchor.get(n, n) for n in saved.get("params", [])]
+        saved_params = saved.get("params") if isinstance(saved, dict) else None
+        if not isinstance(saved_params, list) or not all(isinstance(n, str) for n in saved_params):
+            raise CheckpointError(f"{where}: corrupted optimizer param group {i} (its 'params' must be names)")
+        saved_names = [str(key_anchor.get(n, n)) for n in saved_params]
         if set(saved_names) != set(anchors):
             raise CheckpointError(
-                f"{where}: optimizer param group {i}: the checkpoint has state for {name_list(sorted(saved_names))} "
-                f"but the optimizer holds {name_list(sorted(anchors))}"
+                f"{where}: optimizer param group {i}: the checkpoint has state for "
+                f"{name_list(sorted(saved_names))} but the optimizer holds {name_list(sorted(anchors))}"
             )
         live_groups.append(anchors)
         decoded = decode(saved.get("options", {}), tensors, where)
         if not isinstance(decoded, dict):
             raise CheckpointError(f"{where}: corrupted options of optimizer param group {i}")
         options.append(decoded)
+    saved_state = record.get("state", {})
+    if not isinstance(saved_state, dict):
+        raise CheckpointError(f"{where}: corrupted optimizer state (not an object of parameter names)")
+    held = {a for anchors in live_groups for a in anchors}
     state: dict[str, Any] = {}
-    for name, values in record.get("state", {}).items():
+    for name, values in saved_state.items():
         decoded = decode(values, tensors, where)
         if not isinstance(decoded, dict):
             raise CheckpointError(f"{where}: corrupted optimizer state of {name!r}")
-        state[key_anchor.get(name, name)] = decoded
+        anchor = key_anchor.get(name, name)
+        if anchor not in held:
+            raise CheckpointError(f"{where}: optimizer state for {name!r}, which no param group of the optimizer holds")
+        _check_state_shapes(optimizer, name, decoded, _shape_of(model, anchor), where)
+        state[anchor] = decoded
 
     def restore() -> None:
         packed: dict[str, Any] = {"state": {}, "param_groups": []}
@@ -118,3 +130,32 @@ def stage_optimizer(
         optimizer.load_state_dict(packed)
 
     return restore
+
+
+# torch.optim optimizers whose per-parameter state tensors all have the parameter's shape (or
+# are scalars, like "step"); others (Adafactor's factored moments, LBFGS) keep other shapes.
+_PARAMETER_SHAPED = frozenset(
+    {"SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop"}
+    | {"SparseAdam"}
+)
+
+
+def _shape_of(model: nn.Module, name: str) -> tuple[int, ...]:
+    return tuple(resolve(model, name)[2].shape)
+
+
+def _check_state_shapes(
+    optimizer: torch.optim.Optimizer, name: str, values: Mapping[str, Any], shape: tuple[int, ...], where: str
+) -> None:
+    """A state tensor that cannot belong to a parameter of ``shape`` is refused at load, not at
+    the first ``step``: one with the parameter's element count in another shape always, and for
+    torch.optim's parameter-shaped optimizers any non-scalar one of another shape."""
+    numel = math.prod(shape)
+    strict = type(optimizer).__module__.startswith("torch.optim") and type(optimizer).__name__ in _PARAMETER_SHAPED
+    for key, value in values.items():
+        if not isinstance(value, torch.Tensor) or value.dim() == 0 or tuple(value.shape) == shape:
+            continue
+        if value.numel() == numel or strict:
+            raise CheckpointError(
+                f"{where}: optimizer state {key!r} of {name!r} has shape {tuple(value.shape)}, the parameter {shape}"
+            )

@@ -111,14 +111,14 @@ def _parse_size(size: int | str) -> int:
     elif isinstance(size, str):
         match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", size.upper().replace("IB", "iB"))
         if match is None:
-            raise ValueError(f"max_shard_size {size!r} is not a size like 5GB, 500MiB or 1000000")
+            raise CheckpointError(f"max_shard_size {size!r} is not a size like 5GB, 500MiB or 1000000")
         number, unit, binary = match.groups()
         base = 1024 if binary else 1000
         value = int(float(number) * base ** "_KMGT".index(unit or "_"))
     else:
-        raise ValueError(f"max_shard_size must be an int or a string, not {type(size).__name__}")
+        raise CheckpointError(f"max_shard_size must be an int or a string, not {type(size).__name__}")
     if value <= 0:
-        raise ValueError(f"max_shard_size must be positive, got {size!r}")
+        raise CheckpointError(f"max_shard_size must be positive, got {size!r}")
     return value
 
 
@@ -147,7 +147,9 @@ def _same_values(model: nn.Module, target: str, source: str) -> bool:
 
 def declared_ties(model: nn.Module) -> dict[str, str]:
     """``{target: source}`` ties the model declares: ``TPUMixin.tied_weights`` and transformers'
-    ``_tied_weights_keys`` (expanded), restricted to names that exist in the model."""
+    ``_tied_weights_keys`` (expanded, restricted to names that exist in the model). A
+    ``tied_weights`` name that does not resolve is a `CheckpointError`, as it is a `TieError`
+    when the module moves."""
     declared: dict[str, str] = {}
     expand = getattr(model, "get_expanded_tied_weights_keys", None)
     if callable(expand):
@@ -156,6 +158,14 @@ def declared_ties(model: nn.Module) -> dict[str, str]:
             if isinstance(found, Mapping):
                 declared.update({t: s for t, s in found.items() if isinstance(t, str) and isinstance(s, str)})
     if isinstance(model, TPUMixin):
+        for target, source in model.tied_weights.items():
+            if not isinstance(target, str) or not isinstance(source, str):
+                raise CheckpointError(f"{type(model).__name__}.tied_weights maps names to names; got {target!r}")
+            try:
+                resolve(model, target, "declared tie target (tied_weights)")
+                resolve(model, source, "declared tie source (tied_weights)")
+            except TieError as exc:
+                raise CheckpointError(f"{type(model).__name__}: {exc}") from exc
         declared.update(model.tied_weights)
     out = {}
     for target, source in declared.items():

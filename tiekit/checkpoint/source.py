@@ -133,6 +133,10 @@ def _with_plan(
         entries = {k: v for k, v in entries.items() if k not in side}
     raw_plan = metadata.get(PLAN_KEY)
     if raw_plan is not None:
+        if not isinstance(raw_plan, dict | str):
+            raise CheckpointError(
+                f"{where}: invalid tie plan in {PLAN_KEY!r}: a {type(raw_plan).__name__}, not a JSON object"
+            )
         try:
             plan = TiePlan.from_dict(raw_plan) if isinstance(raw_plan, dict) else TiePlan.from_json(raw_plan)
         except TieError as exc:

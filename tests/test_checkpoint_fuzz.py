@@ -1,0 +1,237 @@
+"""Bad input that used to escape tiekit's errors, then hypothesis on index files and optimizer
+records: every load either succeeds or raises tiekit's own error, and a failed load leaves the
+model (values and ties) and the optimizer exactly as they were."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from models import WeightSharingModule, gpt2
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+import tiekit
+from tiekit import CheckpointError, TieError, TiekitError
+
+LIMIT = 40_000  # bytes: the small GPT-2 takes several shards
+
+
+def broken_tie() -> WeightSharingModule:
+    model = WeightSharingModule()
+    model.layer_3.weight = nn.Parameter(model.layer_1.weight.detach() + 1.0)
+    return model
+
+
+def snapshot(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    return {n: (t, t.detach().clone()) for n, t in model.state_dict(keep_vars=True).items()}
+
+
+def assert_exactly_as_before(model: nn.Module, before: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    now = model.state_dict(keep_vars=True)
+    assert list(now) == list(before)
+    for name, (tensor, values) in before.items():
+        assert now[name] is tensor, f"{name} was replaced or re-tied"
+        assert torch.equal(now[name], values), f"{name} was modified"
+
+
+# -- the reported cases -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("plan", [[1, 2], 5, None, True])
+def test_an_index_plan_that_is_no_object(tmp_path: Path, plan: Any) -> None:
+    tiekit.save_model(gpt2(), tmp_path, max_shard_size=LIMIT)
+    index = tmp_path / "model.safetensors.index.json"
+    raw = json.loads(index.read_text())
+    raw["metadata"]["tiekit.plan"] = plan
+    index.write_text(json.dumps(raw))
+    model = gpt2()
+    before = snapshot(model)
+    if plan is None:  # no plan at all: the model's own ties
+        assert tiekit.load_model(model, tmp_path).plan_origin == "model"
+        return
+    with pytest.raises(CheckpointError, match=r"index\.json: invalid tie plan in 'tiekit.plan': a \w+, not a JSON"):
+        tiekit.load_model(model, tmp_path)
+    assert_exactly_as_before(model, before)
+
+
+def test_max_shard_size_that_is_no_size(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="max_shard_size '12 parsecs' is not a size"):
+        tiekit.save_model(WeightSharingModule(), tmp_path, max_shard_size="12 parsecs")
+    assert list(tmp_path.iterdir()) == []
+
+
+class Declares(tiekit.TPUMixin, nn.Module):
+    tied_weights = {"head.weight": "embed.weight"}  # noqa: RUF012 - the mixin's declared ties
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(3, 2)  # no head: the declared tie names a missing module
+
+
+@pytest.mark.parametrize("declared", [{"missing.weight": "layer_1.weight"}, {1: "layer_1.weight"}, {"a": None}])
+def test_declared_ties_naming_nothing(declared: dict[Any, Any]) -> None:
+    with pytest.raises(TieError):
+        tiekit.find_ties(WeightSharingModule(), declared=declared)
+
+
+def test_tied_weights_naming_a_missing_module(tmp_path: Path) -> None:
+    with pytest.raises(TieError, match=r"declared tie target 'head\.weight': no module at 'head'"):
+        Declares().to("cpu")
+    with pytest.raises(CheckpointError, match="no module at 'head'"):
+        tiekit.save_model(Declares(), tmp_path / "m.safetensors")
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+# -- optimizer records -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def training_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str], dict[str, Any]]:
+    folder = tmp_path_factory.mktemp("ckpt")
+    torch.manual_seed(0)
+    model = WeightSharingModule()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 32)).sum().backward()
+    optimizer.step()
+    tiekit.save_checkpoint(folder / "c.safetensors", model=model, optimizer=optimizer, step=1)
+    metadata = safe_open(folder / "c.safetensors", "pt").metadata()
+    return folder / "c.safetensors", metadata, json.loads(metadata["tiekit.checkpoint"])
+
+
+def rewrite(path: Path, metadata: dict[str, str], record: Any, target: Path, tensors: Any = None) -> None:
+    tensors = load_file(path) if tensors is None else tensors
+    save_file(tensors, target, metadata={**metadata, "tiekit.checkpoint": json.dumps(record)})
+
+
+def load_into_fresh(target: Path) -> tuple[nn.Module, torch.optim.Optimizer, Any, Exception | None]:
+    model = broken_tie()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = snapshot(model)
+    try:
+        tiekit.load_checkpoint(target, model=model, optimizer=optimizer)
+    except TiekitError as exc:
+        return model, optimizer, before, exc
+    return model, optimizer, before, None
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda o: {**o, "param_groups": [5]}, "corrupted optimizer param group 0"),
+        (lambda o: {**o, "param_groups": [{**o["param_groups"][0], "params": 3}]}, "corrupted optimizer param group"),
+        (lambda o: {**o, "state": [1]}, "corrupted optimizer state"),
+        (lambda o: {**o, "state": {**o["state"], "zzz": {}}}, "optimizer state for 'zzz', which no param group"),
+        (lambda o: {**o, "state": {k: "x" for k in o["state"]}}, "corrupted optimizer state of"),
+    ],
+)
+def test_malformed_optimizer_entries(
+    tmp_path: Path, training_checkpoint: tuple[Path, dict[str, str], dict[str, Any]], edit: Any, message: str
+) -> None:
+    path, metadata, record = training_checkpoint
+    rewrite(path, metadata, {**record, "optimizer": edit(record["optimizer"])}, tmp_path / "bad.safetensors")
+    model, optimizer, before, error = load_into_fresh(tmp_path / "bad.safetensors")
+    assert isinstance(error, CheckpointError) and message in str(error) and "bad.safetensors" in str(error)
+    assert_exactly_as_before(model, before)
+    assert not optimizer.state
+
+
+def test_optimizer_state_of_the_wrong_shape_is_refused_at_load(
+    tmp_path: Path, training_checkpoint: tuple[Path, dict[str, str], dict[str, Any]]
+) -> None:
+    path, metadata, record = training_checkpoint
+    tensors = load_file(path)
+    key = next(k for k in tensors if k.endswith("layer_1.weight/exp_avg"))
+    tensors[key] = torch.zeros(3, 3)
+    rewrite(path, metadata, record, tmp_path / "bad.safetensors", tensors)
+    model, optimizer, before, error = load_into_fresh(tmp_path / "bad.safetensors")
+    assert isinstance(error, CheckpointError) and not optimizer.state
+    assert "optimizer state 'exp_avg' of 'layer_1.weight' has shape (3, 3), the parameter (10, 32)" in str(error)
+    assert_exactly_as_before(model, before)
+    # Without the check this loaded and the first step failed: torch itself does not look.
+    plain = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    packed = plain.state_dict()
+    packed["state"] = {0: {"step": torch.tensor(1.0), "exp_avg": tensors[key], "exp_avg_sq": tensors[key]}}
+    plain.load_state_dict(packed)
+    model(torch.randn(2, 32)).sum().backward()
+    with pytest.raises(RuntimeError):
+        plain.step()
+
+
+# -- hypothesis ----------------------------------------------------------------------------------
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 3) | st.floats(allow_nan=False) | st.sampled_from(["", "x", "a.b"]),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(["params", "state", "x"]), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+def mutate(value: Any, data: st.DataObject, depth: int = 0) -> Any:
+    """``value`` with one node somewhere replaced by random JSON."""
+    if depth > 5 or data.draw(st.integers(0, 3)) == 0:
+        return data.draw(JSON)
+    if isinstance(value, dict) and value:
+        key = data.draw(st.sampled_from(sorted(value)))
+        return {**value, key: mutate(value[key], data, depth + 1)}
+    if isinstance(value, list) and value:
+        i = data.draw(st.integers(0, len(value) - 1))
+        return [*value[:i], mutate(value[i], data, depth + 1), *value[i + 1 :]]
+    return data.draw(JSON)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzzed_optimizer_records_load_or_raise_tiekit_errors(
+    tmp_path: Path, training_checkpoint: tuple[Path, dict[str, str], dict[str, Any]], data: st.DataObject
+) -> None:
+    path, metadata, record = training_checkpoint
+    fuzzed = mutate(record, data)
+    rewrite(path, metadata, fuzzed, tmp_path / "f.safetensors")
+    model, optimizer, before, error = load_into_fresh(tmp_path / "f.safetensors")
+    if error is not None:
+        assert_exactly_as_before(model, before)
+        assert not optimizer.state
+        return
+    assert model.layer_3.weight is model.layer_1.weight
+    if optimizer.state:  # what loaded must also step
+        model(torch.randn(2, 32)).sum().backward()
+        optimizer.step()
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("sharded")
+    torch.manual_seed(0)
+    tiekit.save_model(gpt2(), folder, max_shard_size=LIMIT)
+    return folder
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzzed_index_files_load_or_raise_tiekit_errors(tmp_path: Path, sharded: Path, data: st.DataObject) -> None:
+    folder = tmp_path / data.draw(st.text("abc", min_size=1, max_size=8))
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(sharded, folder)
+    index = folder / "model.safetensors.index.json"
+    raw = json.loads(index.read_text())
+    raw["metadata"]["tiekit.plan"] = json.dumps(raw["metadata"]["tiekit.plan"])  # as a string too, sometimes
+    if data.draw(st.booleans()):
+        raw["metadata"]["tiekit.plan"] = json.loads(raw["metadata"]["tiekit.plan"])
+    index.write_text(json.dumps(mutate(raw, data)))
+    model = gpt2()
+    model.lm_head.weight = nn.Parameter(model.transformer.wte.weight.detach() * 2)  # broken, different
+    before = snapshot(model)
+    try:
+        tiekit.load_model(model, folder, strict=data.draw(st.booleans()))
+    except TiekitError:
+        assert_exactly_as_before(model, before)
