@@ -111,6 +111,11 @@ def rewrite(path: Path, metadata: dict[str, str], record: Any, target: Path, ten
     save_file(tensors, target, metadata={**metadata, "tiekit.checkpoint": json.dumps(record)})
 
 
+def with_options(optimizer_record: dict[str, Any], **options: Any) -> dict[str, Any]:
+    group = optimizer_record["param_groups"][0]
+    return {**optimizer_record, "param_groups": [{**group, "options": {**group["options"], **options}}]}
+
+
 def load_into_fresh(target: Path) -> tuple[nn.Module, torch.optim.Optimizer, Any, Exception | None]:
     model = broken_tie()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -130,6 +135,8 @@ def load_into_fresh(target: Path) -> tuple[nn.Module, torch.optim.Optimizer, Any
         (lambda o: {**o, "state": [1]}, "corrupted optimizer state"),
         (lambda o: {**o, "state": {**o["state"], "zzz": {}}}, "optimizer state for 'zzz', which no param group"),
         (lambda o: {**o, "state": {k: "x" for k in o["state"]}}, "corrupted optimizer state of"),
+        (lambda o: with_options(o, betas=[None, None]), "option 'betas' is [None, None] in the checkpoint"),
+        (lambda o: with_options(o, amsgrad=True), "built with amsgrad=True, this one with amsgrad=False"),
     ],
 )
 def test_malformed_optimizer_entries(

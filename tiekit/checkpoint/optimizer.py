@@ -98,7 +98,7 @@ def stage_optimizer(
         decoded = decode(saved.get("options", {}), tensors, where)
         if not isinstance(decoded, dict):
             raise CheckpointError(f"{where}: corrupted options of optimizer param group {i}")
-        options.append(decoded)
+        options.append(_checked_options(decoded, live, i, where))
     saved_state = record.get("state", {})
     if not isinstance(saved_state, dict):
         raise CheckpointError(f"{where}: corrupted optimizer state (not an object of parameter names)")
@@ -159,3 +159,48 @@ def _check_state_shapes(
             raise CheckpointError(
                 f"{where}: optimizer state {key!r} of {name!r} has shape {tuple(value.shape)}, the parameter {shape}"
             )
+
+
+# How this process computes, not what training reached: the live optimizer's values are kept
+# (a checkpoint from a GPU run with capturable=True must resume on the CPU).
+_IMPLEMENTATION_OPTIONS = frozenset({"foreach", "fused", "differentiable", "capturable"})
+
+
+def _checked_options(saved: dict[str, Any], live: Mapping[str, Any], group: int, where: str) -> dict[str, Any]:
+    """The saved options of param group ``group``, checked against the live group's: numbers where
+    it has numbers (tuples of the same length), the same value for flags that shape the state
+    (``amsgrad``, ``nesterov``...), the live value for implementation choices and missing keys."""
+    out = dict(saved)
+    for key, now in live.items():
+        if key == "params":
+            continue
+        if key in _IMPLEMENTATION_OPTIONS or key not in saved:
+            out[key] = now
+            continue
+        if not _same_kind(saved[key], now):
+            raise CheckpointError(
+                f"{where}: optimizer param group {group}: option {key!r} is {saved[key]!r} in the checkpoint, "
+                f"which does not fit this optimizer's {now!r}"
+            )
+        if isinstance(now, bool) and saved[key] != now:
+            raise CheckpointError(
+                f"{where}: optimizer param group {group}: the checkpoint's optimizer was built with {key}="
+                f"{saved[key]!r}, this one with {key}={now!r}; build it as when saving"
+            )
+    return out
+
+
+def _same_kind(saved: Any, live: Any) -> bool:
+    if isinstance(live, bool) or live is None or isinstance(live, str):
+        return type(saved) is type(live)
+    if isinstance(live, int | float):
+        return isinstance(saved, int | float) and not isinstance(saved, bool)
+    if isinstance(live, tuple | list):
+        return (
+            isinstance(saved, tuple | list)
+            and len(saved) == len(live)
+            and all(_same_kind(a, b) for a, b in zip(saved, live, strict=True))
+        )
+    if isinstance(live, torch.Tensor):
+        return isinstance(saved, torch.Tensor | int | float) and not isinstance(saved, bool)
+    return True
