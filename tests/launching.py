@@ -60,7 +60,6 @@ def base_env(**extra: str) -> dict[str, str]:
         PATH=os.pathsep.join([str(BIN), env.get("PATH", "")]),
         OMP_NUM_THREADS="1",
         USE_TORCH_XLA="0",
-        PYTHONUNBUFFERED="1",
         TQDM_DISABLE="1",
     )
     env.update(extra)

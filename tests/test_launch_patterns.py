@@ -14,6 +14,7 @@ puts that barrier back and checks the harness fails instead of hanging.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,11 @@ def torchrun_two_nodes(script: list[str], port: int) -> list[list[str]]:
     ]
 
 
+def messages(output: str) -> list[str]:
+    """The example's "rank N: ..." messages, also where two processes' lines ran together."""
+    return [m.strip() for line in output.splitlines() for m in re.split(r"(?=rank \d+: )", line) if m.strip()]
+
+
 def check_save_patterns(out: Path, audit: Path, output: str) -> None:
     """What `launch_torchrun.save_patterns` must leave behind, read from the files, the renames
     and the output of every rank."""
@@ -78,7 +84,7 @@ def check_save_patterns(out: Path, audit: Path, output: str) -> None:
         # ... and every rank, the writer itself included, got the error naming the failing rank.
         assert f"rank {rank}: writer pattern: saved by rank 0, all_reduce 3" in output
         assert f"rank {rank}: shared path: written once, present on return" in output
-        failures = [line for line in output.splitlines() if line.startswith(f"rank {rank}: writer failure seen: ")]
+        failures = [m for m in messages(output) if m.startswith(f"rank {rank}: writer failure seen: ")]
         assert len(failures) == 2, output
         assert "collective_save_model failed on 1 of 2 rank(s): rank 0 (" in failures[0]
         assert "blocked/shared.safetensors): CheckpointError: " in failures[0]
