@@ -151,11 +151,11 @@ def hand_ddp(steps: int) -> dict[str, Any]:
 
     from torch.multiprocessing.spawn import start_processes
 
-    from tiekit.train.launch import _free_port
+    from tiekit.train.launch import free_port
 
     with tempfile.TemporaryDirectory() as folder:
         out = str(Path(folder) / "rate")
-        start_processes(_hand_ddp_rank, args=(steps, _free_port(), out), nprocs=2, start_method="spawn")
+        start_processes(_hand_ddp_rank, args=(steps, free_port(), out), nprocs=2, start_method="spawn")
         return {"samples_per_second": float(Path(out).read_text())}
 
 

@@ -77,14 +77,14 @@ class WithMixin(tiekit.TPUMixin, Plain):
 
 
 def time_mixin_overhead(repeats: int) -> None:
-    from tiekit.mixin import _outermost
+    from tiekit.mixin import outermost_conversion
 
     plain, mixed = Plain(), WithMixin()
     mixed.to(torch.float32)  # the first conversion makes the plan; later ones reuse it
     count = len(list(plain.parameters()))
 
     def added_work() -> None:  # exactly what TPUMixin._apply adds around nn.Module._apply
-        with _outermost():
+        with outermost_conversion():
             plan = mixed.tie_plan()
             tiekit.retie(mixed, plan)
             tiekit.verify(mixed, plan)

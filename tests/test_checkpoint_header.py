@@ -17,7 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load, save
 
 from tiekit import CheckpointError
-from tiekit._header import MAX_HEADER_BYTES, parse_header, read_header
+from tiekit.header import MAX_HEADER_BYTES, parse_header, read_header
 
 VALID = save(
     {

@@ -141,14 +141,14 @@ def test_no_pickle_in_the_checkpoint_modules() -> None:
     import inspect
     import pkgutil
 
-    import tiekit._header
     import tiekit.checkpoint
+    import tiekit.header
 
     package = [
         importlib.import_module(f"tiekit.checkpoint.{m.name}") for m in pkgutil.iter_modules(tiekit.checkpoint.__path__)
     ]
     assert len(package) >= 8  # every module of the package, not only its __init__
-    for module in (tiekit.checkpoint, *package, tiekit._header):
+    for module in (tiekit.checkpoint, *package, tiekit.header):
         tree = ast.parse(inspect.getsource(module))
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom) for a in n.names}
         imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}

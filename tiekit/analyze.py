@@ -19,9 +19,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import operator
-import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,9 +27,9 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from tiekit import devices
-from tiekit._slots import resolve
 from tiekit.errors import TieError
-from tiekit.plan import MemberKind, TieGroup, TieMember, TiePlan, ViewGeometry
+from tiekit.plan import MemberKind, TieGroup, TieMember, TiePlan, ViewGeometry, strided_extent
+from tiekit.slots import Walk, resolve, walk_slots
 
 # (name, kind, tensor, registration index) of the first name under which a tensor was met
 _Slot = tuple[str, MemberKind, torch.Tensor, int]
@@ -54,19 +52,19 @@ def find_ties(
     tensors with bit-identical values, the trace a move leaves when it broke a tie.
     ``declared`` adds ties the model declares as ``{target: source}`` names.
     """
-    walk = _collect(model, buffers)
-    distinct, extra = walk.identities()
+    walk = walk_slots(model, buffers=buffers)
+    distinct, extra = _identities(walk)
     shared = _shared_storages(walk.tensors, distinct)
-    first = walk.slots(set(extra).union(*shared))
+    first = _slots_at(walk, set(extra).union(*shared))
     groups = _identity_and_storage_groups(first, extra, shared)
-    unique_params = walk.unique_parameters(extra)
+    unique_params = _unique_parameters(walk, extra)
     if declared:
         groups, unique_params = _merge_declared(model, walk, groups, declared, unique_params)
     groups.sort(key=lambda pair: pair[0])
     tie_groups = [g for _, g in groups]
     suspected: tuple[tuple[str, ...], ...] = ()
     if check_values:
-        suspected = _suspected_broken_ties(walk.slots(set(distinct)), {n for g in tie_groups for n in g.names[1:]})
+        suspected = _suspected_broken_ties(_slots_at(walk, set(distinct)), {n for g in tie_groups for n in g.names[1:]})
     plan = TiePlan(
         groups=tuple(tie_groups),
         unique_count=unique_params,
@@ -80,87 +78,36 @@ def find_ties(
     return plan
 
 
-@dataclass
-class _Walk:
-    """Every (name, tensor) of a model in registration order, as parallel lists.
-
-    Identity is settled afterwards by sorting ids (`identities`), not by a dict looked up per
-    name: tensors are allocated in about the order they are registered, so the ids come nearly
-    sorted and timsort reads them in one sequential sweep, where a hash table of 100,000 ids
-    misses the cache on every probe and makes the walk grow faster than the model. Full names
-    are joined only for the few tensors that end up in a group.
-    """
-
-    tensors: list[torch.Tensor] = field(default_factory=list)
-    prefixes: list[str] = field(default_factory=list)
-    attrs: list[str] = field(default_factory=list)
-    kinds: list[MemberKind] = field(default_factory=list)
-
-    def name(self, i: int) -> str:
-        return self.prefixes[i] + self.attrs[i]
-
-    def identities(self) -> tuple[list[int], dict[int, list[tuple[str, MemberKind]]]]:
-        """Positions of the first name of every distinct tensor, and, keyed by that position,
-        the other (name, kind) pairs of each tensor met under several names."""
-        ids = list(map(id, self.tensors))
-        repeated = _repeated(ids)
-        if not repeated:  # the common case for all but a handful of tensors
-            return list(range(len(ids))), {}
-        first_at: dict[int, int] = {}
-        extra: dict[int, list[tuple[str, MemberKind]]] = {}
-        keep = [True] * len(ids)
-        for i in itertools.compress(range(len(ids)), map(repeated.__contains__, ids)):
-            first = first_at.setdefault(ids[i], i)
-            if first != i:
-                extra.setdefault(first, []).append((self.name(i), self.kinds[i]))
-                keep[i] = False
-        return list(itertools.compress(range(len(ids)), keep)), extra
-
-    def unique_parameters(self, extra: dict[int, list[tuple[str, MemberKind]]]) -> int:
-        """Distinct tensors registered under at least one parameter name."""
-        count = self.kinds.count("parameter")
-        for first, names in extra.items():
-            as_parameter = (self.kinds[first] == "parameter") + sum(k == "parameter" for _, k in names)
-            count -= max(as_parameter - 1, 0)
-        return count
-
-    def slots(self, positions: set[int]) -> dict[int, _Slot]:
-        """(name, kind, tensor, registration index) of the names at ``positions``, in order."""
-        return {i: (self.name(i), self.kinds[i], self.tensors[i], i) for i in sorted(positions)}
+def _identities(walk: Walk) -> tuple[list[int], dict[int, list[tuple[str, MemberKind]]]]:
+    """Positions of the first name of every distinct tensor, and, keyed by that position,
+    the other (name, kind) pairs of each tensor met under several names."""
+    ids = list(map(id, walk.tensors))
+    repeated = _repeated(ids)
+    if not repeated:  # the common case for all but a handful of tensors
+        return list(range(len(ids))), {}
+    first_at: dict[int, int] = {}
+    extra: dict[int, list[tuple[str, MemberKind]]] = {}
+    keep = [True] * len(ids)
+    for i in itertools.compress(range(len(ids)), map(repeated.__contains__, ids)):
+        first = first_at.setdefault(ids[i], i)
+        if first != i:
+            extra.setdefault(first, []).append((walk.name(i), walk.kinds[i]))
+            keep[i] = False
+    return list(itertools.compress(range(len(ids)), keep)), extra
 
 
-def _collect(model: nn.Module, buffers: bool) -> _Walk:
-    # One pre-order walk in registration order, the order of named_modules(remove_duplicate=False),
-    # on an explicit stack: nested generators cost a frame switch per level for every module.
-    walk = _Walk()
-    tensors, prefixes, attrs, kinds = walk.tensors, walk.prefixes, walk.attrs, walk.kinds
-    limit = sys.getrecursionlimit()
-    stack: list[tuple[str, nn.Module, int]] = [("", model, 0)]
-    pop = stack.pop
-    while stack:
-        dot, module, depth = pop()
-        for attr, t in module._parameters.items():
-            if t is not None:
-                tensors.append(t)
-                prefixes.append(dot)
-                attrs.append(attr)
-                kinds.append("parameter")
-        if buffers and module._buffers:
-            for attr, buf in module._buffers.items():
-                if buf is not None:
-                    tensors.append(buf)
-                    prefixes.append(dot)
-                    attrs.append(attr)
-                    kinds.append("buffer")
-        children = module._modules
-        if children:
-            if depth >= limit:
-                raise TieError(
-                    f"cannot walk {type(model).__name__}: its module graph has a cycle or is deeper "
-                    f"than {limit} levels (at {dot[:200].rstrip('.')!r}...)"
-                )
-            stack.extend([(dot + name + ".", m, depth + 1) for name, m in reversed(children.items()) if m is not None])
-    return walk
+def _unique_parameters(walk: Walk, extra: dict[int, list[tuple[str, MemberKind]]]) -> int:
+    """Distinct tensors registered under at least one parameter name."""
+    count = walk.kinds.count("parameter")
+    for first, names in extra.items():
+        as_parameter = (walk.kinds[first] == "parameter") + sum(k == "parameter" for _, k in names)
+        count -= max(as_parameter - 1, 0)
+    return count
+
+
+def _slots_at(walk: Walk, positions: set[int]) -> dict[int, _Slot]:
+    """(name, kind, tensor, registration index) of the names at ``positions``, in order."""
+    return {i: (walk.name(i), walk.kinds[i], walk.tensors[i], i) for i in sorted(positions)}
 
 
 def _shared_storages(tensors: list[torch.Tensor], distinct: list[int]) -> list[list[int]]:
@@ -180,7 +127,7 @@ def _shared_storages(tensors: list[torch.Tensor], distinct: list[int]) -> list[l
 
 
 def _repeated(values: list[int]) -> set[int]:
-    """The values that occur more than once, found by sorting for the reason given on `_Walk`
+    """The values that occur more than once, found by sorting for the reason given on `tiekit.slots.Walk`
     (ids and storage addresses arrive nearly sorted, so timsort makes one sequential sweep)."""
     ordered = sorted(values)
     return set(itertools.compress(ordered, map(operator.eq, ordered, itertools.islice(ordered, 1, None))))
@@ -210,7 +157,7 @@ def _span(t: torch.Tensor) -> tuple[int, int] | None:
     if t.numel() == 0:
         return None
     start = int(t.storage_offset()) * t.element_size()
-    extent = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
+    extent = strided_extent(tuple(t.shape), tuple(t.stride()))
     return start, start + int(extent) * t.element_size()
 
 
@@ -302,7 +249,7 @@ def _view_group(
 
 def _merge_declared(
     model: nn.Module,
-    walk: _Walk,
+    walk: Walk,
     groups: list[tuple[int, TieGroup]],
     declared: Mapping[str, str],
     unique_params: int,

@@ -28,6 +28,7 @@ from tiekit.checkpoint import PLAN_KEY, SAVE_ID_KEY, STATE_KEY, declared_ties, l
 from tiekit.errors import CheckpointError, TieError, TiekitError
 from tiekit.plan import TieGroup, TiePlan
 from tiekit.retie import verify
+from tiekit.slots import walk_slots
 
 # module.path:attribute.path, both made of identifiers
 FACTORY_PATTERN = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
@@ -386,11 +387,7 @@ def inspect_model(spec: str) -> ModelReport:
     """Build the model of ``spec`` (on meta when possible) and describe its ties and sizes."""
     built = build_model(spec)
     plan = model_plan(built.model)
-    unique: dict[int, torch.Tensor] = {}
-    for _, module in built.model.named_modules(remove_duplicate=False):
-        for t in [*module._parameters.values(), *module._buffers.values()]:
-            if t is not None:
-                unique.setdefault(id(t), t)
+    unique = {id(t): t for t in walk_slots(built.model).tensors}
     unique_bytes = sum(_tensor_bytes(t) for t in unique.values())
     return ModelReport(built, plan, unique_bytes, _tied_bytes(plan.groups))
 

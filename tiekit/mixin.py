@@ -54,7 +54,9 @@ def _watch_registrations() -> None:
 
 
 @contextmanager
-def _outermost() -> Iterator[bool]:
+def outermost_conversion() -> Iterator[bool]:
+    """Yields True in the outermost of nested ``_apply``/``load_state_dict`` calls of this thread:
+    only that one plans and re-ties (inner calls run inside it)."""
     depth = getattr(_state, "depth", 0)
     _state.depth = depth + 1
     try:
@@ -107,7 +109,7 @@ class TPUMixin:
             parent(*args, **kwargs)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
-        with _outermost() as outermost:
+        with outermost_conversion() as outermost:
             if not outermost:
                 return super()._apply(fn, recurse)  # type: ignore[misc]
             plan = self.tie_plan()
@@ -119,7 +121,7 @@ class TPUMixin:
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """``nn.Module.load_state_dict``; with ``assign=True`` the ties are restored afterwards."""
-        with _outermost() as outermost:
+        with outermost_conversion() as outermost:
             if not (assign and outermost):
                 return super().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[misc]
             plan = self.tie_plan()

@@ -32,6 +32,17 @@ class ViewGeometry:
     size: tuple[int, ...]
     stride: tuple[int, ...]
 
+    @property
+    def end(self) -> int:
+        """One past the last source element the view reaches (``offset`` + `strided_extent`)."""
+        return self.offset + strided_extent(self.size, self.stride)
+
+
+def strided_extent(size: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    """Elements from a strided tensor's first element to its last, inclusive (for a non-empty
+    tensor of ``size`` and non-negative ``stride``)."""
+    return 1 + sum((s - 1) * st for s, st in zip(size, stride, strict=True))
+
 
 @dataclass(frozen=True)
 class TieMember:

@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from tiekit import devices
-from tiekit._slots import assign, resolve
 from tiekit.analyze import count_parameters, find_ties
 from tiekit.errors import TieError, TieWarning
 from tiekit.plan import TieGroup, TieMember, TiePlan
+from tiekit.slots import assign, resolve
 
 OnError = Literal["raise", "warn"]
 
@@ -64,8 +64,7 @@ def tie_changes(model: nn.Module, group: TieGroup) -> list[tuple[nn.Module, str,
             if not source.is_contiguous():
                 raise TieError(f"cannot rebuild view {member.name!r}: its source {group.source!r} is not contiguous")
             view = member.view
-            extent = 1 + sum((s - 1) * st for s, st in zip(view.size, view.stride, strict=True))
-            if view.offset < 0 or view.offset + extent > source.numel():
+            if view.offset < 0 or view.end > source.numel():
                 raise TieError(
                     f"cannot rebuild view {member.name!r}: it reaches outside its source {group.source!r} "
                     "(no named tensor covers the shared memory)"

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from tiekit.plan import CrossModuleUse, TiePlan, TieUse
+from tiekit.slots import walk_slots
 
 
 def trace_uses(model: nn.Module, plan: TiePlan, example_inputs: tuple[Any, ...] | None) -> TiePlan:
@@ -95,11 +96,9 @@ def _canonical_names(model: nn.Module) -> dict[str, str]:
     """Every name -> the first name of the same tensor object (identity, not names)."""
     first_of: dict[int, str] = {}
     canonical: dict[str, str] = {}
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        dot = prefix + "." if prefix else ""
-        for attr, t in [*module._parameters.items(), *module._buffers.items()]:
-            if t is not None:
-                canonical[dot + attr] = first_of.setdefault(id(t), dot + attr)
+    walk = walk_slots(model)
+    for i, t in enumerate(walk.tensors):
+        canonical[walk.name(i)] = first_of.setdefault(id(t), walk.name(i))
     return canonical
 
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from tiekit._header import read_json
 from tiekit.checkpoint.layout import INDEX_SUFFIX, PLAN_KEY, SAVE_ID_KEY, nbytes
 from tiekit.errors import CheckpointError
+from tiekit.header import read_json
 from tiekit.plan import TiePlan
 
 _TEMP_TAG = ".tiekit-tmp-"

@@ -16,8 +16,6 @@ import torch
 from torch import nn
 
 from tiekit import devices
-from tiekit._header import FileIdentity, TensorEntry
-from tiekit._slots import assign, resolve
 from tiekit.analyze import dtype_name, find_ties
 from tiekit.checkpoint.codec import decode
 from tiekit.checkpoint.layout import CHECKPOINT_NAME, Device, PathLike, name_list
@@ -26,8 +24,10 @@ from tiekit.checkpoint.reads import read_into, read_tensor
 from tiekit.checkpoint.saving import declared_ties
 from tiekit.checkpoint.source import Source, open_source, training_record
 from tiekit.errors import CheckpointError, TieError
-from tiekit.plan import MemberKind, TieGroup, TieMember, TiePlan
+from tiekit.header import FileIdentity, TensorEntry
+from tiekit.plan import TieGroup, TieMember, TiePlan
 from tiekit.retie import retie, tie_changes
+from tiekit.slots import assign, resolve, slot_table
 
 
 @dataclass(frozen=True)
@@ -85,19 +85,6 @@ def load_model(
     return LoadResult(staged.missing, staged.unexpected, staged.groups, source.plan_origin)
 
 
-def _slots(model: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Tensor, MemberKind]]:
-    slots: dict[str, tuple[nn.Module, str, torch.Tensor, MemberKind]] = {}
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        dot = prefix + "." if prefix else ""
-        for attr, p in module._parameters.items():
-            if p is not None:
-                slots[dot + attr] = (module, attr, p, "parameter")
-        for attr, b in module._buffers.items():
-            if b is not None:
-                slots[dot + attr] = (module, attr, b, "buffer")
-    return slots
-
-
 def _device(device: Device, where: str) -> torch.device | None:
     try:
         return devices.resolve_device(device)
@@ -111,7 +98,7 @@ def _stage(
     where, entries = source.where, source.entries
     if dtype not in ("model", "file"):
         raise CheckpointError(f"{where}: dtype must be 'model' or 'file', not {dtype!r}")
-    slots = _slots(model)
+    slots = slot_table(model)
     expected = [n for n in model.state_dict(keep_vars=True) if n in slots]
     try:
         model_plan = find_ties(model, declared=declared_ties(model) or None)
@@ -256,7 +243,7 @@ def _equal_duplicates(expected: list[str], key_of: Mapping[str, tuple[str, TieMe
         value = read_tensor(*entries[key], source.files)
         if member.view is not None:
             v = member.view
-            if v.offset + 1 + sum((s - 1) * st for s, st in zip(v.size, v.stride, strict=True)) > value.numel():
+            if v.end > value.numel():
                 continue
             value = value.reshape(-1).as_strided(v.size, v.stride, v.offset)
         copy = read_tensor(*entries[name], source.files)
@@ -305,7 +292,7 @@ def _commit(model: nn.Module, source: Source, staged: Staged) -> None:
         fresh = _fill(jobs, source.files)
         if staged.device is not None:
             retied = {id(resolve(model, m.name)[2]) for g in staged.groups for m in g.members[1:]}
-            for _, _, tensor, _ in _slots(model).values():
+            for _, _, tensor, _ in slot_table(model).values():
                 if id(tensor) in seen or id(tensor) in retied or tensor.is_meta:
                     continue  # loaded above, or about to point at its tie source
                 if not _same_device(tensor.device, staged.device):
@@ -321,7 +308,7 @@ def _commit(model: nn.Module, source: Source, staged: Staged) -> None:
                 if old is not loaded and old.dtype != new_dtype and id(old) not in fresh:
                     fresh[id(old)] = torch.empty(old.shape, dtype=new_dtype, device="meta")
         if fresh:
-            for module, attr, tensor, kind in _slots(model).values():
+            for module, attr, tensor, kind in slot_table(model).values():
                 new = fresh.get(id(tensor))
                 if new is not None:
                     if kind == "parameter" and not isinstance(new, nn.Parameter):

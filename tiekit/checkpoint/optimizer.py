@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from tiekit._slots import resolve
 from tiekit.checkpoint.codec import decode, encode
 from tiekit.checkpoint.layout import name_list
 from tiekit.errors import CheckpointError
 from tiekit.plan import TiePlan
+from tiekit.slots import resolve
 
 if TYPE_CHECKING:
     from tiekit.checkpoint.loading import Staged

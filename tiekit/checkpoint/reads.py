@@ -9,8 +9,8 @@ from typing import Any, cast
 
 import torch
 
-from tiekit._header import FileIdentity, TensorEntry, file_identity
 from tiekit.errors import CheckpointError
+from tiekit.header import FileIdentity, TensorEntry, file_identity
 
 _CHUNK = 1 << 23
 

@@ -12,8 +12,6 @@ import torch
 from torch import nn
 
 from tiekit import devices
-from tiekit._header import DTYPE_CODES
-from tiekit._slots import resolve
 from tiekit.analyze import find_ties
 from tiekit.checkpoint.codec import encode
 from tiekit.checkpoint.files import write_sharded, write_single
@@ -29,9 +27,11 @@ from tiekit.checkpoint.layout import (
 )
 from tiekit.checkpoint.optimizer import optimizer_record
 from tiekit.errors import CheckpointError, TieError
+from tiekit.header import DTYPE_CODES
 from tiekit.mixin import TPUMixin
 from tiekit.plan import TiePlan
 from tiekit.retie import tie_changes
+from tiekit.slots import resolve
 
 
 def save_model(

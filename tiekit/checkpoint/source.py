@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from tiekit._header import FileIdentity, Header, TensorEntry, read_header, read_json
 from tiekit.analyze import dtype_name
 from tiekit.checkpoint.layout import (
     INDEX_SUFFIX,
@@ -26,6 +25,7 @@ from tiekit.checkpoint.layout import (
     PathLike,
 )
 from tiekit.errors import CheckpointError, TieError
+from tiekit.header import FileIdentity, Header, TensorEntry, read_header, read_json
 from tiekit.plan import TieGroup, TieMember, TiePlan
 
 

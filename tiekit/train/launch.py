@@ -150,7 +150,7 @@ def _ddp(job: Job, requested: int | str) -> tuple[list[Outcome], nn.Module]:
         spawned = dataclasses.replace(job, result_dir=Path(folder))
         try:
             with _picklable(job.strategy):
-                start_processes(_ddp_entry, args=(spawned, world, _free_port()), nprocs=world, start_method="spawn")
+                start_processes(_ddp_entry, args=(spawned, world, free_port()), nprocs=world, start_method="spawn")
         except ProcessException as exc:  # torch stopped the other processes when this one failed
             raise _failure(spawned, exc) from exc
         return _collect(spawned)
@@ -206,7 +206,8 @@ def _ddp_backend(rank: int, world: int, port: int | None) -> TorchBackend:
     return TorchBackend(device, rank, world)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a spawned run's rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
