@@ -255,7 +255,7 @@ def test_checkpoint_io_round_trips_lightning_entries_and_refuses_pickle(tmp_path
         assert "b.weight" not in set(f.keys())
 
     checkpoint["hyper_parameters"] = {"args": argparse.Namespace(lr=0.1)}
-    with pytest.raises(tiekit.CheckpointError, match=r"checkpoint/hyper_parameters/args.*Namespace.*allow_pickle"):
+    with pytest.raises(tiekit.CheckpointError, match=r"hyper_parameters/args.*Namespace.*allow_pickle"):
         io.save_checkpoint(checkpoint, tmp_path / "y.ckpt")
     assert not (tmp_path / "y.ckpt").exists()
     TiedCheckpointIO(allow_pickle=True).save_checkpoint(checkpoint, tmp_path / "y.ckpt")

@@ -17,7 +17,7 @@ from torch import nn
 
 from tiekit import devices
 from tiekit.analyze import dtype_name, find_ties
-from tiekit.checkpoint.codec import decode
+from tiekit.checkpoint.codec import Reader, decode
 from tiekit.checkpoint.layout import CHECKPOINT_NAME, Device, PathLike, name_list
 from tiekit.checkpoint.optimizer import stage_optimizer
 from tiekit.checkpoint.reads import read_into, read_tensor
@@ -395,12 +395,24 @@ def load_checkpoint(
     state back, matched by parameter name (cast to the parameters' dtypes by torch's
     ``Optimizer.load_state_dict``). ``dtype`` as in `load_model`. Local; all or nothing.
     """
+    return read_training_checkpoint(path, model=model, optimizer=optimizer, dtype=dtype)
+
+
+def read_training_checkpoint(
+    path: PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    dtype: DtypePolicy = "model",
+    readers: Mapping[str, Reader] | None = None,
+) -> dict[str, Any]:
+    """`load_checkpoint`, with ``readers`` for the markers a save's codec fallback wrote."""
     source = open_source(path, (CHECKPOINT_NAME,))
     record = training_record(source)
     staged = _stage(model, source, strict=True, device=None, dtype=dtype)
     tensors = {k: read_tensor(*v, source.files) for k, v in source.side.items()}
     step = decode(record.get("step"), tensors, source.where)
-    extra = decode(record.get("extra"), tensors, source.where)
+    extra = decode(record.get("extra"), tensors, source.where, readers=readers)
     restore: Callable[[], None] | None = None
     if optimizer is not None:
         if not record.get("optimizer"):

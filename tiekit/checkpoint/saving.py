@@ -13,7 +13,7 @@ from torch import nn
 
 from tiekit import devices
 from tiekit.analyze import find_ties
-from tiekit.checkpoint.codec import encode
+from tiekit.checkpoint.codec import Fallback, encode
 from tiekit.checkpoint.files import write_sharded, write_single
 from tiekit.checkpoint.layout import (
     CHECKPOINT_NAME,
@@ -84,6 +84,21 @@ def save_checkpoint(
     string-keyed dicts of these (RNG states, data-loader positions...); nothing is pickled.
     ``durable`` as in `save_model`. Local, as `save_model`.
     """
+    write_training_checkpoint(path, model=model, optimizer=optimizer, step=step, extra=extra, durable=durable)
+
+
+def write_training_checkpoint(
+    path: PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    step: int | None,
+    extra: Any,
+    durable: bool,
+    fallback: Fallback | None = None,
+) -> None:
+    """`save_checkpoint`, with the codec's ``fallback`` for values it cannot store (the Lightning
+    integration's opt-in pickling)."""
     target = target_path(path, CHECKPOINT_NAME)
     plan = _saving_plan(model)
     names, tensors = _unique_tensors(model, plan)
@@ -91,7 +106,7 @@ def save_checkpoint(
     record: dict[str, Any] = {
         "version": STATE_VERSION,
         "step": encode(step, "extra/step", side),
-        "extra": encode(extra, "extra/value", side),
+        "extra": encode(extra, "extra/value", side, fallback=fallback),
         "optimizer": None if optimizer is None else optimizer_record(optimizer, model, plan, side),
     }
     clash = sorted(set(names) & set(side))

@@ -28,8 +28,10 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from tiekit import load_checkpoint, save_checkpoint
 from tiekit.analyze import find_ties
+from tiekit.checkpoint.codec import Fallback, Reader
+from tiekit.checkpoint.loading import read_training_checkpoint
+from tiekit.checkpoint.saving import write_training_checkpoint
 from tiekit.devices import storage_key
 from tiekit.errors import CheckpointError
 from tiekit.plan import TiePlan
@@ -129,8 +131,6 @@ class KeepTies(Callback):
 
 # -- checkpoints ----------------------------------------------------------------------------
 
-_MARKERS = ("__items__", "__dtype__", "__device__", "__pickle__")
-
 
 class TiedCheckpointIO(CheckpointIO):
     """A Lightning ``CheckpointIO`` that writes tied safetensors instead of pickles.
@@ -162,8 +162,15 @@ class TiedCheckpointIO(CheckpointIO):
         if not isinstance(state, Mapping) or not all(isinstance(t, torch.Tensor) for t in state.values()):
             raise CheckpointError(f"{path}: the checkpoint's 'state_dict' must map names to tensors")
         rest = {k: v for k, v in checkpoint.items() if k != "state_dict"}
-        extra = _to_storable(rest, "checkpoint", self.allow_pickle)
-        save_checkpoint(_target(path), model=_holder(state), extra=extra, durable=self.durable)
+        write_training_checkpoint(
+            _target(path),
+            model=_holder(state),
+            optimizer=None,
+            step=None,
+            extra=rest,
+            durable=self.durable,
+            fallback=_storer(self.allow_pickle),
+        )
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
@@ -178,9 +185,10 @@ class TiedCheckpointIO(CheckpointIO):
         target = _target(path)
         report = inspect_file(target)
         holder = _holder(_meta_state(report))
-        loaded = load_checkpoint(target, model=holder)
+        readers = {"__pickle__": _unpickler(self.allow_pickle, str(target))}
+        loaded = read_training_checkpoint(target, model=holder, dtype="file", readers=readers)
         state: dict[str, Any] = dict(holder.state_dict())
-        rest = _from_storable(loaded["extra"], f"{target}", self.allow_pickle)
+        rest = loaded["extra"]
         if not isinstance(rest, dict):
             raise CheckpointError(f"{target}: not written by TiedCheckpointIO (no checkpoint entries)")
         checkpoint = {"state_dict": state, **rest}
@@ -241,62 +249,38 @@ def _meta_state(report: Any) -> dict[str, torch.Tensor]:
     return meta
 
 
-def _to_storable(value: Any, where: str, allow_pickle: bool) -> Any:
-    """``value`` in the forms tiekit's checkpoints store (tensors, numbers, strings, None, lists,
-    tuples, string-keyed dicts), with markers for other dict keys, dtypes, devices, pickles."""
-    if isinstance(value, torch.Tensor) or value is None or isinstance(value, bool | int | float | str):
-        return value
-    if isinstance(value, tuple):
-        return tuple(_to_storable(v, f"{where}/{i}", allow_pickle) for i, v in enumerate(value))
-    if isinstance(value, list):
-        return [_to_storable(v, f"{where}/{i}", allow_pickle) for i, v in enumerate(value)]
-    if isinstance(value, torch.dtype):
-        return {"__dtype__": str(value).removeprefix("torch.")}
-    if isinstance(value, torch.device):
-        return {"__device__": str(value)}
-    if isinstance(value, dict):
-        if all(isinstance(k, str) for k in value):
-            clash = sorted(set(_MARKERS) & set(value))
-            if clash:
-                raise CheckpointError(f"cannot store {where!r}: its dict keys {clash} are reserved by tiekit")
-            return {k: _to_storable(v, f"{where}/{k}", allow_pickle) for k, v in value.items()}
-        return {
-            "__items__": [
-                [_to_storable(k, f"{where}/<key {i}>", allow_pickle), _to_storable(v, f"{where}/{k}", allow_pickle)]
-                for i, (k, v) in enumerate(value.items())
-            ]
-        }
-    if allow_pickle:
-        data = pickle.dumps(value)
-        return {"__pickle__": torch.frombuffer(bytearray(data), dtype=torch.uint8)}
-    raise CheckpointError(
-        f"cannot store {where!r}: a {type(value).__name__}, which has no JSON form; store plain values, or "
-        "use TiedCheckpointIO(allow_pickle=True) to pickle such values"
-    )
+def _storer(allow_pickle: bool) -> Fallback:
+    """The codec's fallback for values it has no JSON form for: pickled into a byte tensor with
+    ``allow_pickle``, else a `CheckpointError` naming the entry."""
+
+    def store(value: Any, key: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+        if not allow_pickle:
+            raise CheckpointError(
+                f"cannot store {key!r}: a {type(value).__name__}, which has no JSON form; store plain values, or "
+                "use TiedCheckpointIO(allow_pickle=True) to pickle such values"
+            )
+        tensors[key] = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+        return {"__pickle__": key}
+
+    return store
 
 
-def _from_storable(value: Any, where: str, allow_pickle: bool) -> Any:
-    if isinstance(value, tuple):
-        return tuple(_from_storable(v, where, allow_pickle) for v in value)
-    if isinstance(value, list):
-        return [_from_storable(v, where, allow_pickle) for v in value]
-    if not isinstance(value, dict):
-        return value
-    if set(value) == {"__items__"}:
-        pairs = value["__items__"]
-        return {_from_storable(k, where, allow_pickle): _from_storable(v, where, allow_pickle) for k, v in pairs}
-    if set(value) == {"__dtype__"}:
-        return getattr(torch, value["__dtype__"])
-    if set(value) == {"__device__"}:
-        return torch.device(value["__device__"])
-    if set(value) == {"__pickle__"}:
+def _unpickler(allow_pickle: bool, where: str) -> Reader:
+    """Reads `_storer`'s pickles back, only with ``allow_pickle`` (files the user trusts)."""
+
+    def read(body: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
         if not allow_pickle:
             raise CheckpointError(
                 f"{where}: holds a pickled value; load it with TiedCheckpointIO(allow_pickle=True) only if you trust "
                 "the file"
             )
-        return pickle.loads(value["__pickle__"].numpy().tobytes())  # only with allow_pickle, for trusted files
-    return {k: _from_storable(v, where, allow_pickle) for k, v in value.items()}
+        # Earlier files stored the bytes as a tensor value: {"__pickle__": {"__tensor__": key}}.
+        key = body.get("__tensor__") if isinstance(body, dict) else body
+        if not isinstance(key, str) or key not in tensors:
+            raise CheckpointError(f"{where}: a pickled value names key {key!r}, which the file lacks")
+        return pickle.loads(tensors[key].numpy().tobytes())  # only with allow_pickle, for trusted files
+
+    return read
 
 
 def _map_tensors(value: Any, device: torch.device, moved: dict[int, torch.Tensor] | None = None) -> Any:
