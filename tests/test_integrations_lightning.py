@@ -267,6 +267,24 @@ def test_checkpoint_io_round_trips_lightning_entries_and_refuses_pickle(tmp_path
         io.save_checkpoint(checkpoint, tmp_path / "z.ckpt", storage_options={"compress": True})
 
 
+def test_checkpoint_io_reads_files_of_the_earlier_encoding(tmp_path: Path) -> None:
+    """Before the codec was shared, a pickled value was a tensor inside the marker object."""
+    checkpoint = {"state_dict": {"w": torch.ones(2)}, "hyper_parameters": {"args": argparse.Namespace(lr=0.1)}}
+    TiedCheckpointIO(allow_pickle=True).save_checkpoint(checkpoint, tmp_path / "new.ckpt")
+    with safe_open(tmp_path / "new.ckpt", "pt") as f:
+        metadata = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+    text = metadata["tiekit.checkpoint"]
+    key = "extra/value/hyper_parameters/args"
+    assert f'{{"__pickle__":"{key}"}}' in text
+    metadata["tiekit.checkpoint"] = text.replace(
+        f'{{"__pickle__":"{key}"}}', f'{{"__pickle__":{{"__tensor__":"{key}"}}}}'
+    )
+    save_file(tensors, tmp_path / "old.ckpt", metadata=metadata)
+    loaded = TiedCheckpointIO(allow_pickle=True).load_checkpoint(tmp_path / "old.ckpt")
+    assert loaded["hyper_parameters"]["args"] == argparse.Namespace(lr=0.1)
+
+
 def test_checkpoint_io_durable_false_skips_only_the_fsyncs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     synced: list[int] = []
     real_fsync = os.fsync
