@@ -131,3 +131,20 @@ def test_a_save_never_removes_another_hosts_save_in_progress(tmp_path: Path, sec
         assert left == []
         assert first.returncode == 3 and "FAILED" in out, out
     assert (folder / "b.safetensors").is_file()
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_checkpoints_are_as_readable_as_torch_saves(tmp_path: Path, sharded: bool) -> None:
+    """safetensors alone creates 0600 files: other users of a shared folder could not load them."""
+    old = os.umask(0o022)
+    try:
+        torch.save({}, tmp_path / "reference.pt")
+        kwargs = {"max_shard_size": 1500} if sharded else {}
+        tiekit.save_model(WeightSharingModule(), tmp_path / "ckpt", **kwargs)  # type: ignore[arg-type]
+    finally:
+        os.umask(old)
+    expected = (tmp_path / "reference.pt").stat().st_mode & 0o777
+    files = [p for p in (tmp_path / "ckpt").iterdir() if p.name.endswith(".safetensors")]
+    assert len(files) > 1 if sharded else len(files) == 1
+    for path in files:
+        assert path.stat().st_mode & 0o777 == expected == 0o644, path.name

@@ -220,6 +220,23 @@ def _save_tensors(state: dict[str, torch.Tensor], path: Path, header: dict[str, 
         save_file(state, os.fspath(path), metadata=header)
     except (ValueError, RuntimeError, TypeError) as exc:
         raise CheckpointError(f"{path}: safetensors refused the tensors: {exc}") from exc
+    # safetensors creates its files private (0600); a checkpoint is an ordinary file, readable as
+    # the umask allows (as torch.save's), so the other users of a shared folder can load it.
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it where Linux tells (os.umask sets it)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _fsync(path: Path) -> None:
