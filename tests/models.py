@@ -108,3 +108,24 @@ def albert() -> nn.Module:
             pad_token_id=0,
         )
     )
+
+
+def broken_tie() -> WeightSharingModule:
+    """The seeds' module with its tie broken (as after a plain .to(xla)) and different values."""
+    model = WeightSharingModule()
+    model.layer_3.weight = nn.Parameter(model.layer_1.weight.detach() + 1.0)
+    return model
+
+
+def snapshot(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Every state name's tensor object and a copy of its values."""
+    return {n: (t, t.detach().clone()) for n, t in model.state_dict(keep_vars=True).items()}
+
+
+def assert_unchanged(model: nn.Module, before: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """The model holds the same tensor objects (so the same ties) with the same values as ``before``."""
+    now = model.state_dict(keep_vars=True)
+    assert list(now) == list(before)
+    for name, (tensor, values) in before.items():
+        assert now[name] is tensor, f"{name} was replaced or re-tied"
+        assert torch.equal(now[name], values), f"{name} was modified"

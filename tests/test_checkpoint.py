@@ -17,7 +17,7 @@ from typing import ClassVar
 import pytest
 import safetensors.torch
 import torch
-from models import ViewBuffers, WeightSharingModule, gpt2
+from models import ViewBuffers, WeightSharingModule, assert_unchanged, gpt2, snapshot
 from safetensors import safe_open
 from torch import nn
 
@@ -31,18 +31,6 @@ def untied_weight_sharing() -> WeightSharingModule:
     model = WeightSharingModule()
     model.layer_3.weight = nn.Parameter(model.layer_3.weight.detach().clone())
     return model
-
-
-def snapshot(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    return {n: (t, t.detach().clone()) for n, t in model.state_dict(keep_vars=True).items()}
-
-
-def assert_unchanged(model: nn.Module, before: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-    now = model.state_dict(keep_vars=True)
-    assert list(now) == list(before)
-    for name, (tensor, values) in before.items():
-        assert now[name] is tensor, f"{name} was replaced"
-        assert torch.equal(now[name], values), f"{name} was modified"
 
 
 def assert_same_state(a: nn.Module, b: nn.Module) -> None:

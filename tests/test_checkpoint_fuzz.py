@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from models import WeightSharingModule, gpt2
+from models import WeightSharingModule, assert_unchanged, broken_tie, gpt2, snapshot
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -22,24 +22,6 @@ import tiekit
 from tiekit import CheckpointError, TieError, TiekitError
 
 LIMIT = 40_000  # bytes: the small GPT-2 takes several shards
-
-
-def broken_tie() -> WeightSharingModule:
-    model = WeightSharingModule()
-    model.layer_3.weight = nn.Parameter(model.layer_1.weight.detach() + 1.0)
-    return model
-
-
-def snapshot(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    return {n: (t, t.detach().clone()) for n, t in model.state_dict(keep_vars=True).items()}
-
-
-def assert_exactly_as_before(model: nn.Module, before: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-    now = model.state_dict(keep_vars=True)
-    assert list(now) == list(before)
-    for name, (tensor, values) in before.items():
-        assert now[name] is tensor, f"{name} was replaced or re-tied"
-        assert torch.equal(now[name], values), f"{name} was modified"
 
 
 # -- the reported cases -------------------------------------------------------------------------
@@ -59,7 +41,7 @@ def test_an_index_plan_that_is_no_object(tmp_path: Path, plan: Any) -> None:
         return
     with pytest.raises(CheckpointError, match=r"index\.json: invalid tie plan in 'tiekit.plan': a \w+, not a JSON"):
         tiekit.load_model(model, tmp_path)
-    assert_exactly_as_before(model, before)
+    assert_unchanged(model, before)
 
 
 def test_max_shard_size_that_is_no_size(tmp_path: Path) -> None:
@@ -146,7 +128,7 @@ def test_malformed_optimizer_entries(
     rewrite(path, metadata, {**record, "optimizer": edit(record["optimizer"])}, tmp_path / "bad.safetensors")
     model, optimizer, before, error = load_into_fresh(tmp_path / "bad.safetensors")
     assert isinstance(error, CheckpointError) and message in str(error) and "bad.safetensors" in str(error)
-    assert_exactly_as_before(model, before)
+    assert_unchanged(model, before)
     assert not optimizer.state
 
 
@@ -161,7 +143,7 @@ def test_optimizer_state_of_the_wrong_shape_is_refused_at_load(
     model, optimizer, before, error = load_into_fresh(tmp_path / "bad.safetensors")
     assert isinstance(error, CheckpointError) and not optimizer.state
     assert "optimizer state 'exp_avg' of 'layer_1.weight' has shape (3, 3), the parameter (10, 32)" in str(error)
-    assert_exactly_as_before(model, before)
+    assert_unchanged(model, before)
     # Without the check this loaded and the first step failed: torch itself does not look.
     plain = torch.optim.AdamW(model.parameters(), lr=1e-2)
     packed = plain.state_dict()
@@ -206,7 +188,7 @@ def test_fuzzed_optimizer_records_load_or_raise_tiekit_errors(
     rewrite(path, metadata, fuzzed, tmp_path / "f.safetensors")
     model, optimizer, before, error = load_into_fresh(tmp_path / "f.safetensors")
     if error is not None:
-        assert_exactly_as_before(model, before)
+        assert_unchanged(model, before)
         assert not optimizer.state
         return
     assert model.layer_3.weight is model.layer_1.weight
@@ -241,4 +223,4 @@ def test_fuzzed_index_files_load_or_raise_tiekit_errors(tmp_path: Path, sharded:
     try:
         tiekit.load_model(model, folder, strict=data.draw(st.booleans()))
     except TiekitError:
-        assert_exactly_as_before(model, before)
+        assert_unchanged(model, before)

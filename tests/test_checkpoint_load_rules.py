@@ -10,30 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import WeightSharingModule, gpt2
+from models import WeightSharingModule, assert_unchanged, broken_tie, gpt2, snapshot
 from torch import nn
 
 from tiekit import CheckpointError, load_checkpoint, load_model, save_checkpoint, save_model
-
-
-def broken_tie() -> WeightSharingModule:
-    """The seeds' module with its tie broken (as after a plain .to(xla)) and different values."""
-    model = WeightSharingModule()
-    model.layer_3.weight = nn.Parameter(model.layer_1.weight.detach() + 1.0)
-    return model
-
-
-def snapshot(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    return {n: (t, t.detach().clone()) for n, t in model.state_dict(keep_vars=True).items()}
-
-
-def assert_exactly_as_before(model: nn.Module, before: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-    now = model.state_dict(keep_vars=True)
-    assert list(now) == list(before)
-    for name, (tensor, values) in before.items():
-        assert now[name] is tensor, f"{name} was replaced or re-tied"
-        assert torch.equal(now[name], values), f"{name} was modified"
-
 
 # -- dtypes -------------------------------------------------------------------------------------
 
@@ -99,7 +79,7 @@ def test_no_cast_between_integer_and_floating_point(tmp_path: Path) -> None:
     before = snapshot(model)
     with pytest.raises(CheckpointError, match=re.escape("dtype mismatch for 'seen': the file has int64")):
         load_model(model, tmp_path / "m.safetensors")
-    assert_exactly_as_before(model, before)
+    assert_unchanged(model, before)
     load_model(model, tmp_path / "m.safetensors", dtype="file")  # taking the file's dtype is allowed
     assert model.seen.dtype == torch.int64
 
@@ -112,7 +92,7 @@ def test_bad_dtype_policy_and_bad_device_are_checkpoint_errors(tmp_path: Path) -
         load_model(model, tmp_path / "m.safetensors", dtype="bfloat16")  # type: ignore[arg-type]
     with pytest.raises(CheckpointError, match=r"m\.safetensors: cannot load onto device 'bogus'"):
         load_model(model, tmp_path / "m.safetensors", device="bogus")
-    assert_exactly_as_before(model, before)
+    assert_unchanged(model, before)
 
 
 def test_training_checkpoint_resumes_across_precisions(tmp_path: Path) -> None:
@@ -165,7 +145,7 @@ def test_failure_at_the_header_stage(tmp_path: Path) -> None:
     before = snapshot(model)
     with pytest.raises(CheckpointError, match=r"m\.safetensors"):
         load_model(model, tmp_path / "m.safetensors")
-    assert_exactly_as_before(model, before)
+    assert_unchanged(model, before)
 
 
 def test_failure_at_the_index_stage(tmp_path: Path) -> None:
@@ -179,7 +159,7 @@ def test_failure_at_the_index_stage(tmp_path: Path) -> None:
     before = snapshot(model)
     with pytest.raises(CheckpointError, match="is missing"):
         load_model(model, tmp_path)
-    assert_exactly_as_before(model, before)
+    assert_unchanged(model, before)
 
 
 @pytest.mark.parametrize("sharded", [False, True])
@@ -191,7 +171,7 @@ def test_failure_at_the_read_stage(tmp_path: Path, sharded: bool) -> None:
     before = snapshot(model)
     with pytest.raises(CheckpointError, match="changed on disk after its header was checked"):
         load_model(model, folder)
-    assert_exactly_as_before(model, before)  # no value written and the broken tie not re-tied
+    assert_unchanged(model, before)  # no value written and the broken tie not re-tied
 
 
 def test_failure_at_the_optimizer_stage(tmp_path: Path) -> None:
@@ -203,5 +183,5 @@ def test_failure_at_the_optimizer_stage(tmp_path: Path) -> None:
     before = snapshot(model)
     with pytest.raises(CheckpointError, match="holds AdamW state, not SGD"):
         load_checkpoint(tmp_path / "c.safetensors", model=model, optimizer=wrong)
-    assert_exactly_as_before(model, before)
+    assert_unchanged(model, before)
     assert not wrong.state
