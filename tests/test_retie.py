@@ -295,3 +295,20 @@ def test_mixin_with_gradients_from_both_uses_accumulating() -> None:
     out = ((x @ w.t()) @ model.layer_2.weight.detach().t()) @ w.t()
     out.sum().backward()
     assert torch.allclose(grad, w.grad)
+
+
+def test_a_dtype_cast_on_the_cpu_converts_each_tensor_once() -> None:
+    calls: list[int] = []
+    model = WeightSharingModule()
+
+    def count(t: torch.Tensor) -> torch.Tensor:
+        calls.append(id(t))
+        return t.to(torch.float64)
+
+    with tiekit.preserve_ties(model):
+        model._apply(count)
+    assert len(calls) == len(set(calls)) == 2  # layer_1/layer_3 share one weight: 2 tensors, 3 names
+    plain: list[int] = []
+    WeightSharingModule()._apply(lambda t: plain.append(id(t)) or t)  # the control: torch asks per owner
+    assert len(plain) == 3
+    assert model.layer_1.weight.dtype == torch.float64 and model.layer_3.weight is model.layer_1.weight

@@ -17,7 +17,7 @@ from torch import nn
 
 from tiekit.analyze import find_ties
 from tiekit.plan import TiePlan
-from tiekit.retie import retie, verify
+from tiekit.retie import once_per_tensor, retie, verify
 
 # torch_xla.launch runs one replica per thread in a single process, so "already inside a
 # tiekit conversion" must be per thread, not a module attribute or a global.
@@ -113,7 +113,7 @@ class TPUMixin:
             if not outermost:
                 return super()._apply(fn, recurse)  # type: ignore[misc]
             plan = self.tie_plan()
-            result = super()._apply(fn, recurse)  # type: ignore[misc]
+            result = super()._apply(once_per_tensor(fn), recurse)  # type: ignore[misc]
             assert isinstance(self, nn.Module)
             retie(self, plan)
             verify(self, plan)

@@ -7,7 +7,7 @@ same inside ``nn.Module._apply`` for models you can.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
@@ -176,6 +176,9 @@ def move(
 ) -> nn.Module:
     """Move/cast ``model`` keeping its ties: plan, ``.to``, retie, verify. Returns ``model``.
 
+    Each tensor object is converted once, however many modules register it: a tied weight
+    crosses to the device once and never exists twice there.
+
     ``device="xla"`` means this process's XLA device. With ``optimizer``, its param groups and
     state are re-bound, by name, to the moved parameters.
     """
@@ -189,12 +192,50 @@ def move(
         kwargs["device"] = target
     if dtype is not None:
         kwargs["dtype"] = dtype
-    model.to(**kwargs)  # type: ignore[call-overload]
+    with converting_once(model):
+        model.to(**kwargs)  # type: ignore[call-overload]
     retie(model, plan)
     verify(model, plan, on_error=on_error)
     if optimizer is not None:
         rebind_optimizer(optimizer, model, names)
     return model
+
+
+def once_per_tensor(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``fn`` (a conversion ``nn.Module._apply`` calls per slot), called once per tensor object:
+    a tensor met again under another module's name gets the first result. torch calls ``fn``
+    once per owning module, so a tied weight would be copied to the device once per owner."""
+    if getattr(fn, "_tiekit_once", False):
+        return fn
+    results: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        known = results.get(id(t))
+        if known is not None and known[0] is t:
+            return known[1]
+        out = fn(t)
+        results[id(t)] = (t, out)  # holding t keeps its id from being reused meanwhile
+        return out
+
+    convert._tiekit_once = True  # type: ignore[attr-defined]
+    return convert
+
+
+@contextmanager
+def converting_once(model: nn.Module) -> Iterator[None]:
+    """Within the block, ``model``'s conversions (``.to``, ``.to_empty``, ``.bfloat16()``...) go
+    through `once_per_tensor`; ``nn.Module._apply`` passes the wrapped function on to every
+    submodule. (`tiekit.TPUMixin` does the same in its own ``_apply``.)"""
+    original = model._apply
+
+    def apply(fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+        return original(once_per_tensor(fn), recurse)  # type: ignore[no-untyped-call,no-any-return]
+
+    model.__dict__["_apply"] = apply  # an instance attribute shadows the method for this block only
+    try:
+        yield
+    finally:
+        model.__dict__.pop("_apply", None)
 
 
 def rebind_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, names: Mapping[int, str]) -> None:
@@ -254,6 +295,7 @@ def preserve_ties(
     ``load_state_dict(assign=True)``, third-party wrappers.
     """
     plan = find_ties(model, declared=declared) if plan is None else plan
-    yield plan
+    with converting_once(model):
+        yield plan
     retie(model, plan)
     verify(model, plan, on_error=on_error)
