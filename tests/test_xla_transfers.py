@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,3 +81,33 @@ def test_the_moved_values_are_the_models(swap: bool) -> None:
     assert model.lm_head.weight is model.transformer.wte.weight
     for name, value in model.state_dict().items():
         assert torch.equal(value.cpu(), expected[name].to(value.dtype)), name
+
+
+def test_loads_onto_xla_stream_through_the_host_in_bounded_batches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tiekit import devices
+    from tiekit.checkpoint import loading
+
+    torch.manual_seed(0)
+    source = gpt2()
+    tiekit.save_model(source, tmp_path / "m.safetensors")
+    budget = 20_000
+    monkeypatch.setattr(loading, "STAGING_BYTES", budget)
+    batches: list[list[int]] = []
+    real = devices.to_device
+
+    def spy(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        batches.append([t.numel() * t.element_size() for t in tensors])
+        return real(tensors, device)
+
+    monkeypatch.setattr(devices, "to_device", spy)
+    with torch.device("meta"):
+        model = gpt2()
+    tiekit.load_model(model, tmp_path / "m.safetensors", device="xla")
+    assert len(batches) > 1
+    assert all(sum(sizes) <= budget or len(sizes) == 1 for sizes in batches)  # a larger tensor goes alone
+    assert sum(len(sizes) for sizes in batches) == unique_tensors(source)  # each unique tensor once
+    assert model.lm_head.weight is model.transformer.wte.weight
+    for name, value in source.state_dict().items():
+        assert torch.equal(model.state_dict()[name].cpu(), value), name

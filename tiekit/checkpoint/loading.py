@@ -330,40 +330,39 @@ class _Job:
     replace: bool
 
 
+#: Host bytes staged at a time on the way to another device: a load onto XLA or CUDA reads,
+#: transfers and releases this much, not the whole model (a larger tensor goes alone).
+STAGING_BYTES = 64 << 20
+
+
 def _fill(jobs: list[_Job], files: Mapping[str, FileIdentity]) -> dict[int, torch.Tensor]:
     """Read each job's bytes into its tensor (in place) or into a new tensor; {id(old): new}.
 
-    Values are cast to the job's dtype as ``load_state_dict`` casts them. Only same-dtype CPU
-    tensors are read straight into their memory; whatever else changes the model happens after
+    Values are cast to the job's dtype as ``load_state_dict`` casts them. Tensors bound for
+    another device stream through the host in `STAGING_BYTES` batches (one batched transfer
+    each), first, since they change nothing yet; then the CPU reads, where only same-dtype
+    tensors are read straight into their memory. Whatever else changes the model happens after
     every read succeeded.
     """
-    fresh: dict[int, torch.Tensor] = {}
+    on_device = _stream_to_devices([job for job in jobs if job.device.type != "cpu"], files)
     reads: list[tuple[str, TensorEntry, torch.Tensor]] = []
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-    by_device: dict[torch.device, list[tuple[_Job, torch.Tensor]]] = {}
+    replaced: list[tuple[_Job, torch.Tensor]] = []
     for job in jobs:
+        if job.device.type != "cpu":
+            continue
         path, entry = job.entry
-        direct = not job.replace and job.device.type == "cpu" and job.tensor.dtype == entry.dtype
-        if direct and job.tensor.is_contiguous():
+        if not job.replace and job.tensor.dtype == entry.dtype and job.tensor.is_contiguous():
             reads.append((path, entry, job.tensor.detach()))  # straight into the parameter's memory
             continue
         host = torch.empty(entry.shape, dtype=entry.dtype)
         reads.append((path, entry, host))
-        if job.device.type != "cpu":
-            by_device.setdefault(job.device, []).append((job, host))
-        elif job.replace:
-            fresh[id(job.tensor)] = host
+        if job.replace:
+            replaced.append((job, host))
         else:
             copies.append((job.tensor, host))
     read_into(reads, files)
-    for job in jobs:
-        new = fresh.get(id(job.tensor))
-        if new is not None and new.dtype != job.dtype:
-            fresh[id(job.tensor)] = new.to(job.dtype)
-    on_device: list[tuple[_Job, torch.Tensor]] = []
-    for device, items in by_device.items():
-        moved = devices.to_device([host.to(job.dtype) for job, host in items], device)  # one batched transfer
-        on_device.extend((job, value) for (job, _), value in zip(items, moved, strict=True))
+    fresh = {id(job.tensor): host.to(job.dtype) for job, host in replaced}  # no copy when the dtype is right
     # Everything is read and on its device: only now does the model change.
     for tensor, host in copies:
         tensor.copy_(host)  # casts
@@ -372,9 +371,43 @@ def _fill(jobs: list[_Job], files: Mapping[str, FileIdentity]) -> dict[int, torc
             fresh[id(job.tensor)] = value
         else:
             job.tensor.copy_(value)
-    if by_device:
+    if on_device:
         devices.sync()
     return fresh
+
+
+def _stream_to_devices(jobs: list[_Job], files: Mapping[str, FileIdentity]) -> list[tuple[_Job, torch.Tensor]]:
+    """Each job's value on its device, read and transferred in batches of at most `STAGING_BYTES`
+    host bytes (a larger tensor alone), each batch's host memory released before the next."""
+    out: list[tuple[_Job, torch.Tensor]] = []
+    batch: list[_Job] = []
+    size = 0
+
+    def flush() -> None:
+        by_device: dict[torch.device, list[tuple[_Job, torch.Tensor]]] = {}
+        reads = []
+        for job in batch:
+            path, entry = job.entry
+            host = torch.empty(entry.shape, dtype=entry.dtype)
+            reads.append((path, entry, host))
+            by_device.setdefault(job.device, []).append((job, host))
+        read_into(reads, files)
+        for device, items in by_device.items():
+            moved = devices.to_device([host.to(job.dtype) for job, host in items], device)  # one transfer
+            out.extend((job, value) for (job, _), value in zip(items, moved, strict=True))
+        batch.clear()
+
+    for job in jobs:
+        entry = job.entry[1]
+        nbytes = entry.end - entry.start
+        if batch and size + nbytes > STAGING_BYTES:
+            flush()
+            size = 0
+        batch.append(job)
+        size += nbytes
+    if batch:
+        flush()
+    return out
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
