@@ -15,6 +15,7 @@ and one replica per host writes the trained weights, which the caller's model th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -24,6 +25,7 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +140,12 @@ def _xla_entry(ordinal: int, job: Job) -> None:
 
 def _ddp(job: Job, requested: int | str) -> tuple[list[Outcome], nn.Module]:
     if all(k in os.environ for k in _TORCHRUN):  # started by torchrun: this process is one rank
-        return _here(job, _ddp_backend(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None))
+        created = not dist.is_initialized()
+        try:
+            return _here(job, _ddp_backend(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None))
+        finally:
+            if created and dist.is_initialized():
+                _close_group()
     if isinstance(requested, str) and requested != "auto":
         raise TiekitError(f'strategy="ddp" takes devices="auto" or a number of processes, not {requested!r}')
     world = requested if isinstance(requested, int) else max(1, torch.cuda.device_count())
@@ -154,6 +161,17 @@ def _ddp(job: Job, requested: int | str) -> tuple[list[Outcome], nn.Module]:
         except ProcessException as exc:  # torch stopped the other processes when this one failed
             raise _failure(spawned, exc) from exc
         return _collect(spawned)
+
+
+def _close_group() -> None:
+    """Close the process group fit made under torchrun (a group you made stays yours). Left open,
+    torch 2.14's processes abort at exit ("terminate called without an active exception"), and
+    so do they when one closes the group while a peer still uses its store: the ranks first meet
+    (for at most 10 s: a rank that died is the launcher's to report)."""
+    if dist.get_backend() == "gloo":
+        with contextlib.suppress(RuntimeError):
+            dist.monitored_barrier(timeout=timedelta(seconds=10), wait_all_ranks=True)
+    dist.destroy_process_group()
 
 
 def _ddp_entry(rank: int, job: Job, world: int, port: int) -> None:
@@ -290,7 +308,8 @@ def _failure(job: Job, exc: Exception) -> TiekitError:
     folder = job.config.checkpoint_dir
     last = None if folder is None or not folder.is_dir() else state.last_checkpoint(folder)
     saved = "" if folder is None else f"; the last checkpoint: {last or 'none written'}"
-    return kind(f"replica {exc.error_index} (process {exc.pid}) {how}; the run stopped its other replicas{saved}")
+    pid = getattr(exc, "error_pid", getattr(exc, "pid", "?"))  # torch renamed pid to error_pid (2.10+)
+    return kind(f"replica {exc.error_index} (process {pid}) {how}; the run stopped its other replicas{saved}")
 
 
 _TIEKIT_ERRORS: dict[str, type[TiekitError]] = {e.__name__: e for e in (TiekitError, CheckpointError, TieError)}
