@@ -20,8 +20,8 @@ fsyncs: a killed process still leaves the previous checkpoint (the kernel keeps 
 written, renames stay ordered), a power loss may not.
 
 The package, one idea a module: `layout` (names on disk), `saving` (what is stored),
-`files` (atomic and sharded writes), `source` (opening and validating), `loading` (stage, then
-commit), `reads` (bytes into tensors), `optimizer` (optimizer state), `codec` (values as JSON
+`files` (atomic and sharded writes), `source` (opening and validating), `staging` (checking a
+load against the model), `loading` (committing it), `reads` (bytes into tensors), `optimizer` (optimizer state), `codec` (values as JSON
 plus tensors). Every function here is local; `tiekit.collective` coordinates ranks.
 """
 

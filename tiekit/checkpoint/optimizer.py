@@ -21,7 +21,7 @@ from tiekit.plan import TiePlan
 from tiekit.slots import resolve
 
 if TYPE_CHECKING:
-    from tiekit.checkpoint.loading import Staged
+    from tiekit.checkpoint.staging import Staged
 
 
 def optimizer_record(

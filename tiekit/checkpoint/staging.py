@@ -1,0 +1,219 @@
+"""Staging a load: validate everything against the model (names, shapes, dtypes, the file's ties
+against the model's detected and declared ones) and change nothing; `tiekit.checkpoint.loading`
+commits what this returns."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from tiekit.analyze import dtype_name, find_ties
+from tiekit.checkpoint.layout import name_list
+from tiekit.checkpoint.reads import read_tensor
+from tiekit.checkpoint.saving import declared_ties
+from tiekit.checkpoint.source import Source
+from tiekit.errors import CheckpointError, TieError
+from tiekit.header import TensorEntry
+from tiekit.plan import TieGroup, TieMember, TiePlan
+from tiekit.retie import tie_changes
+from tiekit.slots import slot_table
+
+
+@dataclass(frozen=True)
+class Staged:
+    """Everything validated, nothing changed yet: the plan to apply and what to read where."""
+
+    groups: tuple[TieGroup, ...]
+    loads: tuple[tuple[str, str], ...]  # (model name to fill, file key)
+    anchor: Mapping[str, str]  # model name -> the name holding its tensor after the load
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+    device: torch.device | None
+    keep_file_dtype: bool
+
+
+DtypePolicy = Literal["model", "file"]
+
+
+def stage(model: nn.Module, source: Source, *, strict: bool, device: torch.device | None, dtype: DtypePolicy) -> Staged:
+    where, entries = source.where, source.entries
+    if dtype not in ("model", "file"):
+        raise CheckpointError(f"{where}: dtype must be 'model' or 'file', not {dtype!r}")
+    slots = slot_table(model)
+    expected = [n for n in model.state_dict(keep_vars=True) if n in slots]
+    try:
+        model_plan = find_ties(model, declared=declared_ties(model) or None)
+    except TieError as exc:
+        raise CheckpointError(f"{where}: cannot load into {type(model).__name__}: {exc}") from exc
+    if source.plan is None:
+        groups = _rekey(_group_table(model_plan), entries)
+    else:
+        groups = _group_table(source.plan)
+        _reconcile(groups, model_plan, entries, where, type(model).__name__)
+    key_of = {m.name: (source_key, m) for source_key, members in groups.items() for m in members}
+
+    retie_groups: list[TieGroup] = []
+    anchor: dict[str, str] = {}
+    loads: list[tuple[str, str]] = []
+    for source_key, members in groups.items():
+        present = [m for m in members if m.name in slots]
+        holder = next((m for m in present if m.view is None), None)
+        if holder is None or source_key not in entries:
+            continue  # nothing to load: its names are reported missing below
+        tied = [TieMember(m.name, slots[m.name][3], m.view, m.requires_grad) for m in present if m is not holder]
+        entry = entries[source_key][1]
+        group = TieGroup(
+            holder.name,
+            (TieMember(holder.name, slots[holder.name][3]), *tied),
+            "view" if any(m.view for m in tied) else slots[holder.name][3],
+            entry.shape,
+            dtype_name(entry.dtype),
+        )
+        loads.append((holder.name, source_key))
+        anchor.update({m.name: holder.name for m in present})
+        if tied:
+            retie_groups.append(group)
+    loads.extend((n, n) for n in expected if n not in key_of and n in entries)
+
+    missing = [n for n in expected if n not in anchor and (n in key_of or n not in entries)]
+    absent = set(missing)
+    consumed = {key_of.get(n, (n, None))[0] for n in expected if n not in absent}
+    if source.plan is None:
+        consumed |= _equal_duplicates(expected, key_of, source)
+    unexpected = [k for k in entries if k not in consumed]
+    if strict and (missing or unexpected):
+        problems = [f"missing {name_list(missing)}"] if missing else []
+        problems += [f"unexpected {name_list(unexpected)}"] if unexpected else []
+        raise CheckpointError(
+            f"{where}: does not match {type(model).__name__}: {'; '.join(problems)} (load with strict=False to "
+            f"accept){_pretrained_hint(where, model)}"
+        )
+
+    for name in expected:
+        key, member = key_of.get(name, (name, None))
+        if name not in absent:
+            _check_fits(name, slots[name][2], entries[key][1], member, where, cast=dtype == "model")
+    for group in retie_groups:
+        try:
+            tie_changes(model, group)  # the checks retie makes, without changing anything
+        except TieError as exc:
+            raise CheckpointError(f"{where}: cannot re-tie {type(model).__name__}: {exc}") from exc
+    return Staged(tuple(retie_groups), tuple(loads), anchor, tuple(missing), tuple(unexpected), device, dtype == "file")
+
+
+def _pretrained_hint(where: str, model: nn.Module) -> str:
+    """Why a transformers ``save_pretrained`` folder may not match its own model class."""
+    config = Path(where).parent / "config.json"
+    try:
+        written_by_transformers = "transformers_version" in config.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return ""
+    if not written_by_transformers:
+        return ""
+    return (
+        f". This folder was written by transformers' save_pretrained, which renames or re-lays some keys on save "
+        "for some architectures (ESM's LayerNorm weight/bias as gamma/beta, fused experts such as Jamba's written "
+        "per expert, Marian's sinusoidal positions not stored): only from_pretrained undoes that. Load it with "
+        f"{type(model).__name__}.from_pretrained(folder) (which re-ties declared ties), then keep the ties through "
+        "moves with tiekit.move or tiekit.preserve_ties"
+    )
+
+
+def _group_table(plan: TiePlan) -> dict[str, list[TieMember]]:
+    return {g.source: list(g.members) for g in plan.groups}
+
+
+def _rekey(groups: dict[str, list[TieMember]], entries: Mapping[str, Any]) -> dict[str, list[TieMember]]:
+    """For the model's own plan: a group whose source name the file lacks takes its data from
+    another member the file has (a file that kept ``lm_head.weight`` instead of the embedding)."""
+    out: dict[str, list[TieMember]] = {}
+    for key, members in groups.items():
+        if key not in entries:
+            key = next((m.name for m in members if m.view is None and m.name in entries), key)
+        out[key] = members
+    return out
+
+
+def _reconcile(
+    groups: dict[str, list[TieMember]], model_plan: TiePlan, entries: Mapping[str, Any], where: str, cls: str
+) -> None:
+    """Check the file's ties against the model's (detected and declared) and extend them.
+
+    A model tie the file has no data for (``lm_head.weight`` absent) joins the file's group;
+    a model tie between two tensors the file stores separately is a disagreement: loading
+    two different tensors into one would silently drop one of them.
+    """
+    key_of = {m.name: (key, m) for key, members in groups.items() for m in members}
+    for group in model_plan.groups:
+        source_key, source_member = key_of.get(group.source, (group.source, None))
+        for member in group.members[1:]:
+            key, _ = key_of.get(member.name, (member.name, None))
+            if key == source_key:
+                continue
+            if key in entries and source_key not in entries and group.source not in key_of and member.view is None:
+                # The file holds this tie's one tensor under the member's name: the source joins it.
+                source_member = TieMember(group.source, group.members[0].kind)
+                groups.setdefault(key, [TieMember(key, "parameter")]).append(source_member)
+                key_of[group.source] = (key, source_member)
+                source_key = key
+                continue
+            if key in entries or member.name in key_of:
+                raise CheckpointError(
+                    f"{where}: the file's tie plan disagrees with {cls}: it stores {key!r} and "
+                    f"{source_key!r} as separate tensors, but the model ties {member.name!r} to "
+                    f"{group.source!r}. Load into a model built without this tie, or save it tied."
+                )
+            if source_member is not None and source_member.view is not None and member.view is None:
+                member = TieMember(member.name, member.kind, source_member.view, source_member.requires_grad)
+            elif source_member is not None and source_member.view is not None:
+                raise CheckpointError(
+                    f"{where}: cannot reconcile the view {member.name!r} of {group.source!r}, itself a view in the file"
+                )
+            groups.setdefault(source_key, [TieMember(source_key, "parameter")]).append(member)
+            key_of[member.name] = (source_key, member)
+
+
+def _equal_duplicates(expected: list[str], key_of: Mapping[str, tuple[str, TieMember]], source: Source) -> set[str]:
+    """Keys of a file without tie metadata that repeat a tied tensor: accepted when equal."""
+    entries, where = source.entries, source.where
+    duplicates: set[str] = set()
+    for name in expected:
+        key, member = key_of.get(name, (name, None))
+        if key == name or name not in entries or key not in entries or member is None:
+            continue
+        value = read_tensor(*entries[key], source.files)
+        if member.view is not None:
+            v = member.view
+            if v.end > value.numel():
+                continue
+            value = value.reshape(-1).as_strided(v.size, v.stride, v.offset)
+        copy = read_tensor(*entries[name], source.files)
+        if copy.shape != value.shape or copy.dtype != value.dtype or not torch.equal(copy, value):
+            raise CheckpointError(
+                f"{where}: stores {name!r} and {key!r} with different values, but the model ties them; "
+                "load into a model built without this tie"
+            )
+        duplicates.add(name)
+    return duplicates
+
+
+def _check_fits(
+    name: str, tensor: torch.Tensor, entry: TensorEntry, member: TieMember | None, where: str, *, cast: bool
+) -> None:
+    shape = entry.shape if member is None or member.view is None else member.view.size
+    if tuple(tensor.shape) != shape:
+        via = "" if entry.name == name else f" (through key {entry.name!r})"
+        raise CheckpointError(
+            f"{where}: shape mismatch for {name!r}{via}: the file has {shape}, the model {tuple(tensor.shape)}"
+        )
+    if cast and tensor.dtype != entry.dtype and not (tensor.is_floating_point() and entry.dtype.is_floating_point):
+        raise CheckpointError(
+            f"{where}: dtype mismatch for {name!r}: the file has {dtype_name(entry.dtype)}, the model "
+            f"{dtype_name(tensor.dtype)}; tiekit casts only between floating-point types (load with "
+            "dtype='file' to take the file's dtype)"
+        )
