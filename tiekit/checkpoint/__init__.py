@@ -21,8 +21,9 @@ written, renames stay ordered), a power loss may not.
 
 The package, one idea a module: `layout` (names on disk), `saving` (what is stored),
 `files` (atomic and sharded writes), `source` (opening and validating), `staging` (checking a
-load against the model), `loading` (committing it), `reads` (bytes into tensors), `optimizer` (optimizer state), `codec` (values as JSON
-plus tensors). Every function here is local; `tiekit.collective` coordinates ranks.
+load against the model), `loading` (committing it), `reads` (bytes into tensors), `optimizer`
+(optimizer state), `codec` (values as JSON plus tensors). Every function here is local;
+`tiekit.collective` coordinates ranks.
 """
 
 from tiekit.checkpoint.layout import (
