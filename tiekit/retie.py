@@ -207,14 +207,16 @@ def once_per_tensor(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[tor
     once per owning module, so a tied weight would be copied to the device once per owner."""
     if getattr(fn, "_tiekit_once", False):
         return fn
-    results: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    results: dict[int, torch.Tensor] = {}
 
     def convert(t: torch.Tensor) -> torch.Tensor:
-        known = results.get(id(t))
-        if known is not None and known[0] is t:
-            return known[1]
-        out = fn(t)
-        results[id(t)] = (t, out)  # holding t keeps its id from being reused meanwhile
+        # Keyed by id without holding the old tensor (holding every one would keep the whole
+        # unconverted model alive until the end; swap_tensors refuses weak references): every
+        # tensor _apply passes here is held by its module until its own slot is converted, so no
+        # later input can reuse a freed id.
+        out = results.get(id(t))
+        if out is None:
+            out = results[id(t)] = fn(t)
         return out
 
     convert._tiekit_once = True  # type: ignore[attr-defined]
