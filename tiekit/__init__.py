@@ -9,6 +9,7 @@ from tiekit.errors import CheckpointError, TieError, TiekitError, TieWarning
 from tiekit.mixin import TPUMixin
 from tiekit.plan import PLAN_VERSION, CrossModuleUse, TieGroup, TieMember, TiePlan, TieUse, ViewGeometry
 from tiekit.retie import VerifyReport, move, preserve_ties, rebind_optimizer, retie, verify
+from tiekit.sharding import check_sharding, shard
 
 if TYPE_CHECKING:
     from tiekit.train import FitResult, fit
@@ -32,6 +33,7 @@ __all__ = [
     "VerifyReport",
     "ViewGeometry",
     "__version__",
+    "check_sharding",
     "collective_save_checkpoint",
     "collective_save_model",
     "find_ties",
@@ -45,6 +47,7 @@ __all__ = [
     "retie",
     "save_checkpoint",
     "save_model",
+    "shard",
     "verify",
 ]
 

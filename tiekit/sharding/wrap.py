@@ -1,0 +1,112 @@
+"""`shard`: FSDP2 ``fully_shard`` over a model's units and its root, the owners of every tie group in
+one unit."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiekit.analyze import find_ties
+from tiekit.errors import TiekitError
+from tiekit.plan import TiePlan
+from tiekit.retie import retie
+from tiekit.sharding.check import check_sharding
+from tiekit.sharding.units import UnitSpec, shard_units
+
+
+def shard(
+    model: nn.Module,
+    *,
+    mesh: Any = None,
+    units: Sequence[UnitSpec] | None = None,
+    plan: TiePlan | None = None,
+    **fully_shard_kwargs: Any,
+) -> nn.Module:
+    """Apply FSDP2 (``torch.distributed.fsdp.fully_shard``) to ``model``'s units, then to the
+    root, keeping every tie: the modules that own one tied parameter always share a unit.
+    Returns ``model``, wrapped in place.
+
+    ``units``: the modules to shard one by one, as dotted name patterns (``"transformer.h.*"``,
+    ``*`` within one part), module classes or modules; None (the default) takes the model's
+    repeated blocks (children of a ``ModuleList``/``Sequential`` whose class repeats). A tie whose
+    owners fall in different units joins them into one ``fully_shard([a, b])`` unit; an owner no
+    unit holds joins it with its own module; a tie held by the root module itself keeps its units
+    with the root. `tiekit.sharding.shard_units` shows the result without a process group.
+
+    ``plan``: the tie plan to keep (default ``tiekit.find_ties(model)``); its ties are applied
+    before wrapping, so a plan made before ``to_empty`` or with ``declared=`` ties restores ties
+    the model lost. ``mesh`` and ``fully_shard_kwargs`` (``mp_policy=MixedPrecisionPolicy(...)``,
+    ``reshard_after_forward``, ``offload_policy``...) go to every ``fully_shard`` call. Works on a
+    model on the meta device (FSDP keeps meta parameters there; see docs/sharding.md for
+    ``to_empty`` and initialization).
+
+    Raises `TiekitError` without a process group (and no ``mesh``), for a model already wrapped,
+    and for a unit entry that matches nothing or names a ``ModuleList``; `TieError` when tied
+    units cannot be ordered bottom-up or a buffer is a view of a parameter. An error from a
+    ``fully_shard`` call (leaving the model partly wrapped) carries a note naming the unit.
+
+    Does not communicate: ``fully_shard`` shards each rank's own copy of the weights locally, so
+    every rank must hold the same weights (same seed, or load a checkpoint after wrapping); the
+    first forward communicates. With ``mesh=None`` it builds one 1-D mesh over the default group
+    on the accelerator (CPU when there is none), as ``fully_shard`` does; where torch creates a
+    new process group for that (CUDA present with a gloo default group), that step is collective:
+    pass ``mesh=`` to avoid it.
+    """
+    import torch.distributed as dist
+
+    FSDPModule, fully_shard = fsdp2()
+    if mesh is None and not (dist.is_available() and dist.is_initialized()):
+        raise TiekitError(
+            "tiekit.shard needs a process group: call torch.distributed.init_process_group(...) first "
+            "(torchrun, mp.spawn...), or pass mesh=init_device_mesh(...)"
+        )
+    wrapped = [path or "<root>" for path, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if wrapped:
+        raise TiekitError(
+            f"tiekit.shard wraps an unwrapped model, but FSDP is already applied to {', '.join(wrapped[:4])}; "
+            "to check a model you wrapped yourself, call tiekit.check_sharding(model, plan)"
+        )
+    plan = find_ties(model) if plan is None else plan
+    plan_units = shard_units(model, units, plan=plan)  # validates before anything changes
+    retie(model, plan)
+    if mesh is None:
+        mesh = _default_mesh()
+    for unit in plan_units:
+        target: Any = unit.modules[0] if len(unit.modules) == 1 else list(unit.modules)
+        try:
+            fully_shard(target, mesh=mesh, **fully_shard_kwargs)
+        except Exception as exc:
+            exc.add_note(f"tiekit.shard: while sharding the unit {unit.label!r}")
+            raise
+    check_sharding(model, plan)
+    return model
+
+
+def fsdp2() -> tuple[Any, Any]:
+    """``(FSDPModule, fully_shard)`` from ``torch.distributed.fsdp``; `TiekitError` before torch 2.6."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+    except ImportError as exc:
+        raise TiekitError(
+            "tiekit's sharding needs FSDP2 in torch.distributed.fsdp (torch 2.6 or later); "
+            f"this is torch {torch.__version__}"
+        ) from exc
+    return FSDPModule, fully_shard
+
+
+def _default_mesh() -> Any:
+    """The mesh ``fully_shard`` would build for itself, built once for every unit."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # current_accelerator() without check_available names CUDA in a CUDA build on a machine
+    # without a GPU; torch 2.6 lacks the argument, and fully_shard itself asks torch._C.
+    try:
+        accelerator = torch.accelerator.current_accelerator(check_available=True)
+        device_type = accelerator.type if accelerator is not None else "cpu"
+    except TypeError:
+        device_type = torch._C._get_accelerator().type
+    return init_device_mesh(device_type, (dist.get_world_size(),))
