@@ -1,9 +1,9 @@
 """`check_sharding`: read FSDP2's unit assignment from a wrapped model and refuse units that split
 a tie group, before the first step.
 
-FSDP2 keeps its assignment in private state (torch 2.6 to 2.14 read alike): every module a
+FSDP2 keeps its assignment in private state (read here on torch 2.9.1 and 2.14.1): every module a
 ``fully_shard`` call received is an ``FSDPModule`` whose ``_get_fsdp_state()`` holds the unit's
-parameter group(s) (``_fsdp_param_group`` up to 2.12, a list ``_fsdp_param_groups`` since), and
+parameter group(s) (``_fsdp_param_group`` in 2.9, a list ``_fsdp_param_groups`` in 2.14), and
 each ``FSDPParam`` there records the module slots it was registered under
 (``_module_info``: module, name, and the other modules sharing it). Ties are named by module path,
 because after wrapping the parameters are new DTensors: a tie split across units is no longer
@@ -92,7 +92,7 @@ def _state_modules(state: Any) -> tuple[nn.Module, ...]:
 
 
 def _param_groups(state: Any) -> list[Any]:
-    groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.13 and later: a list
+    groups = getattr(state, "_fsdp_param_groups", None)  # a list in torch 2.14
     if groups is not None:
         return list(groups)
     if not hasattr(state, "_fsdp_param_group"):
@@ -120,17 +120,17 @@ def check_sharding(model: nn.Module, plan: TiePlan | None = None) -> None:
     """Raise `TieError` when FSDP2 units split a tie group: the owners of one tied tensor managed
     by different units, each of which would shard and update its own copy.
 
-    For models you wrap yourself (``fully_shard``, Lightning's ``ModelParallelStrategy``,
-    accelerate's FSDP2 plugin); call it after wrapping and before the first step. The message
-    names each tied parameter and its unit (module paths). ``plan`` is ``tiekit.find_ties(model)``
-    made *before* wrapping, on the module passed here: a tie split across units is no longer one
-    tensor afterwards. Without it, ties are read from the wrapped model: those FSDP kept (one
-    sharded tensor), those torch records as split (2.13 and later), and, on older torch, sharded
-    parameters of different units whose local shards hold identical, non-constant values (the
-    state a split tie is in before the first step). Also reported: a tie of the plan that is two
-    tensors inside one unit (broken before wrapping), and a buffer that is a view of a sharded
-    parameter (it no longer follows it). A model without FSDP2 units passes. Local: each rank
-    reads its own model and shards, nothing is communicated.
+    For models wrapped by your own ``fully_shard`` calls or by a framework's FSDP2 support; call
+    it after wrapping and before the first step. The message names each tied parameter and its
+    unit (module paths). ``plan`` is ``tiekit.find_ties(model)`` made *before* wrapping, on the
+    module passed here: a tie split across units is no longer one tensor afterwards. Without it,
+    ties are read from the wrapped model: those FSDP kept (one sharded tensor), those torch
+    records as split (the original parameter's id, kept by torch 2.14), and, on torch that keeps
+    no such id (2.9), sharded parameters of different units whose local shards hold identical,
+    non-constant values (the state a split tie is in before the first step). Also reported: a
+    tie of the plan that is two tensors inside one unit (broken before wrapping), and a buffer
+    that is a view of a sharded parameter (it no longer follows it). A model without FSDP2 units
+    passes. Local: each rank reads its own model and shards, nothing is communicated.
     """
     assignment = fsdp_assignment(model)
     if not assignment:
@@ -207,7 +207,7 @@ def _stale_views(group: TieGroup, assignment: dict[str, Managed]) -> list[str]:
 
 def _split_without_plan(assignment: dict[str, Managed]) -> list[tuple[list[str], str]]:
     """Tied tensors split across units, found without a plan: by the original parameter id torch
-    records since 2.13, else by identical local shards in different units."""
+    records (2.14), else by identical local shards in different units."""
     by_param: dict[int, tuple[Any, list[str], str]] = {}
     for name, managed in assignment.items():
         by_param.setdefault(id(managed.param), (managed.param, [], managed.unit))[1].append(name)
