@@ -151,7 +151,7 @@ def hand_ddp(steps: int) -> dict[str, Any]:
 
     from torch.multiprocessing.spawn import start_processes
 
-    from tiekit.train.launch import free_port
+    from tiekit.backends.torch_distributed import free_port
 
     with tempfile.TemporaryDirectory() as folder:
         out = str(Path(folder) / "rate")

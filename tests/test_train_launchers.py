@@ -29,7 +29,7 @@ from models import WeightSharingModule
 from torch.utils.data import TensorDataset
 
 import tiekit
-from tiekit.train.launch import ddp_device, local_ranks
+from tiekit.backends.torch_distributed import local_ranks, process_device
 
 ROOT = Path(__file__).resolve().parents[1]
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
@@ -49,10 +49,13 @@ if own:
     os.chdir(own.format(rank=rank))
 started = time.time()
 try:
-    result = tiekit.fit(WeightSharingModule, dataset(256), loss_fn=F.mse_loss, strategy="ddp", batch_size=8,
+    options.setdefault("strategy", "ddp")
+    result = tiekit.fit(WeightSharingModule, dataset(256), loss_fn=F.mse_loss, batch_size=8,
                         progress=False, optimizer=functools.partial(torch.optim.AdamW, lr=1e-2), **options)
     record = dict(steps=result.steps, losses=len(result.losses), world=result.world_size,
-                  checkpoint=str(result.checkpoint), digest=result.replica_digests[0])
+                  checkpoint=str(result.checkpoint), digest=result.replica_digests[0], loss_values=list(result.losses),
+                  ties=result.model.layer_3.weight is result.model.layer_1.weight, strategy=result.strategy,
+                  weights={k: v.tolist() for k, v in result.model.state_dict().items()})
 except Exception as exc:
     record = dict(error=type(exc).__name__, tiekit=isinstance(exc, tiekit.TiekitError), message=str(exc))
 record.update(rank=rank, cwd=os.getcwd(), seconds=time.time() - started)
@@ -303,7 +306,7 @@ def test_a_ddp_process_uses_its_local_gpu_when_every_process_of_its_host_has_one
     env: dict[str, str], rank: int, world: int, gpus: int, expected: tuple[str, str]
 ) -> None:
     local_rank, local_world = local_ranks(rank, world, env)
-    device, backend = ddp_device(local_rank, local_world, gpus)
+    device, backend = process_device(local_rank, local_world, gpus)
     assert (str(device), backend) == expected
 
 
@@ -313,14 +316,14 @@ SPMD = """
 import json, os, sys, torch.nn.functional as F
 import tiekit
 from tiekit.collective import ranks
-from tiekit.train.strategies import XlaBackend
+from tiekit.backends.xla_spmd import SpmdBackend
 from models import WeightSharingModule
 from test_train_launchers import dataset
 
 folder = sys.argv[1]
 result = tiekit.fit(WeightSharingModule, dataset(), loss_fn=F.mse_loss, strategy="spmd", batch_size=4, max_steps=4,
                     checkpoint_dir=folder, progress=False)
-backend = XlaBackend(spmd=True)
+backend = SpmdBackend()
 print(json.dumps(dict(ranks=list(vars(ranks()).values()), backend=list(vars(backend.ranks).values()),
                       writer=backend.is_master, replica=backend.replica_rank, world=result.world_size,
                       checkpoint=str(result.checkpoint), files=os.listdir(folder))))
@@ -344,8 +347,8 @@ def test_under_spmd_the_writer_is_process_index_0_not_the_xla_replica(tmp_path: 
 def test_the_writer_comes_from_the_ranks_not_from_the_replica_number() -> None:
     # Host 1 of a 2-host SPMD run is XLA replica 0 like host 0; only its process index tells them
     # apart, and the backend's writer flag follows the ranks (from tiekit.collective.ranks()).
+    from tiekit.backends.torch_distributed import TorchBackend
     from tiekit.collective import Ranks
-    from tiekit.train.strategies import TorchBackend
 
     backend = TorchBackend(torch.device("cpu"))
     assert backend.replica_rank == 0 and backend.is_master

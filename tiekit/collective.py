@@ -28,7 +28,6 @@ from typing import Any, TypeVar
 
 import torch
 
-from tiekit import devices
 from tiekit.errors import CheckpointError, TiekitError
 
 T = TypeVar("T")
@@ -56,14 +55,16 @@ class Ranks:
 
 def ranks() -> Ranks:
     """This process's `Ranks` (local: asks the runtimes, never waits, never starts torch_xla)."""
-    replicas = devices.xla_replicas()
+    from tiekit.backends import xla  # its Backend class needs this module: imported on use
+
+    replicas = xla.xla_replicas()
     if replicas is not None:
         ordinal, world, processes = replicas
         return Ranks(ordinal, world, "xla-threads" if processes == 1 else "xla-processes")
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return Ranks(int(dist.get_rank()), int(dist.get_world_size()), "torch.distributed")
-    hosts = devices.spmd_hosts()
+    hosts = xla.spmd_hosts()
     if hosts is not None:
         return Ranks(hosts[0], hosts[1], "spmd-hosts")
     return Ranks(0, 1, "single")
@@ -92,7 +93,9 @@ def collective_gather(value: Any, *, timeout: float = DEFAULT_TIMEOUT) -> list[A
     if where.kind == "torch.distributed":
         return _dist_gather(where, value, timeout)
     # XLA replicas or SPMD hosts in several processes: the runtime's rendezvous carries bytes.
-    payloads = devices.xla_rendezvous("tiekit.collective", pickle.dumps(value))
+    from tiekit.backends import xla
+
+    payloads = xla.xla_rendezvous("tiekit.collective", pickle.dumps(value))
     return [pickle.loads(p) for p in payloads]  # peers of this very run, not files from outside
 
 

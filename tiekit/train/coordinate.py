@@ -27,11 +27,11 @@ import torch
 from torch import nn
 
 import tiekit
+from tiekit.backends.base import Backend
 from tiekit.collective import Ranks, abort_thread_collectives, collective_gather, collective_save_checkpoint
 from tiekit.errors import TiekitError
 from tiekit.train import state
 from tiekit.train.config import FitConfig, Job
-from tiekit.train.strategies import Backend
 
 #: The options of `tiekit.fit` every rank must pass alike: a rank with another ``max_steps`` or
 #: ``checkpoint_dir`` would leave its peers waiting in a collective, or train on other steps.

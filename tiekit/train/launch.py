@@ -5,8 +5,12 @@
   one thread per device). Already inside a replica (your own ``torch_xla.launch``), or with
   one device, it runs right here.
 * ``"spmd"``: this process drives every device; the batch is sharded on a ``"data"`` mesh axis.
+* ``"spmd_fsdp"``: as ``"spmd"``, with every parameter sharded too, on an ``"fsdp"`` mesh axis.
 * ``"ddp"``: ``torch.distributed`` (gloo on CPU, nccl on CUDA), one process per device,
   spawned here, or this process when ``torchrun`` started it.
+* ``"fsdp"``: as ``"ddp"``, with the model sharded by FSDP2 (`tiekit.shard`'s units).
+
+The runtimes themselves live in `tiekit.backends`; this module only starts them.
 
 Spawned replicas report through files in a private folder: each writes its `Outcome` as JSON,
 and one replica per host writes the trained weights, which the caller's model then loads with
@@ -15,17 +19,14 @@ and one replica per host writes the trained weights, which the caller's model th
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import pickle
-import socket
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +36,21 @@ import torch.distributed as dist
 from torch import nn
 
 from tiekit import devices, load_model
+from tiekit.backends import xla as xla_runtime
+from tiekit.backends.base import Backend
+from tiekit.backends.fsdp import FsdpBackend
+from tiekit.backends.torch_distributed import (
+    TorchBackend,
+    collective_close_process_group,
+    free_port,
+    join_process_group,
+)
+from tiekit.backends.xla_replicas import XlaReplicaBackend, xla_launch
+from tiekit.backends.xla_spmd import SpmdBackend
 from tiekit.errors import CheckpointError, TieError, TiekitError
 from tiekit.train import state
 from tiekit.train.config import Job, Outcome
 from tiekit.train.loop import run_replica
-from tiekit.train.strategies import Backend, TorchBackend, XlaBackend
 
 _TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -62,14 +73,12 @@ def run(job: Job) -> tuple[list[Outcome], nn.Module]:
     requested = job.config.devices
     if job.strategy == "single":
         return _here(job, _single_backend(requested))
-    if job.strategy == "spmd":
-        if requested != "auto":
-            raise TiekitError(f'strategy="spmd" shards over every device; devices must be "auto", not {requested!r}')
-        return _here(job, XlaBackend(spmd=True))
+    if job.strategy in ("spmd", "spmd_fsdp"):
+        return _here(job, _spmd_backend(job.strategy, requested))
     if job.strategy == "xla":
         return _xla(job, requested)
-    if job.strategy == "ddp":
-        return _ddp(job, requested)
+    if job.strategy in ("ddp", "fsdp"):
+        return _processes(job, requested)
     raise TiekitError(f"unknown strategy {job.strategy!r}")
 
 
@@ -88,10 +97,27 @@ def _single_backend(requested: int | str) -> Backend:
     else:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if devices.is_xla(device):
-        if devices.xla_replica() is not None:
+        if xla_runtime.xla_replica() is not None:
             raise TiekitError('strategy="single" inside a torch_xla.launch replica: use strategy="xla"')
-        return XlaBackend()
+        return XlaReplicaBackend()
     return TorchBackend(device)
+
+
+def _spmd_backend(strategy: str, requested: int | str) -> Backend:
+    """SPMD over every XLA device of the run; ``requested`` must be "auto" or their number."""
+    if isinstance(requested, str) and requested != "auto":
+        raise TiekitError(
+            f'strategy="{strategy}" runs on every XLA device: devices="auto" or their number, not {requested!r}'
+        )
+    backend = SpmdBackend(shard_parameters=strategy == "spmd_fsdp")
+    count = backend.devices_in_run
+    if isinstance(requested, int) and requested != count:
+        raise TiekitError(
+            f'strategy="{strategy}" shards over every XLA device of the run, and there are {count}, not '
+            f'devices={requested}: pass devices="auto" or {count}, or set the device count (CPU_NUM_DEVICES on '
+            "XLA:CPU) before the XLA runtime starts"
+        )
+    return backend
 
 
 # -- "xla" ----------------------------------------------------------------------------------------
@@ -101,24 +127,24 @@ def _xla(job: Job, requested: int | str) -> tuple[list[Outcome], nn.Module]:
     if isinstance(requested, str) and requested != "auto":
         raise TiekitError(f'strategy="xla" takes devices="auto" or a number of devices, not {requested!r}')
     count = requested if isinstance(requested, int) else None
-    if devices.xla_replica() is not None:  # inside the user's own torch_xla.launch
-        return _here(job, XlaBackend())
-    if devices.xla_runtime_started():
-        available = devices.xla_device_count()
+    if xla_runtime.xla_replica() is not None:  # inside the user's own torch_xla.launch
+        return _here(job, XlaReplicaBackend())
+    if xla_runtime.xla_runtime_started():
+        available = xla_runtime.xla_device_count()
         if count == 1 or available == 1:
-            return _here(job, XlaBackend())
+            return _here(job, XlaReplicaBackend())
         raise TiekitError(
             f"torch_xla's runtime already runs in this process ({available} devices), so torch_xla.launch "
             "cannot start one replica per device any more. Call tiekit.fit before using any XLA device, "
             "call it inside your own torch_xla.launch function, or pass devices=1."
         )
-    if (count or devices.xla_device_count_hint()) == 1:
-        return _here(job, XlaBackend())
+    if (count or xla_runtime.xla_device_count_hint()) == 1:
+        return _here(job, XlaReplicaBackend())
     with tempfile.TemporaryDirectory(prefix="tiekit-fit-") as folder:
         spawned = dataclasses.replace(job, result_dir=Path(folder))
         try:
             with _picklable(job.strategy):
-                devices.xla_launch(_xla_entry, (spawned,), count)
+                xla_launch(_xla_entry, (spawned,), count)
         except BrokenProcessPool as exc:  # XLA aborts the process on a fatal error (printed above)
             raise TiekitError(
                 f"the process running the {count or 'XLA'} replicas died before they finished (XLA prints why above)"
@@ -127,29 +153,33 @@ def _xla(job: Job, requested: int | str) -> tuple[list[Outcome], nn.Module]:
 
 
 def _xla_entry(ordinal: int, job: Job) -> None:
-    backend = XlaBackend()
+    backend = XlaReplicaBackend()
     wanted = job.config.devices
     if isinstance(wanted, int) and wanted != backend.replica_count:  # a TPU launches on every core
         raise TiekitError(f"devices={wanted}, but torch_xla.launch started {backend.replica_count} replicas")
     outcome, model = run_replica(job, backend)
-    _report(job, outcome, model, host_leader=devices.xla_local_ordinal() == 0)
+    _report(job, outcome, model, host_leader=xla_runtime.xla_local_ordinal() == 0)
 
 
 # -- "ddp" ----------------------------------------------------------------------------------------
 
 
-def _ddp(job: Job, requested: int | str) -> tuple[list[Outcome], nn.Module]:
+def _processes(job: Job, requested: int | str) -> tuple[list[Outcome], nn.Module]:
+    """``"ddp"`` or ``"fsdp"``: one torch.distributed process per device, spawned here, or this
+    process when torchrun started it."""
     if all(k in os.environ for k in _TORCHRUN):  # started by torchrun: this process is one rank
         created = not dist.is_initialized()
         try:
-            return _here(job, _ddp_backend(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None))
+            return _here(
+                job, _process_backend(job.strategy, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None)
+            )
         finally:
             if created and dist.is_initialized():
-                _close_group()
+                collective_close_process_group()
     if isinstance(requested, str) and requested != "auto":
-        raise TiekitError(f'strategy="ddp" takes devices="auto" or a number of processes, not {requested!r}')
+        raise TiekitError(f'strategy="{job.strategy}" takes devices="auto" or a number of processes, not {requested!r}')
     world = requested if isinstance(requested, int) else max(1, torch.cuda.device_count())
-    if world == 1:
+    if world == 1 and job.strategy == "ddp":
         return _here(job, TorchBackend(torch.device("cuda" if torch.cuda.is_available() else "cpu")))
     from torch.multiprocessing.spawn import ProcessException, start_processes
 
@@ -157,25 +187,14 @@ def _ddp(job: Job, requested: int | str) -> tuple[list[Outcome], nn.Module]:
         spawned = dataclasses.replace(job, result_dir=Path(folder))
         try:
             with _picklable(job.strategy):
-                start_processes(_ddp_entry, args=(spawned, world, free_port()), nprocs=world, start_method="spawn")
+                start_processes(_process_entry, args=(spawned, world, free_port()), nprocs=world, start_method="spawn")
         except ProcessException as exc:  # torch stopped the other processes when this one failed
             raise _failure(spawned, exc) from exc
         return _collect(spawned)
 
 
-def _close_group() -> None:
-    """Close the process group fit made under torchrun (a group you made stays yours). Left open,
-    torch 2.14's processes abort at exit ("terminate called without an active exception"), and
-    so do they when one closes the group while a peer still uses its store: the ranks first meet
-    (for at most 10 s: a rank that died is the launcher's to report)."""
-    if dist.get_backend() == "gloo":
-        with contextlib.suppress(RuntimeError):
-            dist.monitored_barrier(timeout=timedelta(seconds=10), wait_all_ranks=True)
-    dist.destroy_process_group()
-
-
-def _ddp_entry(rank: int, job: Job, world: int, port: int) -> None:
-    backend = _ddp_backend(rank, world, port)
+def _process_entry(rank: int, job: Job, world: int, port: int) -> None:
+    backend = _process_backend(job.strategy, rank, world, port)
     try:
         outcome, model = run_replica(job, backend)
         _report(job, outcome, model, host_leader=rank == 0)  # spawned here: all on this host
@@ -188,47 +207,9 @@ def _ddp_entry(rank: int, job: Job, world: int, port: int) -> None:
         dist.destroy_process_group()
 
 
-def ddp_device(local_rank: int, local_world: int | None, cuda_count: int) -> tuple[torch.device, str]:
-    """(device, process-group backend) of the DDP process ``local_rank`` of ``local_world`` on a host
-    with ``cuda_count`` GPUs: ``cuda:<local_rank>`` with nccl when every process of the host has
-    its own GPU (``cuda_count >= local_world``; local world unknown: ``local_rank < cuda_count``),
-    else the CPU with gloo. Pure: the world size and the other hosts play no part, so 2 hosts
-    with 1 GPU each train on their GPUs."""
-    has_gpu = cuda_count >= local_world if local_world is not None else local_rank < cuda_count
-    if has_gpu and cuda_count > 0:
-        return torch.device("cuda", local_rank), "nccl"
-    return torch.device("cpu"), "gloo"
-
-
-def local_ranks(rank: int, world: int, env: Mapping[str, str]) -> tuple[int, int | None]:
-    """(local rank, local world size) of a DDP process: torchrun's ``LOCAL_RANK`` and
-    ``LOCAL_WORLD_SIZE`` when set, else (``rank``, ``world``): processes spawned here share this host."""
-    if "LOCAL_RANK" in env:
-        local_world = env.get("LOCAL_WORLD_SIZE")
-        return int(env["LOCAL_RANK"]), None if local_world is None else int(local_world)
-    return rank, world
-
-
-def _ddp_backend(rank: int, world: int, port: int | None) -> TorchBackend:
-    local_rank, local_world = local_ranks(rank, world, os.environ)
-    cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    device, group_backend = ddp_device(local_rank, local_world, cuda_count)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    else:
-        # As torchrun does: processes sharing a host's cores should not each use all of them.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (local_world or 1)))
-    if not dist.is_initialized():
-        init = "env://" if port is None else f"tcp://127.0.0.1:{port}"
-        dist.init_process_group(group_backend, init_method=init, rank=rank, world_size=world)
-    return TorchBackend(device, rank, world)
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for a spawned run's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _process_backend(strategy: str, rank: int, world: int, port: int | None) -> TorchBackend:
+    device = join_process_group(rank, world, port)
+    return FsdpBackend(device, rank, world) if strategy == "fsdp" else TorchBackend(device, rank, world)
 
 
 @contextmanager

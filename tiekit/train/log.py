@@ -11,14 +11,14 @@ import csv
 import importlib.util
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tiekit import devices
+from tiekit.devices import to_host
 
 #: Steps after which XLA should not compile anything new (the first steps compile the graphs).
 WARMUP_STEPS = 3
@@ -41,12 +41,13 @@ class TrainLog:
         samples_per_step: int,
         log_dir: Path | None,
         log_every: int,
-        xla: bool,
+        compilations: Callable[[], int] | None = None,
     ) -> None:
         self.enabled = enabled
         self.samples_per_step = samples_per_step
         self.log_every = log_every
-        self.xla = xla
+        self.xla = compilations is not None
+        self._compilations = compilations or (lambda: 0)
         self.losses: list[float] = []
         self.val_losses: list[float] = []
         self._pending: list[tuple[int, int, torch.Tensor]] = []
@@ -86,7 +87,7 @@ class TrainLog:
             # Graphs are compiled by now: time from here on, and watch for new compilations.
             self._timed_from = (step, time.perf_counter())
             if self.xla:
-                self._compiles_after_warmup = devices.xla_counters().compilations
+                self._compiles_after_warmup = self._compilations()
         if self.xla and host_transfers and step - self._start_step > WARMUP_STEPS:
             self._warn_once(
                 "transfers",
@@ -105,7 +106,7 @@ class TrainLog:
             return
         pending, self._pending = self._pending, []
         # Converted on the host: a conversion on the device would be one more graph to compile.
-        values = [float(v.float()) for v in devices.to_host([loss for _, _, loss in pending])]
+        values = [float(v.float()) for v in to_host([loss for _, _, loss in pending])]
         self.losses.extend(values)
         rate = self.samples_per_second
         elapsed = time.perf_counter() - self._started
@@ -126,12 +127,12 @@ class TrainLog:
     def outside_steps(self) -> Iterator[None]:
         """Work between steps (validation, checkpoints): its compilations are expected, not warned about."""
         counting = self._compiles_after_warmup is not None
-        before = devices.xla_counters().compilations if counting else 0
+        before = self._compilations() if counting else 0
         try:
             yield
         finally:
             if counting and self._compiles_after_warmup is not None:
-                self._compiles_after_warmup += devices.xla_counters().compilations - before
+                self._compiles_after_warmup += self._compilations() - before
 
     def validation(self, step: int, epoch: int, val_loss: float) -> None:
         if not self.enabled:
@@ -171,7 +172,7 @@ class TrainLog:
     def _check_compilations(self, step: int) -> None:
         if self._compiles_after_warmup is None:
             return
-        new = devices.xla_counters().compilations - self._compiles_after_warmup
+        new = self._compilations() - self._compiles_after_warmup
         if new > 0:
             self._warn_once(
                 "compilations",

@@ -1,8 +1,9 @@
 """One replica's run: build the model, move it keeping its ties, resume, train, validate, save.
 
 `train_step` is the whole step, from a batch on the device to updated weights; `run_replica`
-wraps it in epochs. Every strategy runs this same code; `tiekit.train.strategies` supplies the
-few strategy-specific answers (device, data slice, gradient reduction, end of step).
+wraps it in epochs. Every strategy runs this same code; `tiekit.backends` supplies the
+few runtime-specific answers (device, placement and sharding, data slice, gradient reduction, end
+of step).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import copy
 import hashlib
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -19,14 +20,14 @@ from torch import nn
 
 from tiekit import devices
 from tiekit.analyze import find_ties
+from tiekit.backends.base import Backend
 from tiekit.errors import TiekitError
-from tiekit.retie import move, verify
+from tiekit.retie import verify
 from tiekit.train import coordinate, state
 from tiekit.train.config import Job, LossFn, Outcome
 from tiekit.train.data import ReplicaLoader, make_loader
 from tiekit.train.log import TrainLog
 from tiekit.train.precision import Precision, resolve_precision
-from tiekit.train.strategies import Backend, XlaBackend
 
 # torch_xla.launch runs the replicas of a host as threads of one process: they share torch's
 # global RNG, so each builds its model from the seed while holding this lock.
@@ -109,7 +110,7 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
     model, original_dtype = _build(job, backend)
     was_training = model.training
     plan = find_ties(model)  # before the move: what must still be one tensor on the device
-    move(model, backend.device, dtype=precision.param_dtype, plan=plan)
+    backend.place(model, precision.param_dtype, plan)  # moved (and sharded), ties kept
     counters_at_start = backend.counters()  # XLA: this run's compilations, from here on
     backend.seed(cfg.seed)
     optimizer = cfg.optimizer(model.parameters())
@@ -132,7 +133,7 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
         samples_per_step=train.batch_size * backend.devices_in_run,
         log_dir=cfg.log_dir,
         log_every=cfg.log_every,
-        xla=backend.compiles,
+        compilations=_compilations(backend) if backend.compiles else None,
     )
     step_model = backend.wrap(model)
     model.train()
@@ -173,8 +174,9 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
         None if counters_at_start is None or counters_at_end is None else counters_at_end.since(counters_at_start)
     )
     ties_kept = verify(model, plan, on_error="warn").ok
+    back = original_dtype if precision.param_dtype is not None else None
+    model = backend.unplace(model, back, plan, lambda: _build(job, backend, own=False)[0])
     digest = _digest(model)
-    move(model, "cpu", dtype=original_dtype if precision.param_dtype is not None else None, plan=plan)
     model.train(was_training)
     outcome = Outcome(
         rank=backend.replica_rank,
@@ -196,13 +198,16 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
     return outcome, model
 
 
-def _build(job: Job, backend: Backend) -> tuple[nn.Module, torch.dtype | None]:
+def _build(job: Job, backend: Backend, *, own: bool = True) -> tuple[nn.Module, torch.dtype | None]:
+    """The replica's model, from the seed; ``own``: a copy of a module passed to fit where the
+    backend needs one, or where spawned processes would share its tensors (``own=False``: the
+    module itself, for the trained weights of a sharded run to land in)."""
     with _build_lock:
         torch.manual_seed(job.config.seed)
         if isinstance(job.model, nn.Module):
             # Replicas must not share storage: launch threads hold the very same module, and
             # spawned processes receive its tensors in shared memory (torch.multiprocessing).
-            shared = job.result_dir is not None or (isinstance(backend, XlaBackend) and backend.replica_count > 1)
+            shared = own and (job.result_dir is not None or backend.copies_model)
             model = copy.deepcopy(job.model) if shared else job.model
         else:
             model = job.model()
@@ -210,6 +215,14 @@ def _build(job: Job, backend: Backend) -> tuple[nn.Module, torch.dtype | None]:
                 raise TiekitError(f"the model factory {job.model!r} returned a {type(model).__name__}, not a Module")
     dtypes = [p.dtype for p in model.parameters() if p.is_floating_point()]
     return model, dtypes[0] if dtypes else None
+
+
+def _compilations(backend: Backend) -> Callable[[], int]:
+    def count() -> int:
+        counters = backend.counters()
+        return 0 if counters is None else counters.compilations
+
+    return count
 
 
 def _loader(job: Job, data: Any, backend: Backend, *, shuffle: bool, drop_last: bool) -> ReplicaLoader:

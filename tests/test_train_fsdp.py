@@ -1,0 +1,97 @@
+"""strategy="fsdp" (issue 11): FSDP2 over 2 gloo processes trains like DDP on the same global
+batch, step by step, and hands back a plain model with its ties; spawned by fit and under torchrun.
+
+Each run is 2 real processes (spawned by fit, or started by torchrun with a timeout)."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import WeightSharingModule, gpt2, llama, t5
+from test_train_launchers import torchrun_one_node
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+import tiekit
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
+
+
+class Tokens(Dataset[dict[str, torch.Tensor]]):
+    """Random token sequences, their own labels (a causal LM, or T5 rebuilding its input)."""
+
+    def __init__(self, count: int = 32, length: int = 8, vocab: int = 96) -> None:
+        self.ids = torch.randint(1, vocab, (count, length), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _tied_names(model: nn.Module) -> list[tuple[str, ...]]:
+    return [tuple(m.name for m in group.members) for group in tiekit.find_ties(model).groups]
+
+
+def test_fsdp_on_two_processes_trains_step_by_step_like_ddp_and_returns_the_callers_model_tied() -> None:
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 32, generator=generator), torch.randn(64, 10, generator=generator))
+    kw: dict[str, Any] = {"loss_fn": F.mse_loss, "epochs": 2, "seed": 3, "optimizer": ADAMW, "progress": False}
+    kw |= {"devices": 2, "batch_size": 8}
+    torch.manual_seed(3)
+    model = WeightSharingModule()  # a module: the processes shard their own copies of it
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    sharded = tiekit.fit(model, data, strategy="fsdp", **kw)
+    reference = tiekit.fit(WeightSharingModule, data, strategy="ddp", **kw)
+
+    assert (sharded.strategy, sharded.world_size, sharded.steps) == ("fsdp", 2, 8)
+    assert sharded.ties_kept and sharded.model is model and model.layer_3.weight is model.layer_1.weight
+    assert not all(torch.equal(model.state_dict()[k], before[k]) for k in before)  # it trained
+    torch.testing.assert_close(torch.tensor(sharded.losses), torch.tensor(reference.losses), rtol=1e-5, atol=1e-6)
+    expected = reference.model.state_dict()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("build", "precision"), [(gpt2, "bf16-mixed"), (llama, "32-true"), (t5, "bf16-true")], ids=["gpt2", "llama", "t5"]
+)
+def test_hf_models_train_under_fsdp_like_ddp_in_every_precision(build: Any, precision: str) -> None:
+    kw: dict[str, Any] = {"max_steps": 4, "seed": 1, "optimizer": ADAMW, "progress": False, "precision": precision}
+    kw |= {"devices": 2, "batch_size": 4}
+    sharded = tiekit.fit(build, Tokens(), strategy="fsdp", **kw)
+    reference = tiekit.fit(build, Tokens(), strategy="ddp", **kw)
+
+    assert sharded.ties_kept and sharded.steps == 4
+    fresh = build()
+    assert _tied_names(sharded.model) == _tied_names(fresh) != []  # a plain model, ties and all
+    assert sum(p.numel() for p in sharded.model.parameters()) == sum(p.numel() for p in fresh.parameters())
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if precision == "32-true" else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(torch.tensor(sharded.losses), torch.tensor(reference.losses), **tolerance)
+    assert sharded.losses[-1] < sharded.losses[0]
+
+
+def test_fsdp_under_torchrun_matches_ddp_under_torchrun(tmp_path: Path) -> None:
+    options = {"max_steps": 6}
+    fsdp = torchrun_one_node(tmp_path, "fsdp", {**options, "strategy": "fsdp"})
+    ddp = torchrun_one_node(tmp_path, "ddp", {**options, "strategy": "ddp"})
+    for sharded, reference in zip(fsdp, ddp, strict=True):
+        assert "error" not in sharded, sharded
+        assert (sharded["strategy"], sharded["steps"], sharded["world"]) == ("fsdp", 6, 2)
+        assert sharded["ties"]  # each rank's fit returned a plain model with its tie
+        torch.testing.assert_close(torch.tensor(sharded["loss_values"]), torch.tensor(reference["loss_values"]))
+        for name, value in sharded["weights"].items():
+            torch.testing.assert_close(torch.tensor(value), torch.tensor(reference["weights"][name]))
+
+
+def test_sharded_strategies_refuse_checkpoints_until_they_have_sharded_ones() -> None:
+    data = TensorDataset(torch.randn(16, 32), torch.randn(16, 10))
+    with pytest.raises(tiekit.TiekitError, match="does not checkpoint yet"):
+        tiekit.fit(WeightSharingModule, data, loss_fn=F.mse_loss, strategy="fsdp", checkpoint_dir="ck", progress=False)

@@ -1,0 +1,45 @@
+"""FSDP2 over torch.distributed processes: every process holds a shard of each parameter, the
+units from `tiekit.shard` (the owners of every tie group in one unit), the data split as in DDP."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from tiekit.backends.torch_distributed import TorchBackend
+from tiekit.plan import TiePlan
+from tiekit.retie import move
+
+
+class FsdpBackend(TorchBackend):
+    """One of ``world`` processes training an FSDP2-sharded model (``fit(strategy="fsdp")``)."""
+
+    copies_model = True  # fully_shard turns the module itself into a sharded one: never the caller's
+
+    def __init__(self, device: torch.device, rank: int, world: int) -> None:
+        super().__init__(device, rank, world)
+        self.name = "fsdp"
+
+    def place(self, model: nn.Module, dtype: torch.dtype | None, plan: TiePlan) -> None:
+        from tiekit.sharding import shard
+
+        move(model, self.device, dtype=dtype, plan=plan)
+        shard(model)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return model  # FSDP2 reduce-scatters the gradients in backward: no wrapper
+
+    def unplace(
+        self, model: nn.Module, dtype: torch.dtype | None, plan: TiePlan, rebuild: Callable[[], nn.Module]
+    ) -> nn.Module:
+        """Collective: the full weights gathered on every process, copied into a plain model from
+        ``rebuild`` (its own ties kept: the copies go into its tensors in place)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+        plain = rebuild()
+        with torch.no_grad():
+            plain.load_state_dict({name: t.detach().cpu() for name, t in full.items() if isinstance(t, torch.Tensor)})
+        return plain

@@ -1,0 +1,103 @@
+"""torch's own devices (CPU, CUDA): one process, or one of several torch.distributed processes
+(DDP: every process a whole replica; gloo on CPU, nccl on CUDA)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Iterable, Iterator, Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tiekit.backends.base import ALONE, Backend, batch_to
+from tiekit.collective import ranks
+
+
+class TorchBackend(Backend):
+    """CPU or CUDA: one process, or one of ``world`` torch.distributed (DDP) processes."""
+
+    def __init__(self, device: torch.device, rank: int = 0, world: int = 1) -> None:
+        self.name = "ddp" if world > 1 else "single"
+        self.device = device
+        self.ranks = ranks() if world > 1 else ALONE  # torch.distributed's, once its group is up
+        self.replica_rank = self.data_rank = rank
+        self.replica_count = self.data_replicas = self.devices_in_run = world
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        if self.replica_count == 1:
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids)
+
+    def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
+        blocking = self.device.type != "cuda"
+        for batch in loader:
+            yield batch_to(batch, self.device, non_blocking=not blocking)
+
+    def sum_over_replicas(self, t: torch.Tensor) -> torch.Tensor:
+        if self.replica_count > 1:
+            dist.all_reduce(t)
+        return t
+
+
+def process_device(local_rank: int, local_world: int | None, cuda_count: int) -> tuple[torch.device, str]:
+    """(device, process-group backend) of the process ``local_rank`` of ``local_world`` on a host
+    with ``cuda_count`` GPUs: ``cuda:<local_rank>`` with nccl when every process of the host has
+    its own GPU (``cuda_count >= local_world``; local world unknown: ``local_rank < cuda_count``),
+    else the CPU with gloo. Pure: the world size and the other hosts play no part, so 2 hosts
+    with 1 GPU each train on their GPUs."""
+    has_gpu = cuda_count >= local_world if local_world is not None else local_rank < cuda_count
+    if has_gpu and cuda_count > 0:
+        return torch.device("cuda", local_rank), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def local_ranks(rank: int, world: int, env: Mapping[str, str]) -> tuple[int, int | None]:
+    """(local rank, local world size) of a process: torchrun's ``LOCAL_RANK`` and
+    ``LOCAL_WORLD_SIZE`` when set, else (``rank``, ``world``): processes spawned here share this host."""
+    if "LOCAL_RANK" in env:
+        local_world = env.get("LOCAL_WORLD_SIZE")
+        return int(env["LOCAL_RANK"]), None if local_world is None else int(local_world)
+    return rank, world
+
+
+def join_process_group(rank: int, world: int, port: int | None) -> torch.device:
+    """Collective: this process's device, after joining the run's process group (``env://`` under
+    torchrun, else ``tcp://127.0.0.1:<port>``) unless one is up already; waits for every process."""
+    local_rank, local_world = local_ranks(rank, world, os.environ)
+    cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device, group_backend = process_device(local_rank, local_world, cuda_count)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        # As torchrun does: processes sharing a host's cores should not each use all of them.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (local_world or 1)))
+    if not dist.is_initialized():
+        init = "env://" if port is None else f"tcp://127.0.0.1:{port}"
+        dist.init_process_group(group_backend, init_method=init, rank=rank, world_size=world)
+    return device
+
+
+def collective_close_process_group() -> None:
+    """Collective: close the process group fit made under torchrun (a group you made stays yours).
+    Left open, torch 2.14's processes abort at exit ("terminate called without an active
+    exception"), and so do they when one closes the group while a peer still uses its store: the
+    ranks first meet (for at most 10 s: a rank that died is the launcher's to report)."""
+    if dist.get_backend() == "gloo":
+        with contextlib.suppress(RuntimeError):
+            dist.monitored_barrier(timeout=timedelta(seconds=10), wait_all_ranks=True)
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a spawned run's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

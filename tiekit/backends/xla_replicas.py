@@ -1,0 +1,228 @@
+"""XLA replicas: one copy of the model per device, started by ``torch_xla.launch`` (on one host
+of XLA:CPU: one process, one thread per device), gradients all-reduced in the step's graph."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from tiekit.backends.base import ALONE
+from tiekit.backends.xla import XlaBackend, xla_device_count_hint, xla_module, xla_replica, xla_replicas
+from tiekit.collective import ranks
+from tiekit.devices import resolve_device, xla
+
+
+@contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+def xla_launch(fn: Callable[..., object], args: tuple[Any, ...], num_devices: int | None) -> None:
+    """Run ``fn(ordinal, *args)`` once per XLA device through ``torch_xla.launch``.
+
+    On XLA:CPU, ``num_devices`` sets ``CPU_NUM_DEVICES`` for the launched process, and with
+    several devices buffer donation is turned off there (``XLA_ENABLE_PARAM_ALIASING=0``):
+    measured with torch_xla 2.9, a launch thread whose step releases a donated buffer can block
+    while its peer waits in the gradient all-reduce, and the rendezvous aborts. TPUs keep it.
+    """
+    torch_xla = xla()
+    env: dict[str, str] = {}
+    if os.environ.get("PJRT_DEVICE", "").upper() == "CPU":
+        if num_devices is not None:
+            env["CPU_NUM_DEVICES"] = str(num_devices)
+        count = num_devices if num_devices is not None else xla_device_count_hint() or 1
+        if count > 1 and "XLA_ENABLE_PARAM_ALIASING" not in os.environ:
+            env["XLA_ENABLE_PARAM_ALIASING"] = "0"
+    with _environ(env):
+        torch_xla.launch(fn, args=args)
+
+
+class _CompileGate:
+    """Ends a step on XLA:CPU when several ``torch_xla.launch`` threads share one process.
+
+    Each thread's ``sync`` looks its graph up in the shared compilation cache and compiles it
+    on a miss; two threads compiling the same graph at once give its all-reduce two different
+    ids and the rendezvous aborts. So ordinal 0 syncs first; the others wait until its sync
+    has either compiled the graph (the cache grew) or found it (a cache hit was counted), then
+    sync and hit the cache. A compiled graph is never compiled twice.
+    """
+
+    def __init__(self, parties: int) -> None:
+        self._barrier = threading.Barrier(parties)
+        self._cond = threading.Condition()
+        self._round = 0
+        self._marks = (0, 0)
+        self._leader_done = False
+        self._joined: dict[int, int] = {}
+        self._failure = ""
+
+    def sync(self, ordinal: int) -> None:
+        torch_xla = xla()
+        try:
+            self._barrier.wait()  # every replica has traced its step and nobody is syncing
+        except threading.BrokenBarrierError:
+            from tiekit.errors import TiekitError
+
+            raise TiekitError(f"replica {ordinal} stopped because another replica failed: {self._failure}") from None
+        if ordinal == 0:
+            with self._cond:
+                self._round += 1
+                self._marks = _compile_marks()
+                self._leader_done = False
+                self._cond.notify_all()
+            try:
+                torch_xla.sync()
+            finally:
+                with self._cond:
+                    self._leader_done = True
+                    self._cond.notify_all()
+            return
+        mine = self._joined.get(ordinal, 0) + 1
+        self._joined[ordinal] = mine
+        with self._cond:
+            self._cond.wait_for(lambda: self._round >= mine)
+            marks = self._marks
+        while True:
+            with self._cond:
+                if self._leader_done:
+                    break
+            if _compile_marks() != marks:
+                break
+            time.sleep(0.0002)
+        torch_xla.sync()
+
+    def abort(self, reason: str) -> None:
+        self._failure = self._failure or reason
+        self._barrier.abort()
+        with self._cond:
+            self._leader_done = True
+            self._round += 1 << 30
+            self._cond.notify_all()
+
+
+def _compile_marks() -> tuple[int, int]:
+    torch_xla = xla()
+    met = xla_module("torch_xla.debug.metrics")
+
+    cached = met.counter_value("CachedCompile") or 0
+    return int(torch_xla._XLAC._xla_get_num_cached_compilation_graph()), int(cached)
+
+
+_gates: dict[str, _CompileGate] = {}
+_gates_lock = threading.Lock()
+
+
+def xla_cpu_threads() -> bool:
+    """True when this process runs several XLA:CPU replicas as ``torch_xla.launch`` threads (one
+    process, one thread per device), where threads share process-wide state a TPU process does
+    not share; False elsewhere (TPUs, one replica, SPMD, no runtime). Never starts the runtime."""
+    replicas = xla_replicas()
+    if replicas is None or replicas[2] > 1:
+        return False
+    xr = xla_module("torch_xla.runtime")
+    return bool(xr.device_type() == "CPU")
+
+
+def xla_step_sync(key: str) -> Callable[[], None]:
+    """The call that ends a training step on this XLA replica: ``torch_xla.sync()``, except on
+    XLA:CPU with several launch threads in the process, where it goes through a compile gate
+    shared by the replicas of run ``key`` (see `_CompileGate`)."""
+    torch_xla = xla()
+    xr = xla_module("torch_xla.runtime")
+
+    if not xla_cpu_threads():
+        return torch_xla.sync  # type: ignore[no-any-return]
+    with _gates_lock:
+        gate = _gates.setdefault(key, _CompileGate(int(xr.world_size())))
+    ordinal = int(xr.global_ordinal())
+    return lambda: gate.sync(ordinal)
+
+
+def xla_abort_step_sync(key: str, reason: str) -> None:
+    """Release the replicas of run ``key`` waiting in its compile gate: one of them failed."""
+    with _gates_lock:
+        gate = _gates.get(key)
+    if gate is not None:
+        gate.abort(reason)
+
+
+def xla_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    """Average the gradients over the XLA replicas (in the step's graph), then step.
+
+    XLA:CPU's all-reduce refuses 16-bit floats ("AllReduce for datatype 'bf16' is not
+    supported"), so there 16-bit gradients are averaged in float32; TPUs reduce them as they are.
+    """
+    xm = xla_module("torch_xla.core.xla_model")
+    xr = xla_module("torch_xla.runtime")
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    narrow = (torch.bfloat16, torch.float16)
+    if xr.device_type() != "CPU" or not any(g.dtype in narrow for g in grads):
+        xm.optimizer_step(optimizer)
+        return
+    wide = [g.float() for g in grads]
+    xm.all_reduce(xm.REDUCE_SUM, wide, scale=1.0 / xr.world_size())
+    with torch.no_grad():
+        for g, w in zip(grads, wide, strict=True):
+            g.copy_(w)
+    optimizer.step()
+
+
+def xla_all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum of ``t`` over the XLA replicas (lazy; the caller ends the step to run it)."""
+    xm = xla_module("torch_xla.core.xla_model")
+
+    reduced: torch.Tensor = xm.all_reduce(xm.REDUCE_SUM, t)
+    return reduced
+
+
+class XlaReplicaBackend(XlaBackend):
+    """An XLA device: the process's only one, or one ``torch_xla.launch`` replica of several."""
+
+    def __init__(self) -> None:
+        super().__init__(resolve_device("xla") or torch.device("xla"))
+        replica = xla_replica()
+        rank, world = replica if replica is not None else (0, 1)
+        self.name = "xla"
+        self.replica_rank = self.data_rank = rank
+        self.replica_count = self.data_replicas = self.devices_in_run = world
+        self.ranks = ranks() if world > 1 else ALONE
+        # Launch threads of one process hold the very same module a caller passed to fit.
+        self.copies_model = world > 1
+        # autocast's cast cache is process-wide: one launch thread leaving autocast clears the
+        # casts another thread is still using, which then traces a different graph from its
+        # peers (one more cast), whose all-reduce never meets theirs. So no cache for threads.
+        self.autocast_cache = not xla_cpu_threads()
+
+    def step_sync(self, run_id: str) -> Callable[[], None]:
+        return xla_step_sync(run_id)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.replica_count == 1:
+            optimizer.step()
+        else:
+            xla_optimizer_step(optimizer)  # all-reduce in the step's graph, then step
+
+    def sum_over_replicas(self, t: torch.Tensor) -> torch.Tensor:
+        if self.replica_count > 1:
+            t = xla_all_reduce_sum(t)
+        self.end_step()
+        return t
+
+    def abort(self, reason: str) -> None:
+        if self.run_id:
+            xla_abort_step_sync(self.run_id, f"replica {self.replica_rank}: {reason}")

@@ -1,0 +1,99 @@
+"""XLA SPMD: one process per host drives every device as one program; the batch is sharded over
+the mesh, and (``"spmd_fsdp"``) so are the parameters."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiekit.backends.xla import XlaBackend, xla_device_count, xla_module
+from tiekit.collective import ranks
+from tiekit.devices import xla
+from tiekit.plan import TiePlan
+from tiekit.retie import move
+
+
+def spmd_mesh(axis: str) -> tuple[torch.device, Any, int, int]:
+    """Turn SPMD on; (device, a 1-D mesh over every device with its axis named ``axis``, host
+    index, host count)."""
+    torch_xla = xla()
+    import numpy as np
+
+    xr = xla_module("torch_xla.runtime")
+    spmd = xla_module("torch_xla.distributed.spmd")
+
+    xr.use_spmd()
+    count = int(xr.global_runtime_device_count())
+    mesh = spmd.Mesh(np.arange(count), (count,), (axis,))
+    return torch_xla.device(), mesh, int(xr.process_index()), int(xr.process_count())
+
+
+def spmd_local_device_count() -> int:
+    """Devices this host drives under SPMD."""
+    xr = xla_module("torch_xla.runtime")
+
+    return int(xr.addressable_runtime_device_count())
+
+
+def spmd_input_sharding(mesh: Any, example: Any, multi_host: bool) -> Any:
+    """A ``ShardingSpec`` that splits the batch dimension over the mesh's (only) axis.
+
+    Built from the first tensor of ``example`` (a tensor, a tuple/list, or a dict of tensors,
+    one spec per key). Tensors of another rank stay replicated: still correct, only slower.
+    """
+    spmd = xla_module("torch_xla.distributed.spmd")
+
+    def spec(t: torch.Tensor) -> Any:
+        return spmd.ShardingSpec(mesh, (mesh.axis_names[0],) + (None,) * (t.dim() - 1), minibatch=multi_host)
+
+    if isinstance(example, dict):
+        return {k: spec(v) for k, v in example.items() if isinstance(v, torch.Tensor)}
+    first = example if isinstance(example, torch.Tensor) else next(t for t in example if isinstance(t, torch.Tensor))
+    return spec(first)
+
+
+def shard_parameters(model: nn.Module, mesh: Any) -> int:
+    """Shard every unique parameter of ``model`` on dimension 0 over the mesh's (only) axis with
+    ``mark_sharding``, FSDPv2 style; scalars stay replicated. A tie group is one parameter, so it
+    gets one annotation and one sharded buffer. Returns the number of parameters annotated."""
+    spmd = xla_module("torch_xla.distributed.spmd")
+    axis = mesh.axis_names[0]
+    annotated = 0
+    for p in model.parameters():  # unique by identity: each tie group once
+        if p.dim() == 0:
+            continue
+        spmd.mark_sharding(p, mesh, (axis,) + (None,) * (p.dim() - 1))
+        annotated += 1
+    return annotated
+
+
+class SpmdBackend(XlaBackend):
+    """This process drives every XLA device of its host as one program (one process per host):
+    the batch is sharded over the mesh; ``shard_parameters`` (``"spmd_fsdp"``) shards the
+    parameters over it too, else every device holds them whole (``"spmd"``)."""
+
+    def __init__(self, *, shard_parameters: bool = False) -> None:
+        self.sharded = shard_parameters
+        axis = "fsdp" if shard_parameters else "data"
+        device, self.mesh, host, hosts = spmd_mesh(axis)
+        super().__init__(device)
+        self.name = "spmd_fsdp" if shard_parameters else "spmd"
+        self.data_rank, self.data_replicas = host, hosts
+        self.batch_scale = spmd_local_device_count()
+        self.devices_in_run = xla_device_count()
+        self.ranks = ranks()  # SPMD hosts (process index 0 writes: every host is replica 0 there)
+        self._sharding: Any = None
+
+    def place(self, model: nn.Module, dtype: torch.dtype | None, plan: TiePlan) -> None:
+        move(model, self.device, dtype=dtype, plan=plan)
+        if self.sharded:
+            shard_parameters(model, self.mesh)
+
+    def input_sharding(self, loader: Iterable[Any]) -> Any:
+        if self._sharding is None:
+            example = next(iter(loader))
+            self._sharding = spmd_input_sharding(self.mesh, example, self.data_replicas > 1)
+        return self._sharding
