@@ -1,0 +1,107 @@
+"""strategy="spmd_fsdp" (issue 11): XLA SPMD with every parameter sharded on an "fsdp" mesh axis, on
+4 XLA:CPU devices in a fresh process: it trains like strategy="spmd" on the same global batch,
+each tie group is one parameter with one sharding and one device buffer, and each device holds
+about a quarter of the weights. A plain ``.to`` before the same sharding is the control."""
+
+from __future__ import annotations
+
+import pytest
+from test_train_xla import run_script
+
+pytestmark = pytest.mark.xla
+
+JOB = """
+import functools, json, torch, torch_xla
+import tiekit
+from tiekit import devices
+from tiekit.backends.xla_spmd import SpmdBackend, shard_parameters
+from models import gpt2
+from test_train_fsdp import Tokens
+
+VOCAB = 101  # not a multiple of the 4 devices: the tied embedding's shards are uneven
+
+def build():
+    return gpt2(vocab_size=VOCAB)
+
+kw = dict(max_steps=4, seed=1, batch_size=2, progress=False, optimizer=functools.partial(torch.optim.AdamW, lr=1e-2))
+sharded = tiekit.fit(build, Tokens(vocab=VOCAB), strategy="spmd_fsdp", devices=4, **kw)
+replicated = tiekit.fit(build, Tokens(vocab=VOCAB), strategy="spmd", devices="auto", **kw)
+refused = {}
+for strategy, count in (("spmd", 3), ("spmd_fsdp", 8)):
+    try:
+        tiekit.fit(build, Tokens(vocab=VOCAB), strategy=strategy, devices=count, **kw)
+    except tiekit.TiekitError as exc:
+        refused[strategy] = str(exc)
+
+def weights(model):
+    return {k: v for k, v in model.state_dict().items()}
+
+diff = max((a - weights(replicated.model)[k]).abs().max().item() for k, a in weights(sharded.model).items())
+
+def per_device(params):
+    # Bytes of every parameter's shard on device 0 (padding included), and of the whole parameters.
+    local = sum(torch_xla._XLAC._get_local_shards([p])[0][0][0].nbytes for p in params)
+    return local, sum(p.numel() * p.element_size() for p in params)
+
+backend = SpmdBackend(shard_parameters=True)
+torch.manual_seed(0)
+model = build()
+unique_before = len(list(model.parameters()))
+backend.place(model, None, tiekit.find_ties(model))
+wte, head = model.transformer.wte.weight, model.lm_head.weight
+params = list(model.parameters())
+local, whole = per_device(params)
+specs = [torch_xla._XLAC._get_xla_sharding_spec(t) for t in (wte, head)]
+
+plain = build().to(backend.device)  # the control: the move breaks the tie before the sharding
+annotated_plain = shard_parameters(plain, backend.mesh)
+plain_local, _ = per_device(list(plain.parameters()))
+
+print(json.dumps(dict(
+    strategies=[sharded.strategy, replicated.strategy], worlds=[sharded.world_size, replicated.world_size],
+    losses=[list(sharded.losses), list(replicated.losses)], max_diff=diff, ties_kept=sharded.ties_kept,
+    returned_tied=sharded.model.lm_head.weight is sharded.model.transformer.wte.weight,
+    compilations=[sharded.compilations, replicated.compilations], refused=refused,
+    tied=head is wte, specs=specs, handles=len(set(devices.xla_buffer_handles([wte, head]))),
+    unique=[unique_before, len(params)], local=local, whole=whole,
+    plain=[annotated_plain, plain.lm_head.weight is plain.transformer.wte.weight, plain_local],
+)))
+"""
+
+
+@pytest.fixture(scope="module")
+def out() -> dict[str, object]:
+    return run_script(JOB, devices=4)
+
+
+def test_spmd_fsdp_trains_like_spmd_on_the_same_global_batch(out: dict[str, object]) -> None:
+    assert out["strategies"] == ["spmd_fsdp", "spmd"] and out["worlds"] == [4, 4]
+    sharded, replicated = out["losses"]  # type: ignore[misc]
+    assert sharded == pytest.approx(replicated, rel=1e-4, abs=1e-5)
+    assert sharded[-1] < sharded[0]
+    assert out["max_diff"] < 1e-4  # type: ignore[operator]
+    assert out["ties_kept"] and out["returned_tied"]
+    print("compilations (spmd_fsdp, spmd):", out["compilations"])
+
+
+def test_each_tie_group_is_one_parameter_with_one_sharding_and_one_buffer(out: dict[str, object]) -> None:
+    assert out["tied"] and out["handles"] == 1
+    wte, head = out["specs"]  # type: ignore[misc]
+    assert wte == head and "devices=[4,1]" in wte  # rows split over the 4 devices of the "fsdp" axis
+    before, after = out["unique"]  # type: ignore[misc]
+    assert before == after
+    # The control: a plain move makes the tie two parameters, each sharded (and stored) on its own.
+    annotated, tied, plain_local = out["plain"]  # type: ignore[misc]
+    assert annotated == after + 1 and not tied and plain_local > out["local"]  # type: ignore[operator]
+
+
+def test_each_device_holds_about_a_quarter_of_the_weights(out: dict[str, object]) -> None:
+    ratio = out["local"] / out["whole"]  # type: ignore[operator]
+    assert 0.24 < ratio < 0.27, ratio  # uneven shards round up: 26 of 101 rows on device 0
+
+
+def test_spmd_strategies_take_the_device_count_or_auto(out: dict[str, object]) -> None:
+    refused = out["refused"]
+    assert set(refused) == {"spmd", "spmd_fsdp"}  # type: ignore[arg-type]
+    assert "there are 4, not devices=3" in refused["spmd"]  # type: ignore[index]
+    assert "there are 4, not devices=8" in refused["spmd_fsdp"]  # type: ignore[index]
