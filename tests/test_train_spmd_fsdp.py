@@ -15,7 +15,7 @@ import functools, json, torch, torch_xla
 import tiekit
 from tiekit import devices
 from tiekit.backends.xla_spmd import SpmdBackend, shard_parameters
-from models import gpt2
+from models import gpt2, llama, t5
 from test_train_fsdp import Tokens
 
 VOCAB = 101  # not a multiple of the 4 devices: the tied embedding's shards are uneven
@@ -32,6 +32,12 @@ for strategy, count in (("spmd", 3), ("spmd_fsdp", 8)):
         tiekit.fit(build, Tokens(vocab=VOCAB), strategy=strategy, devices=count, **kw)
     except tiekit.TiekitError as exc:
         refused[strategy] = str(exc)
+
+others = {}
+for other in (llama, t5):
+    run = tiekit.fit(other, Tokens(), strategy="spmd_fsdp", **kw)
+    groups = lambda m: [[x.name for x in g.members] for g in tiekit.find_ties(m).groups]
+    others[other.__name__] = [run.ties_kept, groups(run.model) == groups(other()) != [], run.losses[-1] < run.losses[0]]
 
 def weights(model):
     return {k: v for k, v in model.state_dict().items()}
@@ -61,7 +67,7 @@ print(json.dumps(dict(
     strategies=[sharded.strategy, replicated.strategy], worlds=[sharded.world_size, replicated.world_size],
     losses=[list(sharded.losses), list(replicated.losses)], max_diff=diff, ties_kept=sharded.ties_kept,
     returned_tied=sharded.model.lm_head.weight is sharded.model.transformer.wte.weight,
-    compilations=[sharded.compilations, replicated.compilations], refused=refused,
+    compilations=[sharded.compilations, replicated.compilations], refused=refused, others=others,
     tied=head is wte, specs=specs, handles=len(set(devices.xla_buffer_handles([wte, head]))),
     unique=[unique_before, len(params)], local=local, whole=whole,
     plain=[annotated_plain, plain.lm_head.weight is plain.transformer.wte.weight, plain_local],
@@ -105,3 +111,7 @@ def test_spmd_strategies_take_the_device_count_or_auto(out: dict[str, object]) -
     assert set(refused) == {"spmd", "spmd_fsdp"}  # type: ignore[arg-type]
     assert "there are 4, not devices=3" in refused["spmd"]  # type: ignore[index]
     assert "there are 4, not devices=8" in refused["spmd_fsdp"]  # type: ignore[index]
+
+
+def test_llama_and_t5_keep_their_ties_under_spmd_fsdp(out: dict[str, object]) -> None:
+    assert out["others"] == {"llama": [True, True, True], "t5": [True, True, True]}
