@@ -234,35 +234,39 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-def _cost(name: str, steps: int) -> tuple[float, float]:
+def _cost(contender: Any, steps: int) -> tuple[float, float]:
     """(wall, CPU) seconds of one run of ``steps`` steps."""
     gc.collect()
     wall, cpu = time.perf_counter(), _cpu_seconds()
-    CONTENDERS[name](steps)
+    contender(steps)
     return time.perf_counter() - wall, _cpu_seconds() - cpu
 
 
-def per_step_costs(pair: tuple[str, str], steps: int, repeats: int) -> dict[str, dict[str, list[float]]]:
+def per_step_costs(
+    pair: tuple[str, str], steps: int, repeats: int, contenders: dict[str, Any] | None = None
+) -> dict[str, dict[str, list[float]]]:
     """Per-step wall and CPU seconds of each contender, ``repeats`` times, alternating."""
+    run = contenders or CONTENDERS
     for name in pair:
-        _cost(name, SHORT)  # warm-up: imports, compilation caches
+        _cost(run[name], SHORT)  # warm-up: imports, compilation caches
     costs: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in pair}
     for _ in range(repeats):
         for name in pair:
-            short, long = _cost(name, SHORT), _cost(name, steps)
+            short, long = _cost(run[name], SHORT), _cost(run[name], steps)
             costs[name]["wall"].append((long[0] - short[0]) / (steps - SHORT))
             costs[name]["cpu"].append((long[1] - short[1]) / (steps - SHORT))
     return costs
 
 
-def in_subprocess(args: list[str], xla: bool) -> Any:
+def in_subprocess(args: list[str], xla: bool, script: str = __file__, xla_devices: int = 1) -> Any:
+    """What ``script args`` prints last (JSON), run in a fresh process (XLA:CPU with ``xla_devices``)."""
     env = {**os.environ}
     if xla:
         env["PJRT_DEVICE"] = "CPU"
-        env.pop("CPU_NUM_DEVICES", None)
+        env["CPU_NUM_DEVICES"] = str(xla_devices)
     else:
         env.pop("PJRT_DEVICE", None)
-    done = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, env=env, check=False)
+    done = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{args} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -294,16 +298,21 @@ def main() -> None:
         ours, theirs = PAIRS[key]
         costs = in_subprocess(["--pair", key, "--steps", str(args.steps), "--repeats", str(args.repeats)], key == "xla")
         print(f"\n{ours} vs {theirs}")
-        for kind in ("cpu", "wall"):
-            a, b = costs[ours][kind], costs[theirs][kind]
-            print(
-                f"  {kind:4s} ms/step  {ours} {_fmt(a)}  {theirs} {_fmt(b)}  ratio: median "
-                f"{statistics.median(a) / statistics.median(b):.3f}x, best {min(a) / min(b):.3f}x"
-            )
+        print_costs(ours, theirs, costs)
         if key == "xla":  # each in a fresh process, so neither finds the other's graphs cached
             counts = [in_subprocess(["--run", n, "--steps", "8"], True)["compilations"] for n in (ours, theirs)]
             print(f"  compilations in a fresh process: {ours} {counts[0]}, {theirs} {counts[1]}")
     print(f"\nload average after: {os.getloadavg()[0]:.1f}")
+
+
+def print_costs(ours: str, theirs: str, costs: dict[str, dict[str, list[float]]]) -> None:
+    """The per-step costs of ``ours`` and ``theirs`` and their ratios."""
+    for kind in ("cpu", "wall"):
+        a, b = costs[ours][kind], costs[theirs][kind]
+        print(
+            f"  {kind:4s} ms/step  {ours} {_fmt(a)}  {theirs} {_fmt(b)}  ratio: median "
+            f"{statistics.median(a) / statistics.median(b):.3f}x, best {min(a) / min(b):.3f}x"
+        )
 
 
 def _fmt(values: list[float]) -> str:
