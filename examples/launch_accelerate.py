@@ -68,6 +68,9 @@ def main(out: Path) -> None:
         assert fresh.head.weight is fresh.embed.weight
         assert torch.equal(fresh.embed.weight, trained.embed.weight)
     print(f"process {accelerator.process_index}: saved and reloaded tied ({accelerator.num_processes} processes)")
+    # Without it gloo's threads may still run at interpreter exit and abort the process.
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
 
 
 if __name__ == "__main__":

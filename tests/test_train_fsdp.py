@@ -6,12 +6,14 @@ Each run is 2 real processes (spawned by fit, or started by torchrun with a time
 from __future__ import annotations
 
 import functools
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from launching import EXAMPLES, base_env, run_ok
 from models import WeightSharingModule, gpt2, llama, t5
 from test_train_launchers import torchrun_one_node
 from torch import nn
@@ -89,6 +91,14 @@ def test_fsdp_under_torchrun_matches_ddp_under_torchrun(tmp_path: Path) -> None:
         torch.testing.assert_close(torch.tensor(sharded["loss_values"]), torch.tensor(reference["loss_values"]))
         for name, value in sharded["weights"].items():
             torch.testing.assert_close(torch.tensor(value), torch.tensor(reference["weights"][name]))
+
+
+def test_the_sharded_fit_example_runs_on_two_processes() -> None:
+    env = base_env()
+    env.pop("PJRT_DEVICE", None)
+    runs = run_ok([[sys.executable, str(EXAMPLES / "fit_sharded.py")]], env=env, cwd=EXAMPLES)
+    output = runs[0].output
+    assert "fsdp on 2 devices" in output and "head.weight is embed.weight: True" in output, output
 
 
 def test_sharded_strategies_refuse_checkpoints_until_they_have_sharded_ones() -> None:
