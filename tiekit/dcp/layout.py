@@ -98,8 +98,8 @@ def remove_stale(root: Path, keep: str | None) -> None:
 
 def read_marker(path: PathLike) -> Marker:
     """Open and validate the marker of the checkpoint folder ``path`` and the files it names:
-    every file present with its recorded size, DCP's ``.metadata`` the one written by this save.
-    `CheckpointError` naming the file (and key) otherwise. Reads no tensor."""
+    DCP's ``.metadata`` the one written by this save (the data files are checked against it by
+    `check_files`). `CheckpointError` naming the file (and key) otherwise. Reads no tensor."""
     root = Path(path)
     marker_path = root / MARKER_NAME
     where = os.fspath(marker_path)
@@ -136,19 +136,17 @@ def read_marker(path: PathLike) -> Marker:
     folder = root / folder_name
     if not folder.is_dir():
         raise CheckpointError(f"{where}: the save folder {folder} it names is missing")
-    for name, size in files.items():
-        file = folder / name
-        if "/" in name or not file.is_file():
-            raise CheckpointError(f"{file}: missing shard file of save {raw.get('save_id')!r} (named in {where})")
-        actual = file.stat().st_size
-        if actual != size:
-            raise CheckpointError(f"{file}: {actual} bytes, but the save wrote {size} (truncated or replaced)")
-    digest = file_sha256(folder / DCP_METADATA) if DCP_METADATA in files else ""
-    if digest != raw.get("metadata_sha256"):
+    if any("/" in name or "\\" in name or name in ("", ".", "..") for name in files):
+        raise CheckpointError(f"{where}: key 'files' names a file outside the save folder")
+    metadata = folder / DCP_METADATA
+    if DCP_METADATA not in files or not metadata.is_file():
+        raise CheckpointError(f"{metadata}: missing (the DCP metadata of save {raw.get('save_id')!r})")
+    if file_sha256(metadata) != raw.get("metadata_sha256"):
         raise CheckpointError(
-            f"{folder / DCP_METADATA}: not the DCP metadata of save {raw.get('save_id')!r} (from another save or "
-            "model, or modified); refused before reading it"
+            f"{metadata}: not the DCP metadata of save {raw.get('save_id')!r}: its SHA-256 differs from key "
+            f"'metadata_sha256' of {where} (from another save or model, or modified); refused before reading it"
         )
+    digest = str(raw["metadata_sha256"])
     record = {k: v for k, v in raw.items() if k not in ("files", "tensors", "plan")}
     return Marker(where, folder, str(raw.get("save_id")), plan, table, files, digest, record)
 
@@ -158,3 +156,29 @@ def _text(raw: Mapping[str, Any], key: str, where: str) -> str:
     if not isinstance(value, str):
         raise CheckpointError(f"{where}: key {key!r} is {value!r}, not a string")
     return value
+
+
+def check_files(marker: Marker, chunks: Mapping[str, list[tuple[str, int]]]) -> None:
+    """Every data file of the save present with the size the save wrote, and every chunk inside
+    it; ``chunks``: file name -> [(key, end offset)] from DCP's metadata. `CheckpointError` naming
+    the file and the keys it holds otherwise."""
+    for name, size in marker.files.items():
+        file = marker.folder / name
+        held = sorted({key for key, _ in chunks.get(name, [])})
+        keys = f" (holding {', '.join(repr(k) for k in held[:6])}{' and more' if len(held) > 6 else ''})"
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing shard file of save {marker.save_id!r}{keys if held else ''}")
+        actual = file.stat().st_size
+        if actual != size:
+            raise CheckpointError(
+                f"{file}: {actual} bytes, but save {marker.save_id!r} wrote {size} (truncated or replaced)"
+                f"{keys if held else ''}"
+            )
+    for name, ends in chunks.items():
+        if name not in marker.files:
+            raise CheckpointError(f"{marker.folder / name}: holds key {ends[0][0]!r} but is not a file of this save")
+        for key, end in ends:
+            if end > marker.files[name]:
+                raise CheckpointError(
+                    f"{marker.folder / name}: key {key!r} reaches byte {end}, the file has {marker.files[name]}"
+                )

@@ -25,7 +25,7 @@ from tiekit.checkpoint.loading import LoadResult
 from tiekit.checkpoint.optimizer import stage_optimizer
 from tiekit.checkpoint.source import Source
 from tiekit.checkpoint.staging import Staged, stage
-from tiekit.dcp.layout import Marker, read_marker
+from tiekit.dcp.layout import Marker, check_files, read_marker
 from tiekit.dcp.saving import _raise_anywhere
 from tiekit.dcp.state import destination, parameters_by_name, quiet_dcp, unwrap
 from tiekit.errors import CheckpointError
@@ -111,6 +111,10 @@ def _dcp_metadata(marker: Marker) -> Any:
         metadata = FileSystemReader(folder).read_metadata()
     except Exception as exc:
         raise CheckpointError(f"{folder / '.metadata'}: unreadable DCP metadata: {exc}") from exc
+    chunks: dict[str, list[tuple[str, int]]] = {}
+    for index, where in (metadata.storage_data or {}).items():
+        chunks.setdefault(where.relative_path, []).append((index.fqn, where.offset + where.length))
+    check_files(marker, chunks)
     stored = metadata.state_dict_metadata
     for key, (shape, dtype) in marker.tensors.items():
         info = stored.get(key)
@@ -120,15 +124,6 @@ def _dcp_metadata(marker: Marker) -> Any:
             raise CheckpointError(
                 f"{folder / '.metadata'}: key {key!r} is {tuple(info.size)} {dtype_name(info.properties.dtype)}, "
                 f"the marker says {shape} {dtype}"
-            )
-    for index, where in (metadata.storage_data or {}).items():
-        file = where.relative_path
-        if file not in marker.files:
-            raise CheckpointError(f"{folder / file}: holds key {index.fqn!r} but is not a file of this save")
-        if where.offset + where.length > marker.files[file]:
-            raise CheckpointError(
-                f"{folder / file}: key {index.fqn!r} reaches byte {where.offset + where.length}, "
-                f"the file has {marker.files[file]} (truncated)"
             )
     return metadata
 
