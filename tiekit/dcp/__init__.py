@@ -26,8 +26,18 @@ Modules: `layout` (names, the marker), `state` (what is stored), `saving` (`save
 `loading` (`load_sharded`), `convert` (to and from tied safetensors).
 """
 
+from tiekit.dcp.convert import ConvertResult, convert
 from tiekit.dcp.layout import MARKER_NAME, is_sharded_checkpoint
 from tiekit.dcp.loading import ShardedLoadResult, load_sharded
 from tiekit.dcp.saving import SaveHandle, save_sharded
 
-__all__ = ["MARKER_NAME", "SaveHandle", "ShardedLoadResult", "is_sharded_checkpoint", "load_sharded", "save_sharded"]
+__all__ = [
+    "MARKER_NAME",
+    "ConvertResult",
+    "SaveHandle",
+    "ShardedLoadResult",
+    "convert",
+    "is_sharded_checkpoint",
+    "load_sharded",
+    "save_sharded",
+]
