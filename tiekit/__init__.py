@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING, Any
 from tiekit.analyze import find_ties
 from tiekit.checkpoint import LoadResult, load_checkpoint, load_model, save_checkpoint, save_model
 from tiekit.collective import collective_save_checkpoint, collective_save_model, is_writer
+from tiekit.dcp import ConvertResult, SaveHandle, ShardedLoadResult, convert, load_sharded, save_sharded
 from tiekit.errors import CheckpointError, TieError, TiekitError, TieWarning
 from tiekit.mixin import TPUMixin
 from tiekit.plan import PLAN_VERSION, CrossModuleUse, TieGroup, TieMember, TiePlan, TieUse, ViewGeometry
@@ -19,9 +20,12 @@ __version__ = "0.1.0"
 __all__ = [
     "PLAN_VERSION",
     "CheckpointError",
+    "ConvertResult",
     "CrossModuleUse",
     "FitResult",
     "LoadResult",
+    "SaveHandle",
+    "ShardedLoadResult",
     "TPUMixin",
     "TieError",
     "TieGroup",
@@ -36,17 +40,20 @@ __all__ = [
     "check_sharding",
     "collective_save_checkpoint",
     "collective_save_model",
+    "convert",
     "find_ties",
     "fit",
     "is_writer",
     "load_checkpoint",
     "load_model",
+    "load_sharded",
     "move",
     "preserve_ties",
     "rebind_optimizer",
     "retie",
     "save_checkpoint",
     "save_model",
+    "save_sharded",
     "shard",
     "verify",
 ]

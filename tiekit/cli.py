@@ -1,4 +1,4 @@
-"""The ``tiekit`` command: ``demo``, ``inspect``, ``verify`` and ``--version``."""
+"""The ``tiekit`` command: ``demo``, ``inspect``, ``verify``, ``convert`` and ``--version``."""
 
 from __future__ import annotations
 
@@ -106,7 +106,47 @@ def build_parser() -> argparse.ArgumentParser:
     demo_parser.add_argument("--sample-length", type=int, default=200, help="characters to generate")
     demo_parser.set_defaults(func=demo)
     _add_inspect_and_verify(sub)
+    _add_convert(sub)
     return parser
+
+
+def _add_convert(sub: Any) -> None:
+    convert_parser = sub.add_parser(
+        "convert",
+        help="convert a sharded (DCP) checkpoint folder to tied safetensors, or back, one tensor at a time",
+        description="SRC is a tiekit.save_sharded folder, a plain torch.distributed.checkpoint folder, or a "
+        ".safetensors file, index or folder. A DCP source becomes DST.safetensors (or a folder holding "
+        "model.safetensors, or shards with --max-shard-size); a safetensors source becomes a save_sharded folder "
+        "DST. Tied names are written once; tied names stored with different values are refused.",
+    )
+    convert_parser.add_argument("src", metavar="SRC")
+    convert_parser.add_argument("dst", metavar="DST", help="must not hold a checkpoint already")
+    convert_parser.add_argument("--max-shard-size", help="e.g. 5GB: write Hugging Face style shards and an index")
+    convert_parser.add_argument(
+        "--model",
+        metavar="MODULE:FACTORY",
+        help="take ties from this model (built on the meta device), e.g. for a "
+        "plain DCP folder that stores both names of a tie",
+    )
+    convert_parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    convert_parser.set_defaults(func=convert_command)
+
+
+def convert_command(args: argparse.Namespace) -> int:
+    """``tiekit convert SRC DST``: 0 when written."""
+    from tiekit import inspection
+    from tiekit.dcp.convert import convert
+
+    plan = inspection.model_plan(inspection.build_model(args.model).model) if args.model else None
+    result = convert(args.src, args.dst, plan=plan, max_shard_size=args.max_shard_size)
+    if args.json:
+        print(json.dumps({"files": list(result.files), "stored": len(result.stored), "merged": list(result.merged),
+                          "bytes": result.bytes}, indent=2))  # fmt: skip
+    else:
+        merged = f"; merged into their tie source: {', '.join(result.merged)}" if result.merged else ""
+        print(f"{args.src} -> {args.dst}: {len(result.stored)} tensors, {result.bytes:,} bytes in "
+              f"{len(result.files)} file(s){merged}")  # fmt: skip
+    return 0
 
 
 def _add_inspect_and_verify(sub: Any) -> None:
@@ -114,7 +154,8 @@ def _add_inspect_and_verify(sub: Any) -> None:
         "inspect",
         help="show the ties, tensors and sizes of a checkpoint, or the tie plan of a model",
         description="TARGET is a .safetensors file, a *.safetensors.index.json, a folder holding one, "
-        "or module:factory (e.g. examples.tied_lm:build), which is built on the meta device when possible.",
+        "a tiekit.save_sharded folder, or module:factory (e.g. examples.tied_lm:build), which is built on the "
+        "meta device when possible.",
     )
     inspect_parser.add_argument("target", metavar="TARGET", help="PATH or module:factory")
     inspect_parser.add_argument("--json", action="store_true", help="print JSON for machines")
@@ -127,9 +168,12 @@ def _add_inspect_and_verify(sub: Any) -> None:
         "verify",
         help="load a checkpoint into a fresh model and check every key, shape and tie (exit 0 or 1)",
         description="Builds the model with --model module:factory, loads PATH into it with tiekit.load_model "
-        "(strict) and checks every key, shape, dtype and tie. Exit code 0 when everything holds, 1 otherwise.",
+        "(strict; tiekit.load_sharded for a save_sharded folder) and checks every key, shape, dtype and tie. "
+        "Exit code 0 when everything holds, 1 otherwise.",
     )
-    verify_parser.add_argument("path", metavar="PATH", help="a .safetensors file, an index, or a folder")
+    verify_parser.add_argument(
+        "path", metavar="PATH", help="a .safetensors file, an index, a folder, or a tiekit.save_sharded folder"
+    )
     verify_parser.add_argument("--model", required=True, metavar="MODULE:FACTORY", help="e.g. examples.tied_lm:build")
     verify_parser.add_argument("--json", action="store_true", help="print the report as JSON")
     verify_parser.set_defaults(func=verify_command)

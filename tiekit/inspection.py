@@ -184,11 +184,18 @@ class FileReport:
 
 
 def inspect_file(path: str | os.PathLike[str], *, check_values: bool = False) -> FileReport:
-    """Describe the checkpoint at ``path`` (a file, an index or a folder) from its headers.
+    """Describe the checkpoint at ``path`` (a file, an index, a folder, or a `tiekit.save_sharded`
+    folder) from its headers (DCP's metadata for a sharded folder).
 
     ``check_values`` also reads the data of tensors that share a dtype and shape and reports the
     byte-identical ones. Raises `CheckpointError` naming the file for anything unreadable.
     """
+    from tiekit.dcp import is_sharded_checkpoint
+
+    if is_sharded_checkpoint(path):  # a save_sharded folder: its marker and DCP's metadata
+        from tiekit.dcp.report import inspect_sharded
+
+        return inspect_sharded(path, check_values=check_values)
     source = open_source(path)
     tensors = tuple(
         StoredTensor(name, dtype_name(entry.dtype), entry.shape, entry.end - entry.start, file)
@@ -476,7 +483,9 @@ def verify_checkpoint(path: str | os.PathLike[str], spec: str) -> VerifyOutcome:
     except TieError as exc:
         return outcome(file_check, Check("model", False, f"cannot plan {type(model).__name__}: {exc}"))
     try:
-        result = load_model(model, path, strict=True)
+        from tiekit.dcp import is_sharded_checkpoint, load_sharded
+
+        result = load_sharded(model, path) if is_sharded_checkpoint(path) else load_model(model, path, strict=True)
     except CheckpointError as exc:
         return outcome(file_check, Check("load", False, str(exc)))
     names = len(model.state_dict())

@@ -1,0 +1,284 @@
+"""The processes tests/test_dcp.py starts: sharded checkpoints saved by 2 gloo ranks, loaded on 1, 2, 4.
+
+    python tests/dcp_worker.py save RANK WORLD PORT OUT_DIR
+    python tests/dcp_worker.py load RANK WORLD PORT OUT_DIR      (WORLD 1: a plain process, no group)
+
+Each scenario's findings (or its error, as text) go into ``OUT_DIR/<mode>-<WORLD>-rank<RANK>.json``;
+the tests assert on them. Scenarios run in the same order on every rank, so collectives pair up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT)]
+
+import tiekit  # noqa: E402
+
+warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
+VOCAB, DIM = 4001, 128  # the embedding dominates the bytes; 4001 rows divide by neither 2 nor 4
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.mlp = nn.Linear(DIM, DIM)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.mlp(self.norm(h)))
+
+
+class TiedLM(nn.Module):
+    """Embedding, two blocks, and an output layer whose weight is the embedding matrix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def batch(step: int) -> torch.Tensor:
+    """Global batch ``step``: 4 sequences of 9 tokens, the same in every process."""
+    return torch.randint(0, VOCAB, (4, 9), generator=torch.Generator().manual_seed(100 + step))
+
+
+def step(model: nn.Module, optimizer: torch.optim.Optimizer, index: int, rank: int, world: int) -> float:
+    """One AdamW step on this rank's equal share of global batch ``index`` (the mean over equal
+    shares is the whole batch's mean: the same step on 1, 2 or 4 ranks)."""
+    ids = batch(index).chunk(world)[rank]
+    logits = model(ids[:, :-1])
+    loss = F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return float(loss.item())
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight whole, by every name (DTensors gathered: collective when sharded)."""
+    inner = getattr(model, "module", model)
+    out = {}
+    for k, v in inner.state_dict().items():
+        if type(v).__name__ == "DTensor":
+            v = v.full_tensor()
+        out[k] = v.detach().clone()
+    return out
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """exp_avg and exp_avg_sq whole, by parameter name (collective when sharded)."""
+    inner = getattr(model, "module", model)
+    out = {}
+    for name, p in inner.named_parameters():
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = optimizer.state[p][key]
+            out[f"{name}/{key}"] = (value.full_tensor() if type(value).__name__ == "DTensor" else value).clone()
+    return out
+
+
+def save_tensors(state: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in state.items()}, os.fspath(path))
+
+
+def disk_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def fsdp_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return tiekit.shard(TiedLM()) if WORLD > 1 else TiedLM()
+
+
+def save_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
+    def fsdp() -> dict[str, Any]:
+        """FSDP2 via tiekit.shard: 2 steps, save_sharded with optimizer; the step after it is the reference."""
+        import torch.distributed.checkpoint as dcp
+
+        model = fsdp_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for i in range(2):
+            step(model, optimizer, i, RANK, WORLD)
+        tiekit.save_sharded(model, OUT / "fsdp", optimizer=optimizer, extra={"step": 2, "note": "fsdp"})
+        # The bytes: tiekit's save of the weights, and a plain DCP save of the same state (the control).
+        tiekit.save_sharded(model, OUT / "fsdp-weights")
+        dcp.save(model.state_dict(), storage_writer=dcp.FileSystemWriter(OUT / "plain-dcp"))
+        saved, saved_optimizer = full_state(model), full_optimizer_state(model, optimizer)
+        loss = step(model, optimizer, 2, RANK, WORLD)
+        after = full_state(model)
+        if RANK == 0:
+            save_tensors(saved, OUT / "fsdp-saved.safetensors")
+            save_tensors(saved_optimizer, OUT / "fsdp-saved-optimizer.safetensors")
+            save_tensors(after, OUT / "fsdp-after-step.safetensors")
+        return {
+            "loss_after": loss,
+            "tiekit_bytes": disk_bytes(OUT / "fsdp-weights"),
+            "plain_bytes": disk_bytes(OUT / "plain-dcp"),
+            "unique_bytes": sum(v.numel() * v.element_size() for k, v in saved.items() if k != "head.weight"),
+            "dtensor": type(model.embed.weight).__name__,
+            "tied": model.head.weight is model.embed.weight,
+        }
+
+    def ddp() -> dict[str, Any]:
+        """A DDP-wrapped model: saved through the wrapper under the model's own names."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        torch.manual_seed(0)
+        model = DistributedDataParallel(TiedLM())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        step(model, optimizer, 0, RANK, WORLD)
+        tiekit.save_sharded(model, OUT / "ddp", optimizer=optimizer)
+        if RANK == 0:
+            save_tensors(full_state(model), OUT / "ddp-saved.safetensors")
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        return {"bytes": disk_bytes(OUT / "ddp"), "unique_bytes": 3 * weights}  # weights, exp_avg, exp_avg_sq
+
+    def asynchronous() -> dict[str, Any]:
+        """blocking=False: training goes on while the files are written; the marker comes last."""
+        model = fsdp_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        step(model, optimizer, 0, RANK, WORLD)
+        first = tiekit.save_sharded(model, OUT / "async", optimizer=optimizer)
+        step(model, optimizer, 1, RANK, WORLD)
+        saved = full_state(model)
+        handle = tiekit.save_sharded(model, OUT / "async", optimizer=optimizer, blocking=False)
+        step(model, optimizer, 2, RANK, WORLD)  # training continues meanwhile
+        changed = not torch.equal(full_state(model)["embed.weight"], saved["embed.weight"])
+        handle.wait(timeout=120)
+        if RANK == 0:
+            save_tensors(saved, OUT / "async-saved.safetensors")
+        marker = json.loads((OUT / "async" / tiekit.dcp.MARKER_NAME).read_text())
+        return {
+            "first_id": first.save_id,
+            "second_id": handle.save_id,
+            "marker_id": marker["save_id"],
+            "done": handle.done(),
+            "changed_meanwhile": changed,
+            "folders": sorted(p.name for p in (OUT / "async").glob("save-*")),
+        }
+
+    def errors() -> dict[str, Any]:
+        """Failures raised on every rank, none left waiting."""
+        out: dict[str, Any] = {}
+        model = fsdp_model()
+        try:
+            tiekit.save_sharded(model, OUT / f"rank-path-{RANK}")
+        except tiekit.CheckpointError as exc:
+            out["different_paths"] = str(exc)
+        other = tiekit.shard(nn.Sequential(nn.Linear(DIM, 3)))
+        try:
+            tiekit.load_sharded(other, OUT / "fsdp")
+        except tiekit.CheckpointError as exc:
+            out["another_model"] = str(exc)
+        return out
+
+    return [("fsdp", fsdp), ("ddp", ddp), ("async", asynchronous), ("errors", errors)]
+
+
+def load_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
+    from safetensors.torch import load_file
+
+    def compare(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+        return max((state[k] - v).abs().max().item() for k, v in reference.items())
+
+    def fsdp() -> dict[str, Any]:
+        """The 2-rank checkpoint on WORLD ranks: values, ties, optimizer state, the next step."""
+        model = fsdp_model(seed=7)  # other weights: the load must replace them
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        result = tiekit.load_sharded(model, OUT / "fsdp", optimizer=optimizer)
+        loaded = full_state(model)
+        found = {
+            "tied": model.head.weight is model.embed.weight,
+            "parameters": len(list(model.parameters())),
+            "extra": result.extra,
+            "retied": [list(g.names) for g in result.retied],
+            "difference": compare(loaded, load_file(OUT / "fsdp-saved.safetensors")),
+            "optimizer_difference": compare(
+                full_optimizer_state(model, optimizer), load_file(OUT / "fsdp-saved-optimizer.safetensors")
+            ),
+        }
+        found["loss_after"] = step(model, optimizer, 2, RANK, WORLD)
+        found["difference_after_step"] = compare(full_state(model), load_file(OUT / "fsdp-after-step.safetensors"))
+        found["tied_after_step"] = model.head.weight is model.embed.weight
+        return found
+
+    def meta() -> dict[str, Any]:
+        """Into a model built on the meta device (one process): allocated once per tie, re-tied."""
+        with torch.device("meta"):
+            model = TiedLM()
+        model.head.weight = nn.Parameter(torch.empty(VOCAB, DIM, device="meta"))  # as to_empty leaves it: untied
+        tiekit.load_sharded(model, OUT / "fsdp")
+        state = full_state(model)
+        return {
+            "tied": model.head.weight is model.embed.weight,
+            "device": str(model.embed.weight.device),
+            "difference": compare(state, load_file(OUT / "fsdp-saved.safetensors")),
+        }
+
+    def ddp() -> dict[str, Any]:
+        model = TiedLM()
+        tiekit.load_sharded(model, OUT / "ddp")
+        return {
+            "tied": model.head.weight is model.embed.weight,
+            "difference": compare(full_state(model), load_file(OUT / "ddp-saved.safetensors")),
+        }
+
+    def asynchronous() -> dict[str, Any]:
+        model = fsdp_model(seed=7)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        tiekit.load_sharded(model, OUT / "async", optimizer=optimizer)
+        return {
+            "tied": model.head.weight is model.embed.weight,
+            "difference": compare(full_state(model), load_file(OUT / "async-saved.safetensors")),
+        }
+
+    scenarios = [("fsdp", fsdp), ("ddp", ddp), ("async", asynchronous)]
+    if WORLD == 1:
+        scenarios.append(("meta", meta))
+    return scenarios
+
+
+def main() -> None:
+    if WORLD > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{PORT}", rank=RANK, world_size=WORLD)
+    torch.set_num_threads(1)
+    found: dict[str, Any] = {}
+    scenarios = save_scenarios() if MODE == "save" else load_scenarios()
+    try:
+        for name, scenario in scenarios:
+            try:
+                found[name] = scenario()
+            except Exception:  # noqa: BLE001 - reported to the test, which fails with it
+                found[name] = {"error": traceback.format_exc()}
+    finally:
+        (OUT / f"{MODE}-{WORLD}-rank{RANK}.json").write_text(json.dumps(found, indent=1))
+        if WORLD > 1:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    MODE, RANK, WORLD, PORT, OUT = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5])
+    main()

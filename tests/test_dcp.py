@@ -1,0 +1,195 @@
+"""Sharded tied checkpoints (issue 12): `tiekit.save_sharded` / `tiekit.load_sharded` on DCP.
+
+The multi-process runs happen once per module (tests/dcp_worker.py): 2 gloo ranks save (FSDP2
+through `tiekit.shard`, DDP, an asynchronous save), then the checkpoints load on 2 and 4 ranks
+and in a plain process without a process group; each test reads its part of the findings.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from launching import ROOT, base_env, describe, free_port, run_ok
+from torch import nn
+
+import tiekit
+
+WORKER = str(ROOT / "tests" / "dcp_worker.py")
+TIED = ["embed.weight", "head.weight"]
+
+
+def _run(mode: str, world: int, out: Path) -> list[dict[str, Any]]:
+    port = free_port()
+    commands = [[sys.executable, WORKER, mode, str(rank), str(world), str(port), str(out)] for rank in range(world)]
+    runs = run_ok(commands, env=base_env(), cwd=out)
+    found = [json.loads((out / f"{mode}-{world}-rank{rank}.json").read_text()) for rank in range(world)]
+    errors = {f"rank {r} {k}": v["error"] for r, f in enumerate(found) for k, v in f.items() if "error" in v}
+    assert not errors, "\n".join(f"--- {k}\n{v}" for k, v in errors.items()) + describe(runs)
+    return found
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    """{"save": 2 ranks' findings, "load-1": a plain process's, "load-2", "load-4"}."""
+    out = tmp_path_factory.mktemp("dcp")
+    found = {"save": _run("save", 2, out)}
+    for world in (1, 2, 4):
+        found[f"load-{world}"] = _run("load", world, out)
+    found["out"] = [{"path": str(out)}]
+    return found
+
+
+# -- bytes on disk: one copy per tie group --------------------------------------------------------
+
+
+def test_one_copy_per_tie_group_on_disk_and_plain_dcp_writes_both_names(runs: dict[str, Any]) -> None:
+    fsdp = runs["save"][0]["fsdp"]
+    assert fsdp["dtensor"] == "DTensor" and fsdp["tied"]
+    assert fsdp["tiekit_bytes"] <= fsdp["unique_bytes"] * 1.02, fsdp
+    # The control: DCP's own save of the same FSDP2 state stores embed.weight and head.weight.
+    embed = 4001 * 128 * 4
+    assert fsdp["plain_bytes"] >= fsdp["unique_bytes"] + embed, fsdp
+    assert fsdp["plain_bytes"] > 1.5 * fsdp["tiekit_bytes"]
+
+
+# -- resharding: saved by 2 ranks, loaded on 1, 2, 4 -------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_two_rank_checkpoint_loads_on_any_world_size(runs: dict[str, Any], world: int) -> None:
+    for found in runs[f"load-{world}"]:
+        run = found["fsdp"]
+        assert run["tied"] and run["parameters"] == 9, run  # one tensor for embed.weight and head.weight
+        assert run["retied"] == [TIED] or world > 1  # a plain model is loaded tied already: re-tying is a no-op
+        assert run["difference"] == 0.0, run
+        assert run["extra"] == {"step": 2, "note": "fsdp"}
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_optimizer_state_resumes(runs: dict[str, Any], world: int) -> None:
+    reference = sum(f["fsdp"]["loss_after"] for f in runs["save"]) / 2  # the mean over equal shares
+    loaded = sum(f["fsdp"]["loss_after"] for f in runs[f"load-{world}"]) / world
+    assert loaded == pytest.approx(reference, rel=1e-5)
+    for found in runs[f"load-{world}"]:
+        run = found["fsdp"]
+        assert run["optimizer_difference"] == 0.0, run
+        # The step after the load matches the step the saving run took without a save/load
+        # (equal shares of one batch: up to float rounding of the gradient reduction).
+        assert run["difference_after_step"] < 1e-5, run
+        assert run["tied_after_step"]
+
+
+def test_a_plain_process_and_a_meta_model_load_it(runs: dict[str, Any]) -> None:
+    meta = runs["load-1"][0]["meta"]
+    assert meta["tied"] and meta["device"] == "cpu" and meta["difference"] == 0.0, meta
+
+
+def test_ddp_wrapped_models_save_under_their_own_names(runs: dict[str, Any]) -> None:
+    # Replicated tensors are written once in all (DCP de-duplicates across ranks, spreading them).
+    ddp = runs["save"][0]["ddp"]
+    assert ddp["bytes"] <= 1.02 * ddp["unique_bytes"], ddp
+    for world in (1, 2, 4):
+        for found in runs[f"load-{world}"]:
+            assert found["ddp"]["tied"] and found["ddp"]["difference"] == 0.0
+
+
+def test_async_save_commits_when_written_and_training_continues(runs: dict[str, Any]) -> None:
+    for found in runs["save"]:
+        run = found["async"]
+        assert run["done"] and run["changed_meanwhile"]
+        assert run["marker_id"] == run["second_id"] != run["first_id"]
+        assert run["folders"] == [f"save-{run['second_id']}"]  # the previous save removed after the commit
+    for world in (1, 2, 4):
+        for found in runs[f"load-{world}"]:
+            assert found["async"]["tied"] and found["async"]["difference"] == 0.0  # the state when it was called
+
+
+def test_errors_are_raised_on_every_rank(runs: dict[str, Any]) -> None:
+    for found in runs["save"]:
+        errors = found["errors"]
+        assert "save_sharded needs the same folder on every rank" in errors["different_paths"]
+        assert "rank-path-0" in errors["different_paths"] and "rank-path-1" in errors["different_paths"]
+        assert "/fsdp/save-" in errors["another_model"]  # the save folder read
+        assert (
+            "does not match FSDPSequential: missing '0.weight', '0.bias'; unexpected 'embed.weight'"
+            in (errors["another_model"])
+        )
+        assert "failed on" not in errors["another_model"]  # the same error on both ranks: raised as it is
+
+
+# -- a single process, no process group ---------------------------------------------------------------
+
+
+class Small(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(300, 64)
+        self.mlp = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 300, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mlp(self.embed(ids))))
+
+
+def test_single_process_roundtrip_with_optimizer(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Small()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, 300, (4, 8))
+
+    def train_step(m: nn.Module, opt: torch.optim.Optimizer) -> None:
+        m(ids).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    train_step(model, optimizer)
+    handle = tiekit.save_sharded(model, tmp_path / "ck", optimizer=optimizer, extra={"rng": torch.tensor([1, 2])})
+    assert handle.done()
+    marker = json.loads((tmp_path / "ck" / "tiekit-dcp.json").read_text())
+    assert sorted(k for k in marker["tensors"] if not k.startswith("optimizer/")) == [
+        "embed.weight",
+        "extra/value/rng",
+        "mlp.bias",
+        "mlp.weight",
+    ]
+    assert marker["plan"]["groups"][0]["source"] == "embed.weight"
+    assert "optimizer/state/embed.weight/exp_avg" in marker["tensors"]  # stored once, under the source name
+
+    torch.manual_seed(1)
+    fresh = Small()
+    fresh.head.weight = nn.Parameter(fresh.embed.weight.detach() + 1)  # untied, other values
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    result = tiekit.load_sharded(fresh, tmp_path / "ck", optimizer=fresh_optimizer)
+    assert isinstance(result, tiekit.LoadResult) and torch.equal(result.extra["rng"], torch.tensor([1, 2]))
+    assert fresh.head.weight is fresh.embed.weight
+    assert len(list(fresh.parameters())) == 3
+    train_step(model, optimizer)
+    held = {id(p) for g in fresh_optimizer.param_groups for p in g["params"]}
+    assert held == {id(p) for p in fresh.parameters()}  # rebound to the re-tied parameters
+    train_step(fresh, fresh_optimizer)
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_without_tiekit_a_plain_dcp_load_into_an_untied_model_keeps_it_untied(tmp_path: Path) -> None:
+    """The control for re-tying: DCP fills both names, as two tensors, and the tie stays broken."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_loader import load
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    model = Small()
+    save(model.state_dict(), storage_writer=FileSystemWriter(tmp_path / "plain"), no_dist=True)
+    fresh = Small()
+    fresh.head.weight = nn.Parameter(torch.zeros(300, 64))
+    state = fresh.state_dict()
+    load(state, storage_reader=FileSystemReader(tmp_path / "plain"), no_dist=True)
+    assert fresh.head.weight is not fresh.embed.weight
+    tiekit.save_sharded(model, tmp_path / "tied")
+    tiekit.load_sharded(fresh, tmp_path / "tied")
+    assert fresh.head.weight is fresh.embed.weight

@@ -1,0 +1,189 @@
+"""`tiekit.convert` and ``tiekit convert/inspect/verify`` on sharded checkpoint folders (issue 12)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from launching import ROOT, TIMEOUT, base_env
+from models import gpt2
+from torch import nn
+
+import tiekit
+from tiekit.cli import main
+
+WTE = "transformer.wte.weight"
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def equal(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+
+
+def untied_gpt2() -> nn.Module:
+    model = gpt2()
+    model.lm_head.weight = nn.Parameter(torch.zeros_like(model.lm_head.weight))
+    return model
+
+
+@pytest.fixture
+def factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    name = f"dcp_factories_{tmp_path.name.replace('-', '_')}"
+    text = f"import sys\nsys.path.insert(0, {str(ROOT / 'tests')!r})\nfrom models import gpt2\n\n\ndef tied():\n"
+    (tmp_path / f"{name}.py").write_text(text + "    return gpt2()\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    yield f"{name}:tied"
+    sys.modules.pop(name, None)
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> tuple[nn.Module, Path]:
+    torch.manual_seed(0)
+    model = gpt2()
+    optimizer = torch.optim.AdamW(model.parameters())
+    ids = torch.randint(0, 96, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    tiekit.save_sharded(model, tmp_path / "ck", optimizer=optimizer)
+    return model, tmp_path / "ck"
+
+
+def test_dcp_to_tied_safetensors_and_back(saved: tuple[nn.Module, Path], tmp_path: Path) -> None:
+    model, path = saved
+    result = tiekit.convert(path, tmp_path / "model.safetensors")
+    assert WTE in result.stored and "lm_head.weight" not in result.stored  # one copy per tie group
+    unique = sum(p.numel() * 4 for p in model.parameters())
+    data = (tmp_path / "model.safetensors").read_bytes()
+    assert result.bytes == unique and len(data) == 8 + int.from_bytes(data[:8], "little") + unique
+    loaded = untied_gpt2()
+    tiekit.load_model(loaded, tmp_path / "model.safetensors")
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight and equal(loaded, model)
+
+    back = tiekit.convert(tmp_path / "model.safetensors", tmp_path / "back")
+    assert back.files[0].endswith("tiekit-dcp.json")
+    again = untied_gpt2()
+    tiekit.load_sharded(again, tmp_path / "back")
+    assert again.lm_head.weight is again.transformer.wte.weight and equal(again, model)
+
+
+def test_cli_converts_to_a_hugging_face_style_sharded_folder(
+    saved: tuple[nn.Module, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model, path = saved
+    code, out, _ = run(capsys, "convert", str(path), str(tmp_path / "hf"), "--max-shard-size", "20KB")
+    assert code == 0 and "28 tensors" in out
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    loaded = untied_gpt2()
+    tiekit.load_model(loaded, tmp_path / "hf")
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight and equal(loaded, model)
+    # A destination holding a checkpoint is never overwritten.
+    code, _, err = run(capsys, "convert", str(path), str(tmp_path / "hf"), "--max-shard-size", "20KB")
+    assert code == 1 and "exists; convert writes a new checkpoint" in err
+
+
+def test_plain_dcp_folder_merges_equal_tied_names_and_refuses_different_ones(
+    tmp_path: Path, factory: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    model = gpt2()
+    save(model.state_dict(), storage_writer=FileSystemWriter(tmp_path / "plain"), no_dist=True)
+    code, out, _ = run(capsys, "convert", str(tmp_path / "plain"), str(tmp_path / "m.safetensors"), "--model", factory)
+    assert code == 0 and "merged into their tie source: lm_head.weight" in out, out
+    loaded = untied_gpt2()
+    tiekit.load_model(loaded, tmp_path / "m.safetensors")
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight and equal(loaded, model)
+
+    trained = model.state_dict()
+    trained["lm_head.weight"] = trained["lm_head.weight"] + 1  # a tie broken, then trained
+    save(trained, storage_writer=FileSystemWriter(tmp_path / "broken"), no_dist=True)
+    with pytest.raises(tiekit.CheckpointError, match=r"refusing to merge tied keys 'lm_head\.weight' and 'transformer"):
+        tiekit.convert(tmp_path / "broken", tmp_path / "b.safetensors", plan=gpt2())
+    assert not (tmp_path / "b.safetensors").exists()
+    with pytest.raises(tiekit.CheckpointError, match="refusing to merge"):
+        tiekit.convert(tmp_path / "broken", tmp_path / "b-dcp", plan=gpt2())
+    assert not (tmp_path / "b-dcp" / "tiekit-dcp.json").exists()
+    # Without a plan both names are kept: nothing is lost.
+    kept = tiekit.convert(tmp_path / "broken", tmp_path / "kept.safetensors")
+    assert "lm_head.weight" in kept.stored and not kept.merged
+
+
+def test_inspect_and_verify_read_sharded_folders(
+    saved: tuple[nn.Module, Path], factory: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, path = saved
+    code, out, _ = run(capsys, "inspect", str(path), "--json")
+    report = json.loads(out)
+    assert code == 0 and report["plan_origin"] == "tiekit"
+    assert (report["stored_tensors"], report["names"]) == (28, 29)
+    assert report["optimizer_tensors"] == 3 * 28  # exp_avg, exp_avg_sq, step per unique parameter
+    assert report["metadata"]["world_size"] == "1"
+    code, out, _ = run(capsys, "inspect", str(path))
+    assert "transformer.wte.weight  parameter  96x32  float32  lm_head.weight" in out
+
+    code, out, _ = run(capsys, "verify", str(path), "--model", factory)
+    assert code == 0 and "PASSED" in out, out
+    shard = next(path.glob("save-*/__0_0.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    code, out, _ = run(capsys, "verify", str(path), "--model", factory)
+    assert code == 1 and "FAIL  file:" in out and "__0_0.distcp: 100 bytes, but save" in out
+
+
+MEMORY = """
+import pathlib, sys, torch
+import tiekit
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.state_dict_loader import load
+
+
+def peak_since_reset():
+    # VmHWM, the peak resident size, reset by writing 5 to clear_refs (Linux): imports do not count.
+    status = pathlib.Path("/proc/self/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]) * 1024
+
+
+def reset():
+    pathlib.Path("/proc/self/clear_refs").write_text("5")
+    return peak_since_reset()
+
+
+src, dst = sys.argv[1], sys.argv[2]
+before = reset()
+tiekit.convert(src, dst)
+converted = peak_since_reset() - before
+before = reset()
+whole = {f"w{i}": torch.empty(2048, 4096) for i in range(8)}
+load(whole, storage_reader=FileSystemReader(next(pathlib.Path(src).glob("save-*"))), no_dist=True)
+loaded = peak_since_reset() - before
+print(converted, loaded)
+"""
+
+
+def test_convert_streams_one_batch_at_a_time(tmp_path: Path) -> None:
+    """Peak memory of converting a 256 MiB model of eight 32 MiB tensors, against reading it whole."""
+    model = nn.ParameterDict({f"w{i}": nn.Parameter(torch.randn(2048, 4096)) for i in range(8)})
+    tiekit.save_sharded(model, tmp_path / "big")
+    del model
+    script = tmp_path / "memory.py"
+    script.write_text(MEMORY)
+    command = [sys.executable, str(script), str(tmp_path / "big"), str(tmp_path / "big.safetensors")]
+    done = subprocess.run(command, env=base_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    converted, loaded = map(int, done.stdout.split()[-2:])
+    size = 8 * 2048 * 4096 * 4
+    assert loaded >= size * 0.9  # the control: a whole-state read holds the model
+    assert converted < size * 0.6, (converted, size)  # one 64 MiB batch (two tensors) at a time, not the model

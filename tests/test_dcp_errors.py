@@ -1,0 +1,135 @@
+"""Bad sharded checkpoints (issue 12): `CheckpointError` naming the file and the key, the model
+(values, tensor objects, ties) and the optimizer untouched, the files unchanged. One process."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from models import assert_unchanged, snapshot
+from torch import nn
+
+import tiekit
+from tiekit.dcp import MARKER_NAME
+
+
+class Tied(nn.Module):
+    def __init__(self, vocab: int = 50) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, 16)
+        self.mlp = nn.Linear(16, 16)
+        self.head = nn.Linear(16, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def save_folder(path: Path) -> Path:
+    (folder,) = path.glob("save-*")
+    return folder
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> Path:
+    torch.manual_seed(0)
+    model = Tied()
+    optimizer = torch.optim.AdamW(model.parameters())
+    model.head(model.embed(torch.tensor([1, 2]))).sum().backward()
+    optimizer.step()
+    tiekit.save_sharded(model, tmp_path / "ck", optimizer=optimizer)
+    return tmp_path / "ck"
+
+
+def files_of(path: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*")}
+
+
+def refused(path: Path, pattern: str, model: nn.Module | None = None) -> None:
+    """load_sharded raises CheckpointError matching ``pattern``; model, optimizer and files unchanged."""
+    torch.manual_seed(1)
+    model = model or Tied()
+    model.head.weight = nn.Parameter(model.embed.weight.detach() + 1)  # untied: a load must not re-tie it
+    optimizer = torch.optim.AdamW(model.parameters())
+    before, state, files = snapshot(model), optimizer.state_dict(), files_of(path)
+    with pytest.raises(tiekit.CheckpointError, match=pattern):
+        tiekit.load_sharded(model, path, optimizer=optimizer)
+    assert_unchanged(model, before)
+    assert model.head.weight is not model.embed.weight
+    assert optimizer.state_dict() == state
+    assert files_of(path) == files
+
+
+def test_a_missing_shard_file_is_named_with_its_keys(saved: Path) -> None:
+    (save_folder(saved) / "__0_0.distcp").unlink()
+    refused(saved, r"save-\w+/__0_0\.distcp: missing shard file of save '\w+' \(holding 'embed\.weight', ")
+
+
+def test_a_truncated_shard_is_named_with_its_keys(saved: Path) -> None:
+    shard = save_folder(saved) / "__0_0.distcp"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    refused(saved, rf"__0_0\.distcp: {len(data) // 2} bytes, but save '\w+' wrote {len(data)} .*'embed\.weight'")
+
+
+def test_dcp_metadata_of_another_model_is_refused_before_unpickling(saved: Path, tmp_path: Path) -> None:
+    tiekit.save_sharded(nn.Linear(3, 3), tmp_path / "other")
+    shutil.copy(save_folder(tmp_path / "other") / ".metadata", save_folder(saved) / ".metadata")
+    refused(saved, r"save-\w+/\.metadata: not the DCP metadata of save .* key 'metadata_sha256'")
+
+
+def test_a_checkpoint_of_another_model_names_the_keys(tmp_path: Path) -> None:
+    tiekit.save_sharded(Tied(vocab=60), tmp_path / "bigger")
+    refused(tmp_path / "bigger", r"save-\w+: shape mismatch for 'embed.weight': the file has \(60, 16\)")
+    tiekit.save_sharded(nn.Sequential(nn.Linear(3, 3)), tmp_path / "seq")
+    refused(tmp_path / "seq", r"save-\w+: does not match Tied: missing 'embed\.weight', .*unexpected '0\.weight'")
+
+
+def edit_marker(path: Path, change: Callable[[dict], None]) -> None:
+    marker = json.loads((path / MARKER_NAME).read_text())
+    change(marker)
+    (path / MARKER_NAME).write_text(json.dumps(marker))
+
+
+def test_a_plan_that_does_not_match_the_stored_tensors(saved: Path) -> None:
+    edit_marker(saved, lambda m: m["plan"]["groups"][0].update(shape=[49, 16]))
+    refused(saved, r"tiekit-dcp\.json: key 'plan' says 'embed\.weight' is \(49, 16\) float32, .* stores \(50, 16\)")
+
+
+def test_a_plan_naming_a_key_that_is_not_stored(saved: Path) -> None:
+    def rename(marker: dict) -> None:
+        group = marker["plan"]["groups"][0]
+        group["source"] = group["members"][0]["name"] = "ghost.weight"
+
+    edit_marker(saved, rename)
+    refused(saved, r"key 'plan' names 'ghost\.weight' \(source of head\.weight\), which the checkpoint does not")
+
+
+def test_a_model_whose_ties_disagree_with_the_checkpoint(tmp_path: Path) -> None:
+    untied = Tied()
+    untied.head.weight = nn.Parameter(untied.embed.weight.detach() * 2)  # stored as two tensors
+    tiekit.save_sharded(untied, tmp_path / "untied")
+    model = Tied()  # ties them
+    before = snapshot(model)
+    with pytest.raises(tiekit.CheckpointError, match=r"stores 'head\.weight' and 'embed\.weight' as separate"):
+        tiekit.load_sharded(model, tmp_path / "untied")
+    assert_unchanged(model, before)
+
+
+def test_a_folder_without_a_marker_is_not_a_checkpoint(saved: Path) -> None:
+    folder = save_folder(saved)
+    refused(folder, r"save-\w+: a save folder inside a checkpoint; load its parent")
+    (saved / MARKER_NAME).unlink()
+    refused(saved, r"ck: no tiekit-dcp\.json \(not a committed sharded checkpoint\)")
+
+
+def test_an_optimizer_for_a_checkpoint_without_one(tmp_path: Path) -> None:
+    tiekit.save_sharded(Tied(), tmp_path / "weights")
+    refused(tmp_path / "weights", r"tiekit-dcp\.json: key 'optimizer': this checkpoint holds no optimizer state")
+
+
+def test_unstorable_extra_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    with pytest.raises(tiekit.CheckpointError, match=r"cannot store 'extra/value/fn': a builtin_function_or_method"):
+        tiekit.save_sharded(Tied(), tmp_path / "ck", extra={"fn": print})
+    assert not list((tmp_path / "ck").glob("save-*")) and not (tmp_path / "ck" / MARKER_NAME).exists()

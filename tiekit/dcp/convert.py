@@ -1,0 +1,252 @@
+"""`convert`: a sharded (DCP) checkpoint to a tied safetensors file or sharded folder, and back,
+one tensor at a time.
+
+Sources: a `save_sharded` folder, a plain DCP folder (``dcp.save`` output, which stores both
+names of a tie: give ``plan=`` to merge them), or a safetensors file, index or folder that
+`tiekit.load_model` reads. Names a plan ties are written once; when the source stores several of
+them, their values are compared first and a difference is refused (merging would lose data).
+Only model weights are converted: optimizer state and ``extra`` stay in the source.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiekit.analyze import dtype_name, find_ties
+from tiekit.checkpoint.layout import INDEX_SUFFIX, WEIGHTS_NAME, PathLike
+from tiekit.checkpoint.reads import read_tensor
+from tiekit.checkpoint.saving import _parse_size, declared_ties
+from tiekit.checkpoint.source import open_source
+from tiekit.dcp.layout import DCP_METADATA, MARKER_NAME, SAVE_PREFIX, read_marker, remove_stale, write_marker
+from tiekit.dcp.state import quiet_dcp
+from tiekit.dcp.stream import Spec, nbytes, write_dcp, write_safetensors
+from tiekit.errors import CheckpointError
+from tiekit.plan import TiePlan
+
+#: Bytes read from a DCP folder per read call (or the largest tensor, if larger): DCP plans each
+#: call, so one call per tensor costs more than the reading for models of many small tensors.
+READ_BATCH_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    """What `convert` wrote: the files, the keys stored, the names merged into their tie source."""
+
+    files: tuple[str, ...]
+    stored: tuple[str, ...]
+    merged: tuple[str, ...]
+    bytes: int
+
+
+class _Reader:
+    """A source: its tensors' specs, its plan, and reading tensors by key."""
+
+    def __init__(self, where: str, specs: list[Spec], plan: TiePlan | None, read: Callable[[list[str]], dict]):
+        self.where = where
+        self.specs = specs
+        self.plan = plan
+        self.read = read
+
+
+def convert(
+    src: PathLike,
+    dst: PathLike,
+    *,
+    plan: TiePlan | nn.Module | None = None,
+    max_shard_size: int | str | None = None,
+) -> ConvertResult:
+    """Convert the checkpoint ``src`` into ``dst``, streaming (peak memory about the largest tensor).
+
+    A sharded checkpoint folder (`save_sharded`, or a plain DCP folder) becomes a tied safetensors
+    file when ``dst`` ends in ``.safetensors``, else a folder holding ``model.safetensors`` (or,
+    with ``max_shard_size``, Hugging Face style shards and ``model.safetensors.index.json``). A
+    safetensors file, index or folder becomes a `save_sharded` folder ``dst`` that `load_sharded`
+    reads on any number of ranks. ``plan`` (a `TiePlan`, or a model whose ties to take) adds ties
+    the source does not record. The destination must not hold a checkpoint already. Local: one
+    process, no process group. `CheckpointError` naming the file and key on anything wrong, such
+    as two tied names stored with different values.
+    """
+    source = _open(Path(src))
+    tie_plan = _plan(plan, source.plan)
+    specs, merged, checks = _layout(source, tie_plan)
+    target = Path(dst)
+    if source.where.endswith((".safetensors", INDEX_SUFFIX)) or not _is_dcp(Path(src)):
+        files = _to_dcp(source, specs, tie_plan, checks, target)
+    else:
+        files = _to_safetensors(source, specs, tie_plan, checks, target, max_shard_size)
+    total = sum(nbytes(s) for s in specs)
+    return ConvertResult(tuple(os.fspath(f) for f in files), tuple(s[0] for s in specs), merged, total)
+
+
+def _is_dcp(path: Path) -> bool:
+    return path.is_dir() and ((path / MARKER_NAME).is_file() or (path / DCP_METADATA).is_file())
+
+
+def _open(path: Path) -> _Reader:
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or folder")
+    if (path / MARKER_NAME).is_file():
+        from tiekit.dcp.loading import _dcp_metadata
+
+        marker = read_marker(path)
+        metadata = _dcp_metadata(marker)
+        stored = metadata.state_dict_metadata
+        specs = [(k, marker.tensors[k][0], stored[k].properties.dtype) for k in marker.model_keys()]
+        return _Reader(marker.where, specs, marker.plan, _dcp_read(marker.folder))
+    if (path / DCP_METADATA).is_file():  # a plain DCP folder: torch's reader unpickles its metadata
+        from torch.distributed.checkpoint.filesystem import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        try:
+            metadata = FileSystemReader(path).read_metadata()
+        except Exception as exc:
+            raise CheckpointError(f"{path / DCP_METADATA}: unreadable DCP metadata: {exc}") from exc
+        specs = [
+            (k, tuple(v.size), v.properties.dtype)
+            for k, v in metadata.state_dict_metadata.items()
+            if isinstance(v, TensorStorageMetadata)
+        ]
+        return _Reader(os.fspath(path), specs, None, _dcp_read(path))
+    opened = open_source(path, (WEIGHTS_NAME, WEIGHTS_NAME + INDEX_SUFFIX))
+    specs = [(k, e.shape, e.dtype) for k, (_, e) in opened.entries.items()]
+
+    def read(keys: list[str]) -> dict[str, torch.Tensor]:
+        return {k: read_tensor(*opened.entries[k], opened.files) for k in keys}
+
+    return _Reader(opened.where, specs, opened.plan, read)
+
+
+def _dcp_read(folder: Path) -> Callable[[list[str]], dict]:
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    metadata = FileSystemReader(folder).read_metadata()
+
+    def read(keys: list[str]) -> dict[str, torch.Tensor]:
+        out = {}
+        for k in keys:
+            info = metadata.state_dict_metadata[k]
+            assert isinstance(info, TensorStorageMetadata)
+            out[k] = torch.empty(tuple(info.size), dtype=info.properties.dtype)
+        with quiet_dcp():
+            load(out, storage_reader=FileSystemReader(folder), no_dist=True)
+        # DCP's planner keeps its own dict of the tensors inside a reference cycle: collected now,
+        # each tensor is freed once written, else every batch stays until the next GC pass.
+        gc.collect()
+        return out
+
+    return read
+
+
+def _plan(given: TiePlan | nn.Module | None, recorded: TiePlan | None) -> TiePlan:
+    if isinstance(given, nn.Module):
+        given = find_ties(given, declared=declared_ties(given) or None)
+    if given is not None:
+        return given
+    return recorded if recorded is not None else TiePlan((), 0, 0)
+
+
+def _layout(source: _Reader, plan: TiePlan) -> tuple[list[Spec], tuple[str, ...], dict[str, str]]:
+    """The specs to write (tied names dropped), the dropped names, and {dropped: source} to compare."""
+    stored = {s[0]: s for s in source.specs}
+    checks: dict[str, str] = {}
+    for group in plan.groups:
+        present = [m for m in group.members if m.name in stored and m.view is None]
+        if not present:
+            continue
+        if group.source not in stored:
+            raise CheckpointError(
+                f"{source.where}: the plan ties {', '.join(group.names)} to key {group.source!r}, which it lacks"
+            )
+        for member in present[1:] if present[0].name == group.source else present:
+            if member.name == group.source:
+                continue
+            a, b = stored[member.name], stored[group.source]
+            if a[1] != b[1] or a[2] != b[2]:
+                raise CheckpointError(
+                    f"{source.where}: keys {member.name!r} {a[1]} {dtype_name(a[2])} and {group.source!r} {b[1]} "
+                    f"{dtype_name(b[2])} are tied in the plan but stored with different shapes or dtypes"
+                )
+            checks[member.name] = group.source
+    specs = [s for s in source.specs if s[0] not in checks]
+    return specs, tuple(checks), checks
+
+
+def _batches(source: _Reader, specs: list[Spec], checks: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every spec's tensor in order, read in batches of about `READ_BATCH_BYTES` (or the largest
+    tensor), each checked by `_check_tied`."""
+    limit = max([READ_BATCH_BYTES, *(nbytes(s) for s in specs)])
+    batch: list[str] = []
+    size = 0
+    for i, spec in enumerate(specs):
+        batch.append(spec[0])
+        size += nbytes(spec)
+        if i < len(specs) - 1 and size + nbytes(specs[i + 1]) <= limit:
+            continue
+        values = source.read(batch)
+        for key in batch:
+            _check_tied(source, checks, key, values[key])
+            yield key, values.pop(key)
+        batch, size = [], 0
+
+
+def _check_tied(source: _Reader, checks: dict[str, str], key: str, value: torch.Tensor) -> None:
+    """Every tied name the source also stores for ``key`` holds ``value``: else merging loses data."""
+    for other, src in checks.items():
+        if src != key:
+            continue
+        copy = source.read([other])[other]
+        if not torch.equal(copy, value):
+            raise CheckpointError(
+                f"{source.where}: refusing to merge tied keys {other!r} and {key!r}: their stored values differ "
+                "(the tie was broken and trained); convert without this tie in the plan"
+            )
+
+
+def _to_safetensors(
+    source: _Reader,
+    specs: list[Spec],
+    plan: TiePlan,
+    checks: dict[str, str],
+    target: Path,
+    max_shard_size: int | str | None,
+) -> list[Path]:
+    file = target if target.name.endswith(".safetensors") else target / WEIGHTS_NAME
+    for existing in (file, file.with_name(file.name + INDEX_SUFFIX)):
+        if existing.exists():
+            raise CheckpointError(f"{existing}: exists; convert writes a new checkpoint (remove it first)")
+    limit = None if max_shard_size is None else _parse_size(max_shard_size)
+    kept = TiePlan(plan.groups, plan.unique_count, plan.total_count)
+    return write_safetensors(file, specs, kept, _batches(source, specs, checks), limit)
+
+
+def _to_dcp(source: _Reader, specs: list[Spec], plan: TiePlan, checks: dict[str, str], root: Path) -> list[Path]:
+    if (root / MARKER_NAME).exists() or (root.exists() and not root.is_dir()):
+        raise CheckpointError(f"{root}: holds a checkpoint already; convert writes a new one (remove it first)")
+    save_id = uuid.uuid4().hex[:16]
+    folder = root / f"{SAVE_PREFIX}{save_id}"
+
+    def read(key: str) -> torch.Tensor:
+        # DCP's writer asks for tensors in its own order (largest first), one at a time.
+        value: torch.Tensor = source.read([key])[key]
+        _check_tied(source, checks, key, value)
+        return value
+
+    root.mkdir(parents=True, exist_ok=True)
+    write_dcp(folder, specs, read)
+    tensors = {k: [list(shape), dtype_name(dtype)] for k, shape, dtype in specs}
+    record: dict[str, Any] = {"state_version": 1, "extra": None, "optimizer": None, "tensors": tensors, "world_size": 1}
+    record["torch"] = torch.__version__
+    write_marker(root, folder, save_id, plan, record)
+    remove_stale(root, keep=folder.name)
+    return [root / MARKER_NAME, *sorted(folder.iterdir())]

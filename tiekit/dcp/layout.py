@@ -1,0 +1,184 @@
+"""Names on disk of a sharded checkpoint folder, its commit marker, and opening one without trust.
+
+A folder holds ``tiekit-dcp.json`` (the marker) and one ``save-<id>/`` folder of DCP files per
+committed save (older ones are removed after the next commit). The marker is the only thing a
+load believes: it names the save folder, the size of every file in it and the SHA-256 of DCP's
+``.metadata`` (a pickle), which is checked before torch ever unpickles it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tiekit.checkpoint.files import _commit_file, _fsync
+from tiekit.checkpoint.layout import PathLike
+from tiekit.errors import CheckpointError, TieError
+from tiekit.plan import TiePlan
+
+MARKER_NAME = "tiekit-dcp.json"
+FORMAT = "tiekit-dcp"
+FORMAT_VERSION = 1
+SAVE_PREFIX = "save-"
+DCP_METADATA = ".metadata"
+
+
+def is_sharded_checkpoint(path: PathLike) -> bool:
+    """True when ``path`` is a folder holding a sharded checkpoint's marker (local, reads nothing else)."""
+    return (Path(path) / MARKER_NAME).is_file()
+
+
+@dataclass(frozen=True)
+class Marker:
+    """A validated ``tiekit-dcp.json``: the committed save and what the loader must find there."""
+
+    where: str  # the marker file, for messages
+    folder: Path  # the save folder of DCP files
+    save_id: str
+    plan: TiePlan
+    tensors: Mapping[str, tuple[tuple[int, ...], str]]  # key -> (global shape, dtype name)
+    files: Mapping[str, int]  # file name in the save folder -> size in bytes
+    metadata_sha256: str
+    record: Mapping[str, Any]  # optimizer record, extra, world size...
+
+    def model_keys(self) -> list[str]:
+        return [k for k in self.tensors if not k.startswith(("optimizer/", "extra/"))]
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_marker(root: Path, folder: Path, save_id: str, plan: TiePlan, record: Mapping[str, Any]) -> None:
+    """The commit: describe the finished save folder and publish the marker atomically (fsynced).
+
+    Until ``os.replace`` puts it in place, the previous marker (and its save folder) is the
+    checkpoint; afterwards, the new one. Local: the coordinating rank calls it.
+    """
+    files = {}
+    for entry in sorted(folder.iterdir()):
+        if entry.is_file():
+            files[entry.name] = entry.stat().st_size
+    if DCP_METADATA not in files:
+        raise CheckpointError(f"{folder}: DCP wrote no {DCP_METADATA} file; the save did not finish")
+    _fsync(folder)
+    body = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "save_id": save_id,
+        "folder": folder.name,
+        "files": files,
+        "metadata_sha256": file_sha256(folder / DCP_METADATA),
+        "plan": plan.to_dict(),
+        **record,
+    }
+    text = json.dumps(body, separators=(",", ":"))
+    _commit_file(root / MARKER_NAME, lambda p: p.write_text(text, encoding="utf-8"), durable=True)
+
+
+def remove_stale(root: Path, keep: str | None) -> None:
+    """Remove save folders other than ``keep`` (older saves, killed saves). Local, best effort."""
+    for entry in root.glob(SAVE_PREFIX + "*"):
+        if entry.name != keep and entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        _fsync(root)
+
+
+def read_marker(path: PathLike) -> Marker:
+    """Open and validate the marker of the checkpoint folder ``path`` and the files it names:
+    DCP's ``.metadata`` the one written by this save (the data files are checked against it by
+    `check_files`). `CheckpointError` naming the file (and key) otherwise. Reads no tensor."""
+    root = Path(path)
+    marker_path = root / MARKER_NAME
+    where = os.fspath(marker_path)
+    if not marker_path.is_file():
+        if root.name.startswith(SAVE_PREFIX) and (root.parent / MARKER_NAME).is_file():
+            raise CheckpointError(f"{root}: a save folder inside a checkpoint; load its parent {root.parent}")
+        found = "no such folder" if not root.exists() else f"no {MARKER_NAME} (not a committed sharded checkpoint)"
+        raise CheckpointError(f"{root}: {found}")
+    try:
+        raw = json.loads(marker_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{where}: unreadable marker: {exc}") from exc
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        raise CheckpointError(f"{where}: not a tiekit sharded checkpoint marker (format {FORMAT!r} expected)")
+    version = raw.get("version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointError(f"{where}: format version {version!r} is newer than this tiekit reads; upgrade tiekit")
+    try:
+        folder_name = _text(raw, "folder", where)
+        if not folder_name.startswith(SAVE_PREFIX) or "/" in folder_name or "\\" in folder_name:
+            raise CheckpointError(f"{where}: key 'folder' is {folder_name!r}, not a save folder of this checkpoint")
+        files = raw["files"]
+        tensors = raw["tensors"]
+        if not isinstance(files, dict) or not all(isinstance(v, int) for v in files.values()):
+            raise CheckpointError(f"{where}: key 'files' is not an object of file sizes")
+        if not isinstance(tensors, dict):
+            raise CheckpointError(f"{where}: key 'tensors' is not an object")
+        table = {str(k): (tuple(int(d) for d in v[0]), str(v[1])) for k, v in tensors.items()}
+        plan = TiePlan.from_dict(raw["plan"])
+    except TieError as exc:
+        raise CheckpointError(f"{where}: key 'plan': {exc}") from exc
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise CheckpointError(f"{where}: malformed marker ({type(exc).__name__}: {exc})") from exc
+    folder = root / folder_name
+    if not folder.is_dir():
+        raise CheckpointError(f"{where}: the save folder {folder} it names is missing")
+    if any("/" in name or "\\" in name or name in ("", ".", "..") for name in files):
+        raise CheckpointError(f"{where}: key 'files' names a file outside the save folder")
+    metadata = folder / DCP_METADATA
+    if DCP_METADATA not in files or not metadata.is_file():
+        raise CheckpointError(f"{metadata}: missing (the DCP metadata of save {raw.get('save_id')!r})")
+    if file_sha256(metadata) != raw.get("metadata_sha256"):
+        raise CheckpointError(
+            f"{metadata}: not the DCP metadata of save {raw.get('save_id')!r}: its SHA-256 differs from key "
+            f"'metadata_sha256' of {where} (from another save or model, or modified); refused before reading it"
+        )
+    digest = str(raw["metadata_sha256"])
+    record = {k: v for k, v in raw.items() if k not in ("files", "tensors", "plan")}
+    return Marker(where, folder, str(raw.get("save_id")), plan, table, files, digest, record)
+
+
+def _text(raw: Mapping[str, Any], key: str, where: str) -> str:
+    value = raw.get(key)
+    if not isinstance(value, str):
+        raise CheckpointError(f"{where}: key {key!r} is {value!r}, not a string")
+    return value
+
+
+def check_files(marker: Marker, chunks: Mapping[str, list[tuple[str, int]]]) -> None:
+    """Every data file of the save present with the size the save wrote, and every chunk inside
+    it; ``chunks``: file name -> [(key, end offset)] from DCP's metadata. `CheckpointError` naming
+    the file and the keys it holds otherwise."""
+    for name, size in marker.files.items():
+        file = marker.folder / name
+        held = sorted({key for key, _ in chunks.get(name, [])})
+        keys = f" (holding {', '.join(repr(k) for k in held[:6])}{' and more' if len(held) > 6 else ''})"
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing shard file of save {marker.save_id!r}{keys if held else ''}")
+        actual = file.stat().st_size
+        if actual != size:
+            raise CheckpointError(
+                f"{file}: {actual} bytes, but save {marker.save_id!r} wrote {size} (truncated or replaced)"
+                f"{keys if held else ''}"
+            )
+    for name, ends in chunks.items():
+        if name not in marker.files:
+            raise CheckpointError(f"{marker.folder / name}: holds key {ends[0][0]!r} but is not a file of this save")
+        for key, end in ends:
+            if end > marker.files[name]:
+                raise CheckpointError(
+                    f"{marker.folder / name}: key {key!r} reaches byte {end}, the file has {marker.files[name]}"
+                )

@@ -1,0 +1,225 @@
+"""`load_sharded`: validate everything (marker, files, DCP metadata, plan against the model), then
+let DCP read into destinations shaped like the live model, then re-tie.
+
+Order: every rank validates on its own and the ranks compare outcomes before the first DCP
+collective (an error on one rank is raised on all, none waits); the optimizer state and
+``extra`` are read next into new tensors and checked against the optimizer; only then are the
+model's weights read (in place for real tensors, into new tensors for meta ones) and re-tied.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiekit.analyze import dtype_name
+from tiekit.checkpoint.codec import decode
+from tiekit.checkpoint.layout import PathLike, name_list
+from tiekit.checkpoint.loading import LoadResult
+from tiekit.checkpoint.optimizer import stage_optimizer
+from tiekit.checkpoint.source import Source
+from tiekit.checkpoint.staging import Staged, stage
+from tiekit.dcp.layout import Marker, check_files, read_marker
+from tiekit.dcp.saving import _raise_anywhere
+from tiekit.dcp.state import destination, parameters_by_name, quiet_dcp, unwrap
+from tiekit.errors import CheckpointError
+from tiekit.header import TensorEntry
+from tiekit.plan import TiePlan
+from tiekit.retie import retie
+from tiekit.slots import assign, resolve, slot_table
+
+
+@dataclass(frozen=True)
+class ShardedLoadResult(LoadResult):
+    """A `LoadResult` plus what `save_sharded` stored beside the model: ``extra`` and the save id."""
+
+    extra: Any = None
+    save_id: str = ""
+
+
+def load_sharded(
+    model: nn.Module, path: PathLike, *, optimizer: torch.optim.Optimizer | None = None
+) -> ShardedLoadResult:
+    """Collective: every rank calls it with the same ``path``. Load a `save_sharded` checkpoint into
+    ``model`` (plain, DDP-wrapped, FSDP2-sharded, or on the meta device) and ``optimizer``.
+
+    Any number of ranks can load what any number saved (DCP reshards: a DTensor gets this rank's
+    rows, a plain tensor the whole value), and a single process needs no process group. Ties are
+    restored from the checkpoint's plan; the optimizer gets its state back by parameter name.
+    Everything is validated before the model changes: a missing or truncated shard file, DCP
+    metadata of another save, keys, shapes or a plan that does not fit the model raise
+    `CheckpointError` naming the file and key, on every rank, with the model untouched (an I/O
+    error in the middle of reading into the model's own memory is the one exception).
+    """
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    root = Path(os.path.abspath(os.fspath(path)))
+    inner = unwrap(model)
+    error: Exception | None = None
+    marker = source = staged = None
+    side: dict[str, torch.Tensor] = {}
+    try:
+        marker = read_marker(root)
+        source = _source(marker, _dcp_metadata(marker))
+        try:
+            staged = stage(inner, source, strict=True, device=None, dtype="model")
+        except CheckpointError as exc:  # load_sharded is always strict: drop the loader's strict=False hint
+            raise CheckpointError(str(exc).replace(" (load with strict=False to accept)", "")) from exc
+        if optimizer is not None and not marker.record.get("optimizer"):
+            raise CheckpointError(f"{marker.where}: key 'optimizer': this checkpoint holds no optimizer state")
+        side = _side_destinations(inner, marker, with_optimizer=optimizer is not None)
+    except Exception as exc:  # noqa: BLE001 - raised on every rank below
+        error = exc
+    _raise_anywhere(error, f"{root}: load")
+    assert marker is not None and source is not None and staged is not None
+    single = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    if side:
+        with quiet_dcp():
+            load(side, storage_reader=FileSystemReader(marker.folder), no_dist=single)
+    restore: Callable[[], None] | None = None
+    try:
+        extra = decode(marker.record.get("extra"), side, marker.where)
+        if optimizer is not None:
+            restore = stage_optimizer(optimizer, inner, staged, marker.record["optimizer"], side, marker.where)
+        targets, fresh = _model_destinations(inner, staged, source)
+    except Exception as exc:  # noqa: BLE001 - raised on every rank below
+        error = exc
+    _raise_anywhere(error, f"{root}: load")
+    with quiet_dcp():
+        load(targets, storage_reader=FileSystemReader(marker.folder), no_dist=single)
+    _commit(inner, staged, fresh)
+    if restore is not None:
+        restore()
+    return ShardedLoadResult(staged.missing, staged.unexpected, staged.groups, "tiekit", extra, marker.save_id)
+
+
+def _dcp_metadata(marker: Marker) -> Any:
+    """DCP's metadata (its hash already checked against the marker), checked against the marker's
+    key table and the files: every chunk of every key inside a file of the save."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    folder = marker.folder
+    try:
+        metadata = FileSystemReader(folder).read_metadata()
+    except Exception as exc:
+        raise CheckpointError(f"{folder / '.metadata'}: unreadable DCP metadata: {exc}") from exc
+    chunks: dict[str, list[tuple[str, int]]] = {}
+    for index, where in (metadata.storage_data or {}).items():
+        chunks.setdefault(where.relative_path, []).append((index.fqn, where.offset + where.length))
+    check_files(marker, chunks)
+    stored = metadata.state_dict_metadata
+    for key, (shape, dtype) in marker.tensors.items():
+        info = stored.get(key)
+        if not isinstance(info, TensorStorageMetadata):
+            raise CheckpointError(f"{folder / '.metadata'}: key {key!r} (listed in {marker.where}) is not stored")
+        if tuple(info.size) != shape or dtype_name(info.properties.dtype) != dtype:
+            raise CheckpointError(
+                f"{folder / '.metadata'}: key {key!r} is {tuple(info.size)} {dtype_name(info.properties.dtype)}, "
+                f"the marker says {shape} {dtype}"
+            )
+    return metadata
+
+
+def _source(marker: Marker, metadata: Any) -> Source:
+    """The checkpoint as `tiekit.checkpoint.staging.stage` reads one: key -> (first file, entry)."""
+    files: dict[str, str] = {}
+    for index, where in (metadata.storage_data or {}).items():
+        files.setdefault(index.fqn, os.fspath(marker.folder / where.relative_path))
+    entries: dict[str, tuple[str, TensorEntry]] = {}
+    side: dict[str, tuple[str, TensorEntry]] = {}
+    for key, (shape, _) in marker.tensors.items():
+        dtype = metadata.state_dict_metadata[key].properties.dtype
+        nbytes = dtype.itemsize
+        for d in shape:
+            nbytes *= d
+        entry = (files.get(key, os.fspath(marker.folder)), TensorEntry(key, dtype, shape, 0, nbytes))
+        (side if key.startswith(("optimizer/", "extra/")) else entries)[key] = entry
+    for group in marker.plan.groups:
+        if group.source not in entries:
+            raise CheckpointError(
+                f"{marker.where}: key 'plan' names {group.source!r} (source of {', '.join(group.names[1:])}), "
+                "which the checkpoint does not store"
+            )
+        shape, dtype_text = marker.tensors[group.source]
+        if shape != group.shape or dtype_text != group.dtype:
+            raise CheckpointError(
+                f"{marker.where}: key 'plan' says {group.source!r} is {group.shape} {group.dtype}, "
+                f"the checkpoint stores {shape} {dtype_text}"
+            )
+    return Source(os.fspath(marker.folder), entries, {}, marker.plan, "tiekit", side)
+
+
+def _side_destinations(model: nn.Module, marker: Marker, *, with_optimizer: bool) -> dict[str, torch.Tensor]:
+    """New tensors for ``extra`` (always) and optimizer state (when loading it): an optimizer
+    state tensor shaped like its DTensor parameter is sharded like it, so it reshards too."""
+    parameters = parameters_by_name(model)
+    out: dict[str, torch.Tensor] = {}
+    for key, (shape, _) in marker.tensors.items():
+        if key.startswith("extra/") or (with_optimizer and key.startswith("optimizer/")):
+            like = None
+            if key.startswith("optimizer/state/"):
+                owner = key.removeprefix("optimizer/state/").rsplit("/", 1)[0]
+                like = parameters.get(owner)
+            dtype = _dtype(marker, key)
+            out[key] = destination(like, shape, dtype)
+    return out
+
+
+def _dtype(marker: Marker, key: str) -> torch.dtype:
+    value = getattr(torch, marker.tensors[key][1], None)
+    if not isinstance(value, torch.dtype):
+        raise CheckpointError(f"{marker.where}: key {key!r} has dtype {marker.tensors[key][1]!r}, unknown here")
+    return value
+
+
+def _model_destinations(
+    model: nn.Module, staged: Staged, source: Source
+) -> tuple[dict[str, torch.Tensor], dict[int, torch.Tensor]]:
+    """{key: tensor DCP reads into} and {id(old meta tensor): its new tensor}. Real tensors are
+    read in place (DCP's copy casts to their dtype); meta ones get a new CPU tensor each."""
+    targets: dict[str, torch.Tensor] = {}
+    fresh: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, key in staged.loads:
+        tensor = resolve(model, name)[2]
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        if tensor.is_meta:
+            if type(tensor).__name__ == "DTensor":
+                raise CheckpointError(
+                    f"{source.where}: {name!r} is a sharded meta tensor; materialize the model first "
+                    "(with tiekit.preserve_ties(model): model.to_empty(device=...)), then load"
+                )
+            new = torch.empty(source.entries[key][1].shape, dtype=tensor.dtype)
+            fresh[id(tensor)] = new
+            targets[key] = new
+        else:
+            targets[key] = tensor.detach()
+    unused = sorted(set(source.entries) - set(targets) - set(staged.unexpected))
+    if unused and not staged.loads:
+        raise CheckpointError(f"{source.where}: nothing of the model matches keys {name_list(unused)}")
+    return targets, fresh
+
+
+def _commit(model: nn.Module, staged: Staged, fresh: Mapping[int, torch.Tensor]) -> None:
+    """Put new tensors in their slots (meta models), then point every tied name at its source."""
+    if fresh:
+        with torch.no_grad():
+            for module, attr, tensor, kind in slot_table(model).values():
+                new = fresh.get(id(tensor))
+                if new is None:
+                    continue
+                if kind == "parameter" and not isinstance(new, nn.Parameter):
+                    new = nn.Parameter(new, requires_grad=tensor.requires_grad)
+                    fresh = {**fresh, id(tensor): new}
+                assign(module, attr, new, kind)
+    retie(model, TiePlan(staged.groups, 0, 0))

@@ -1,0 +1,84 @@
+"""`tiekit inspect` for sharded checkpoint folders: the marker and DCP's metadata, read without
+loading any tensor (unless values are compared)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+
+from tiekit.analyze import dtype_name
+from tiekit.checkpoint.layout import PathLike
+from tiekit.dcp.layout import read_marker
+from tiekit.inspection import FileReport, StoredTensor
+
+
+def inspect_sharded(path: PathLike, *, check_values: bool = False) -> FileReport:
+    """Describe the `save_sharded` folder ``path``: its stored tensors (global shapes; the file
+    holding each one's first chunk), plan, optimizer/extra tensors and save. ``check_values`` reads
+    the tensors that share a dtype and shape and reports the byte-identical ones. Validates the
+    folder as `load_sharded` does; `CheckpointError` naming the file and key otherwise. Local."""
+    from tiekit.dcp.loading import _dcp_metadata
+
+    marker = read_marker(path)
+    metadata = _dcp_metadata(marker)
+    first_file: dict[str, str] = {}
+    for index, where in (metadata.storage_data or {}).items():
+        first_file.setdefault(index.fqn, os.fspath(marker.folder / where.relative_path))
+    tensors = []
+    side_count = side_bytes = 0
+    for key, (shape, dtype) in marker.tensors.items():
+        size = metadata.state_dict_metadata[key].properties.dtype.itemsize
+        for d in shape:
+            size *= d
+        if key.startswith(("optimizer/", "extra/")):
+            side_count += 1
+            side_bytes += size
+        else:
+            tensors.append(StoredTensor(key, dtype, shape, size, first_file.get(key, os.fspath(marker.folder))))
+    files = tuple(os.fspath(marker.folder / f) for f in sorted(marker.files))
+    shown = {
+        "save_id": marker.save_id,
+        "world_size": str(marker.record.get("world_size")),
+        "torch": str(marker.record.get("torch")),
+    }
+    raw_version = marker.plan.to_dict()["version"]
+    return FileReport(
+        path=os.fspath(Path(path)),
+        files=files,
+        tensors=tuple(tensors),
+        side_tensors=side_count,
+        side_bytes=side_bytes,
+        plan=marker.plan,
+        plan_origin="tiekit",
+        plan_version=int(raw_version),
+        checkpoint_version=int(marker.record.get("version", 1)) if side_count else None,
+        metadata=shown,
+        identical=_identical(marker.folder, tensors) if check_values else None,
+    )
+
+
+def _identical(folder: Path, tensors: list[StoredTensor]) -> tuple[tuple[str, ...], ...]:
+    """Groups of stored tensors with the same bytes (constant tensors left out): ties stored twice."""
+    from tiekit.dcp.convert import _dcp_read
+
+    by_kind: dict[tuple[str, tuple[int, ...]], list[str]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.shape), []).append(t.name)
+    read = _dcp_read(folder)
+    groups: list[tuple[str, ...]] = []
+    for names in by_kind.values():
+        if len(names) < 2:
+            continue
+        digests: dict[bytes, list[str]] = {}
+        for name in names:
+            value = read([name])[name].contiguous()
+            flat = value.reshape(-1)
+            if flat.numel() == 0 or bool((flat == flat[0]).all()):
+                continue  # zeros, ones: equal without being ties
+            data = flat.view(torch.uint8).numpy().tobytes()
+            digests.setdefault(hashlib.sha256(data + dtype_name(value.dtype).encode()).digest(), []).append(name)
+        groups.extend(tuple(g) for g in digests.values() if len(g) > 1)
+    return tuple(groups)

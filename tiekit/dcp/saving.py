@@ -1,0 +1,223 @@
+"""`save_sharded`: torch.distributed.checkpoint with one copy per tie group, committed by a marker.
+
+Protocol (every rank calls it, in the same order):
+
+1. the ranks agree on the folder (the same absolute path everywhere) and on a save id made by
+   rank 0, and check that every rank could build its state (a failure anywhere is raised on
+   every rank before DCP starts, so no rank is left waiting in a DCP collective);
+2. DCP writes ``<folder>/save-<id>/`` (each rank its shards, rank 0 DCP's ``.metadata``);
+3. rank 0 writes ``tiekit-dcp.json`` (file sizes, the metadata's SHA-256, the plan) to a work
+   file and renames it over the previous marker: the commit. Older save folders go afterwards.
+
+A process killed before step 3 leaves the previous marker, hence the previous checkpoint; its
+half-written ``save-<id>/`` is never named by a marker, and the next commit removes it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiekit.checkpoint.layout import PathLike
+from tiekit.collective import collective_gather
+from tiekit.dcp.layout import SAVE_PREFIX, remove_stale, write_marker
+from tiekit.dcp.state import SaveState, quiet_dcp, save_state, unwrap
+from tiekit.errors import CheckpointError, TiekitError
+
+# Pending asynchronous saves of this process, by folder: a new save into the same folder waits
+# for the previous one first (two saves racing for one marker would leave either).
+_pending: dict[str, SaveHandle] = {}
+_pending_lock = threading.Lock()
+
+
+class SaveHandle:
+    """An asynchronous `save_sharded` under way. ``done()`` never waits; ``wait()`` blocks until
+    it finished and raises `CheckpointError` if it failed.
+
+    On rank 0 (and in a single process) done means committed: the marker names the new save. On
+    other ranks it means this rank's part is written; rank 0 commits once every part is.
+    """
+
+    def __init__(
+        self, path: Path, save_id: str, future: Future[Any] | None, commit: bool, state: SaveState | None = None
+    ) -> None:
+        self.path = path
+        self.save_id = save_id
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+        self._state = state
+        if future is None:
+            self._finished.set()
+        else:
+            future.add_done_callback(lambda f: self._complete(f, commit))
+
+    def _complete(self, future: Future[Any], commit: bool) -> None:
+        try:
+            future.result()
+            if commit:
+                _commit(self.path, self.save_id, self._state)
+        except BaseException as exc:  # noqa: BLE001 - kept for wait(), which raises it in the caller
+            self._error = exc
+        finally:
+            self._state = None  # the staged copies may be large: drop them once written
+            self._finished.set()
+
+    def done(self) -> bool:
+        """True once the save finished (committed on rank 0), successfully or not. Never waits."""
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the save finished; `CheckpointError` if it failed or ``timeout`` seconds passed.
+        Local: waits for this rank's own writing (and rank 0's commit on rank 0)."""
+        if not self._finished.wait(timeout):
+            raise CheckpointError(f"{self.path}: save {self.save_id} not finished within {timeout} s")
+        if self._error is not None:
+            if isinstance(self._error, CheckpointError):
+                raise self._error
+            raise CheckpointError(f"{self.path}: save {self.save_id} failed: {self._error}") from self._error
+
+
+def save_sharded(
+    model: nn.Module,
+    path: PathLike,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: Any = None,
+    blocking: bool = True,
+) -> SaveHandle:
+    """Collective: every rank calls it with the same ``path``. Save ``model`` (plain, DDP-wrapped
+    or FSDP2-sharded by `tiekit.shard`), ``optimizer``'s state and ``extra`` as a
+    torch.distributed.checkpoint folder holding one copy per tie group, and commit it.
+
+    Each rank writes its own shards (replicated tensors once in all); rank 0 commits by
+    writing ``tiekit-dcp.json`` last, so the previous checkpoint in ``path`` stays the one
+    loaded until the new one is complete. Optimizer state is stored under each tie group's source
+    name; ``extra`` may hold tensors, numbers, strings, None and lists/dicts of them (no pickle).
+    Works in a single process without a process group.
+
+    ``blocking=False`` copies the state to host memory, then writes in a background thread (DCP's
+    ``async_save``, on a separate gloo group) and returns at once: training may continue. The
+    returned `SaveHandle` tells when it is done; a later save into the same folder waits for it.
+    With ``blocking=True`` the handle is already done and the checkpoint committed on every rank.
+    """
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import async_save, save
+
+    root = Path(os.path.abspath(os.fspath(path)))
+    key = os.fspath(root)
+    with _pending_lock:
+        previous = _pending.pop(key, None)
+    if previous is not None:
+        previous.wait()
+    save_id, state = _prepare(unwrap(model), root, optimizer, extra)
+    folder = root / f"{SAVE_PREFIX}{save_id}"
+    writer = FileSystemWriter(folder, sync_files=True)
+    distributed = _distributed()
+    if blocking:
+        error = None
+        try:
+            with quiet_dcp():
+                save(state.tensors, storage_writer=writer, no_dist=not distributed)
+        except Exception as exc:  # noqa: BLE001 - reported on every rank below
+            error = exc
+        if _rank() == 0 and error is None:
+            try:
+                _commit(root, save_id, state)
+            except Exception as exc:  # noqa: BLE001 - reported on every rank below
+                error = exc
+        _raise_anywhere(error, f"{root}: save {save_id}")
+        return SaveHandle(root, save_id, None, False)
+    group = _async_group() if distributed else None
+    with quiet_dcp():
+        future = async_save(state.tensors, storage_writer=writer, process_group=group, no_dist=not distributed)
+    if not isinstance(future, Future):  # torch's AsyncSaveResponse (zero-overhead staging)
+        future = future.upload_completion
+    handle = SaveHandle(root, save_id, future, _rank() == 0, state)
+    with _pending_lock:
+        _pending[key] = handle
+    return handle
+
+
+def _prepare(model: nn.Module, root: Path, optimizer: Any, extra: Any) -> tuple[str, SaveState]:
+    """Collective: agree on the folder and the save id; build this rank's state; fail everywhere
+    if any rank failed."""
+    paths = collective_gather(os.fspath(root))
+    if any(p != paths[0] for p in paths):
+        shown = "; ".join(f"rank {r}: {p}" for r, p in enumerate(paths))
+        raise CheckpointError(f"save_sharded needs the same folder on every rank ({shown})")
+    ids = collective_gather(uuid.uuid4().hex[:16] if _rank() == 0 else None)
+    save_id = str(ids[0])
+    state: SaveState | None = None
+    error: Exception | None = None
+    try:
+        if _rank() == 0:
+            root.mkdir(parents=True, exist_ok=True)
+        state = save_state(model, optimizer, extra)
+    except Exception as exc:  # noqa: BLE001 - reported on every rank below
+        error = exc
+    _raise_anywhere(error, f"{root}: save {save_id}")
+    assert state is not None
+    return save_id, state
+
+
+def _commit(root: Path, save_id: str, state: SaveState | None) -> None:
+    assert state is not None
+    folder = root / f"{SAVE_PREFIX}{save_id}"
+    record = dict(state.record)
+    record["world_size"] = _world()
+    record["torch"] = torch.__version__
+    write_marker(root, folder, save_id, state.plan, record)
+    remove_stale(root, keep=folder.name)
+
+
+def _raise_anywhere(error: BaseException | None, what: str) -> None:
+    """Collective: raise on every rank if any rank failed (the failing rank's own error there)."""
+    text = None if error is None else f"{type(error).__name__}: {error}"
+    errors = collective_gather(text)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if not failed:
+        return
+    if isinstance(error, CheckpointError) and all(e == text for _, e in failed):
+        raise error  # the same failure everywhere (a bad checkpoint): this rank's own error says it all
+    detail = "; ".join(f"rank {r}: {e}" for r, e in failed)
+    if len(errors) == 1:
+        raise CheckpointError(f"{what} failed: {detail}") from error
+    raise CheckpointError(f"{what} failed on {len(failed)} of {len(errors)} rank(s): {detail}") from error
+
+
+def _distributed() -> bool:
+    dist = torch.distributed
+    return bool(dist.is_available() and dist.is_initialized())
+
+
+def _rank() -> int:
+    return int(torch.distributed.get_rank()) if _distributed() else 0
+
+
+def _world() -> int:
+    return int(torch.distributed.get_world_size()) if _distributed() else 1
+
+
+_groups: dict[int, Any] = {}
+
+
+def _async_group() -> Any:
+    """A gloo group of all ranks for background saves, so their collectives never interleave with
+    training's on the default group. Made once per default group (creating it is collective: every
+    rank is in save_sharded here)."""
+    dist = torch.distributed
+    default = dist.group.WORLD
+    key = id(default)
+    if key not in _groups:
+        try:
+            _groups[key] = dist.new_group(backend="gloo")
+        except RuntimeError as exc:
+            raise TiekitError(f"save_sharded(blocking=False) needs a gloo process group for its writes: {exc}") from exc
+    return _groups[key]

@@ -1,0 +1,95 @@
+"""What a sharded checkpoint holds: the model as the user holds it, reduced to one tensor per tie group.
+
+Saving stores each tie group's source name once (a plain tensor or FSDP2's DTensor shard, as
+the model holds it), every untied name, and the optimizer state and ``extra`` through the codec
+of `tiekit.checkpoint` (tensors beside the weights under ``optimizer/...`` and ``extra/...``, the
+rest as JSON in the marker). Loading fills destinations shaped like the live model, so DCP
+reshards: a DTensor destination gets this rank's rows, a plain one the whole tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiekit.analyze import dtype_name
+from tiekit.checkpoint.codec import encode
+from tiekit.checkpoint.optimizer import optimizer_record
+from tiekit.checkpoint.saving import _saving_plan, _unique_tensors
+from tiekit.errors import CheckpointError
+from tiekit.plan import TiePlan
+
+STATE_VERSION = 1
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module whose names the checkpoint uses: DDP's ``module``, torch.compile's ``_orig_mod``.
+    FSDP2 models are wrapped in place (same names) and stay as they are."""
+    while True:
+        inner = getattr(model, "module", None)
+        if isinstance(inner, nn.Module) and type(model).__name__ in ("DistributedDataParallel", "DataParallel"):
+            model = inner
+            continue
+        inner = getattr(model, "_orig_mod", None)
+        if isinstance(inner, nn.Module):
+            model = inner
+            continue
+        return model
+
+
+@dataclass(frozen=True)
+class SaveState:
+    """Everything a save writes: the DCP state dict and the marker's JSON record."""
+
+    plan: TiePlan
+    tensors: dict[str, torch.Tensor]
+    record: dict[str, Any]
+
+
+def save_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: Any) -> SaveState:
+    """The tensors to save (one per tie group, then optimizer state and ``extra`` tensors) and the
+    JSON record. Local: reads only this rank's model; `CheckpointError` naming the key on anything
+    that cannot be stored."""
+    plan = _saving_plan(model)
+    names, tensors = _unique_tensors(model, plan)
+    side: dict[str, torch.Tensor] = {}
+    record: dict[str, Any] = {
+        "state_version": STATE_VERSION,
+        "extra": encode(extra, "extra/value", side),
+        "optimizer": None if optimizer is None else optimizer_record(optimizer, model, plan, side),
+    }
+    clash = sorted(set(names) & set(side))
+    if clash:
+        raise CheckpointError(f"cannot save {type(model).__name__}: parameter names {clash} clash with optimizer keys")
+    state = dict(zip(names, tensors, strict=True))
+    state.update(side)
+    record["tensors"] = {k: [list(t.shape), dtype_name(t.dtype)] for k, t in state.items()}
+    return SaveState(plan, state, record)
+
+
+def destination(like: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor to load a saved ``shape``/``dtype`` value into: sharded as ``like`` when ``like`` is
+    a DTensor of that global shape (so DCP reads only this rank's part), else whole on the CPU."""
+    if like is not None and type(like).__name__ == "DTensor" and tuple(like.shape) == shape and not like.is_meta:
+        return torch.empty_like(like.detach(), dtype=dtype)
+    return torch.empty(shape, dtype=dtype)
+
+
+def parameters_by_name(model: nn.Module) -> Mapping[str, torch.Tensor]:
+    return dict(model.named_parameters(remove_duplicate=False))
+
+
+@contextlib.contextmanager
+def quiet_dcp() -> Iterator[None]:
+    """DCP's warnings that say nothing to a tiekit user: single-process saves are intended here,
+    and its own use of TypedStorage is DCP's to change."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+        yield

@@ -1,0 +1,135 @@
+"""Writing tied checkpoints one tensor at a time: safetensors files and DCP folders whose tensors
+arrive from a reader, so a conversion holds about one tensor in memory, not the model.
+
+Safetensors: the header (every name, dtype, shape and offset) is known before the first byte,
+so a file is the header followed by each tensor's bytes as it is read. The files are the ones
+`tiekit.save_model` writes (the plan under ``tiekit.plan``; shards with a save id and an index
+written last) and `tiekit.load_model` reads. DCP: ``dcp.save`` plans with meta tensors and a
+planner that reads each tensor when DCP's writer asks for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+from tiekit.checkpoint.files import _commit_file, _fsync, _work_folder
+from tiekit.checkpoint.layout import INDEX_SUFFIX, PLAN_KEY, SAVE_ID_KEY
+from tiekit.errors import CheckpointError
+from tiekit.header import DTYPE_CODES
+from tiekit.plan import TiePlan
+
+#: (key, shape, dtype) of each tensor to write, in order.
+Spec = tuple[str, tuple[int, ...], torch.dtype]
+
+
+def nbytes(spec: Spec) -> int:
+    size = spec[2].itemsize
+    for d in spec[1]:
+        size *= d
+    return size
+
+
+def _header(specs: Sequence[Spec], metadata: dict[str, str]) -> bytes:
+    entries: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for key, shape, dtype in specs:
+        if dtype not in DTYPE_CODES:
+            raise CheckpointError(f"cannot write key {key!r}: safetensors cannot store {dtype}")
+        end = offset + nbytes((key, shape, dtype))
+        entries[key] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [offset, end]}
+        offset = end
+    text = json.dumps(entries, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    return len(text).to_bytes(8, "little") + text
+
+
+def _write_file(
+    path: Path, specs: Sequence[Spec], metadata: dict[str, str], tensors: Iterator[tuple[str, torch.Tensor]]
+) -> None:
+    with open(path, "wb") as f:
+        f.write(_header(specs, metadata))
+        for key, shape, dtype in specs:
+            name, tensor = next(tensors)
+            if name != key or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                raise CheckpointError(f"{path}: key {key!r}: got {name!r} {tuple(tensor.shape)} {tensor.dtype}")
+            if tensor.numel():
+                data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                f.write(memoryview(cast(Any, data.numpy())))
+                del data
+            # Dropped before the next tensor is read, so its memory is reused, not added to.
+            del tensor
+    os.chmod(path, 0o644)
+
+
+def write_safetensors(
+    target: Path,
+    specs: Sequence[Spec],
+    plan: TiePlan,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    max_shard_size: int | None = None,
+) -> list[Path]:
+    """Write ``tensors`` (yielded in ``specs`` order) as one tied safetensors file ``target``, or
+    as Hugging Face style shards of at most ``max_shard_size`` bytes plus ``<target>.index.json``
+    (written last: the commit). Returns the files written. Local."""
+    header = {"format": "pt", PLAN_KEY: plan.to_json()}
+    target.parent.mkdir(parents=True, exist_ok=True)
+    total = sum(nbytes(s) for s in specs)
+    if max_shard_size is None or total <= max_shard_size:
+        _commit_file(target, lambda tmp: _write_file(tmp, specs, header, tensors))
+        return [target]
+    shards: list[list[Spec]] = [[]]
+    size = 0
+    for spec in specs:
+        if shards[-1] and size + nbytes(spec) > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += nbytes(spec)
+    stem = target.name.removesuffix(".safetensors")
+    files = [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    index_path = target.with_name(target.name + INDEX_SUFFIX)
+    save_id = secrets.token_hex(8)
+    work = _work_folder(index_path)
+    try:
+        for file, part in zip(files, shards, strict=True):
+            _write_file(work / file, part, {"format": "pt", SAVE_ID_KEY: save_id}, tensors)
+            _fsync(work / file)
+        for file in files:
+            os.replace(work / file, target.parent / file)
+        _fsync(target.parent)
+        index = {
+            "metadata": {"format": "pt", "total_size": total, SAVE_ID_KEY: save_id, PLAN_KEY: plan.to_dict()},
+            "weight_map": {s[0]: file for file, part in zip(files, shards, strict=True) for s in part},
+        }
+        text = json.dumps(index, indent=2)
+        _commit_file(index_path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return [*(target.parent / f for f in files), index_path]
+
+
+def write_dcp(folder: Path, specs: Sequence[Spec], read: Callable[[str], torch.Tensor]) -> None:
+    """A DCP save (one process) of ``specs`` whose values ``read(key)`` returns when DCP writes them."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    from tiekit.dcp.state import quiet_dcp
+
+    class Streaming(DefaultSavePlanner):
+        """Plans with meta tensors; DCP's writer asks for each tensor once, just before writing it."""
+
+        def lookup_object(self, index: Any) -> Any:
+            return read(index.fqn)
+
+    placeholders = {key: torch.empty(shape, dtype=dtype, device="meta") for key, shape, dtype in specs}
+    with quiet_dcp():
+        save(placeholders, storage_writer=FileSystemWriter(folder), planner=Streaming(), no_dist=True)
