@@ -6,6 +6,7 @@ Each run is 2 real processes (spawned by fit, or started by torchrun with a time
 from __future__ import annotations
 
 import functools
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from launching import EXAMPLES, base_env, run_ok
 from models import WeightSharingModule, gpt2, llama, t5
+from test_train import DropoutNet, data, same, weights
 from test_train_launchers import torchrun_one_node
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
@@ -101,7 +103,54 @@ def test_the_sharded_fit_example_runs_on_two_processes() -> None:
     assert "fsdp on 2 devices" in output and "head.weight is embed.weight: True" in output, output
 
 
-def test_sharded_strategies_refuse_checkpoints_until_they_have_sharded_ones() -> None:
+def test_fsdp_checkpoints_are_sharded_folders_that_resume_bit_identically(tmp_path: Path) -> None:
+    # 2 processes x 4 samples: 5 steps per epoch; stop at 7 (mid-epoch), resume to 13.
+    kw: dict[str, Any] = {"strategy": "fsdp", "devices": 2, "batch_size": 4, "seed": 1}
+    kw |= {"optimizer": ADAMW, "progress": False}
+    straight = tiekit.fit(DropoutNet, data(), max_steps=13, **kw)
+    first = tiekit.fit(DropoutNet, data(), max_steps=7, checkpoint_dir=tmp_path, checkpoint_every=5, **kw)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000005", "step-00000007"]
+    assert first.checkpoint == tmp_path / "step-00000007" and tiekit.dcp.is_sharded_checkpoint(first.checkpoint)
+    resumed = tiekit.fit(DropoutNet, data(), max_steps=13, checkpoint_dir=tmp_path, resume="last", **kw)
+
+    assert resumed.steps == 13 and resumed.losses == straight.losses[7:]
+    assert same(weights(resumed.model), weights(straight.model))
+    assert resumed.model.c.weight is resumed.model.a.weight
+
+    # The control: the weights and optimizer state alone (no data position, no RNG states) do not
+    # continue the run.
+    naive = DropoutNet()
+    optimizer = ADAMW(naive.parameters())
+    tiekit.load_sharded(naive, first.checkpoint, optimizer=optimizer)
+    restarted = tiekit.fit(naive, data(), max_steps=6, **kw)
+    assert not same(weights(restarted.model), weights(straight.model))
+
+
+def test_an_fsdp_checkpoint_loads_into_a_plain_model_with_its_tie(tmp_path: Path) -> None:
+    kw: dict[str, Any] = {"strategy": "fsdp", "devices": 2, "batch_size": 4, "optimizer": ADAMW, "progress": False}
+    result = tiekit.fit(DropoutNet, data(), max_steps=3, checkpoint_dir=tmp_path, **kw)
+    assert result.checkpoint == tmp_path / "step-00000003"
+    stored = json.loads((result.checkpoint / tiekit.dcp.MARKER_NAME).read_text())["tensors"]
+    assert "a.weight" in stored and "c.weight" not in stored  # one copy of the tie group
+
+    plain = DropoutNet()
+    plain.c.weight = nn.Parameter(torch.zeros_like(plain.c.weight))  # the tie broken, as a move leaves it
+    loaded = tiekit.load_sharded(plain, result.checkpoint)  # one process, no process group
+    assert plain.c.weight is plain.a.weight and loaded.extra["step"] == 3
+    assert same(weights(plain), weights(result.model))
+
+
+def test_a_sharded_run_refuses_to_resume_from_a_single_file(tmp_path: Path) -> None:
+    kw: dict[str, Any] = {"batch_size": 4, "optimizer": ADAMW, "progress": False}
+    saved = tiekit.fit(DropoutNet, data(), max_steps=2, devices="cpu", checkpoint_dir=tmp_path, **kw)
+    assert saved.checkpoint is not None
+    with pytest.raises(tiekit.TiekitError, match="resumes from a sharded checkpoint folder"):
+        tiekit.fit(DropoutNet, data(), max_steps=4, strategy="fsdp", devices=2, resume=saved.checkpoint, **kw)
+
+
+def test_spmd_fsdp_refuses_checkpoints_until_save_sharded_reads_xla_shards() -> None:
     data = TensorDataset(torch.randn(16, 32), torch.randn(16, 10))
     with pytest.raises(tiekit.TiekitError, match="does not checkpoint yet"):
-        tiekit.fit(WeightSharingModule, data, loss_fn=F.mse_loss, strategy="fsdp", checkpoint_dir="ck", progress=False)
+        tiekit.fit(
+            WeightSharingModule, data, loss_fn=F.mse_loss, strategy="spmd_fsdp", checkpoint_dir="ck", progress=False
+        )

@@ -49,6 +49,9 @@ class Backend:
     compiles: bool = False
     #: A module passed to fit is copied for this replica (it would otherwise share it with others).
     copies_model: bool = False
+    #: Checkpoints are `tiekit.save_sharded` folders every rank writes its part of (the parameters
+    #: are sharded), not one file from the run's writer.
+    sharded_checkpoints: bool = False
 
     @property
     def is_master(self) -> bool:

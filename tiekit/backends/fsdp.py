@@ -17,6 +17,7 @@ class FsdpBackend(TorchBackend):
     """One of ``world`` processes training an FSDP2-sharded model (``fit(strategy="fsdp")``)."""
 
     copies_model = True  # fully_shard turns the module itself into a sharded one: never the caller's
+    sharded_checkpoints = True
 
     def __init__(self, device: torch.device, rank: int, world: int) -> None:
         super().__init__(device, rank, world)

@@ -20,8 +20,6 @@ from tiekit.errors import TiekitError
 from tiekit.train.precision import check_precision
 
 STRATEGIES = ("auto", "xla", "spmd", "spmd_fsdp", "ddp", "fsdp", "single")
-#: The strategies that shard the parameters (FSDP2 over processes, XLA SPMD over devices).
-SHARDED = ("fsdp", "spmd_fsdp")
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[Any, Any], torch.Tensor]
 ModelSource = nn.Module | Callable[[], nn.Module]
@@ -79,10 +77,10 @@ class FitConfig:
                 torch.device(self.devices)
             except RuntimeError as exc:
                 raise TiekitError(f"devices={self.devices!r} is neither 'auto' nor a device: {exc}") from exc
-        if self.strategy in SHARDED and (self.checkpoint_dir is not None or self.resume is not None):
+        if self.strategy == "spmd_fsdp" and (self.checkpoint_dir is not None or self.resume is not None):
             raise TiekitError(
-                f"strategy={self.strategy!r} does not checkpoint yet: its sharded checkpoints come with "
-                "tiekit.save_sharded; train without checkpoint_dir/resume, or with strategy='ddp'/'spmd'"
+                "strategy='spmd_fsdp' does not checkpoint yet (tiekit.save_sharded does not read XLA SPMD "
+                "shards yet); train without checkpoint_dir/resume, or with strategy='spmd'"
             )
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
             raise TiekitError("checkpoint_every needs checkpoint_dir: where should the checkpoints go?")

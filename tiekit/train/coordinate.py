@@ -29,6 +29,7 @@ from torch import nn
 import tiekit
 from tiekit.backends.base import Backend
 from tiekit.collective import Ranks, abort_thread_collectives, collective_gather, collective_save_checkpoint
+from tiekit.dcp import MARKER_NAME
 from tiekit.errors import TiekitError
 from tiekit.train import state
 from tiekit.train.config import FitConfig, Job
@@ -82,11 +83,12 @@ class Coordinator:
         if failed:
             raise TiekitError(_unreadable(path, failed, cfg, self.ranks.world))
         self.last_saved = path
+        sharded = backend.sharded_checkpoints
         if self.ranks.world == 1:
-            return state.resume(path, model, optimizer, backend.devices_in_run, backend.device)
+            return state.resume(path, model, optimizer, backend.devices_in_run, backend.device, sharded=sharded)
         loaded: state.Position | str
         try:
-            loaded = state.resume(path, model, optimizer, backend.devices_in_run, backend.device)
+            loaded = state.resume(path, model, optimizer, backend.devices_in_run, backend.device, sharded=sharded)
         except TiekitError as exc:  # reported to every rank below (a failed load changes nothing)
             loaded = f"{type(exc).__name__}: {exc}"
         outcomes = self.gather(loaded)
@@ -102,9 +104,16 @@ class Coordinator:
         self, cfg: FitConfig, model: nn.Module, optimizer: torch.optim.Optimizer, at: state.Position, backend: Backend
     ) -> None:
         """Collective: write the checkpoint of step ``at.step`` into ``cfg.checkpoint_dir`` once,
-        on the writer; its failure is raised on every rank (`tiekit.CheckpointError`)."""
+        on the writer (sharded: every rank its part, `tiekit.save_sharded`); its failure is raised
+        on every rank (`tiekit.CheckpointError`)."""
         assert cfg.checkpoint_dir is not None  # fit saves only with a checkpoint_dir
-        path = state.checkpoint_path(cfg.checkpoint_dir, at.step)
+        path = state.checkpoint_path(cfg.checkpoint_dir, at.step, sharded=backend.sharded_checkpoints)
+        if backend.sharded_checkpoints:
+            tiekit.save_sharded(
+                path=path, **state.sharded_contents(model, optimizer, at, backend.devices_in_run, backend.device)
+            )
+            self.last_saved = path
+            return
         contents = state.contents(model, optimizer, at, backend.devices_in_run, backend.device)
         if self.ranks.world > 1:
             collective_save_checkpoint(path, **contents)
@@ -150,9 +159,9 @@ def _choose(cfg: FitConfig) -> str | None:
 
 
 def _cannot_open(path: Path) -> str | None:
-    """Why this rank cannot read ``path`` (None: it can)."""
+    """Why this rank cannot read ``path`` (None: it can); a sharded checkpoint's marker for a folder."""
     try:
-        with path.open("rb") as f:
+        with (path / MARKER_NAME if path.is_dir() else path).open("rb") as f:
             f.read(8)
     except OSError as exc:
         return f"{type(exc).__name__}: {exc.strerror or exc} (working directory {os.getcwd()})"

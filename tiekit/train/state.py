@@ -1,9 +1,12 @@
 """Training checkpoints of `tiekit.fit`: tied weights, optimizer, position in the data, RNG states.
 
-Written with `tiekit.save_checkpoint` (one tensor per tie group, safetensors; one writer, see
-`tiekit.train.coordinate`) as ``<checkpoint_dir>/step-<step>.safetensors``. The ``extra`` record holds where the run
-stands (epoch, batches done in it, global step) and every random number generator state the
-step touches, so a resumed run continues exactly where the saved one stood.
+Replicated strategies write them with `tiekit.save_checkpoint` (one tensor per tie group,
+safetensors; one writer, see `tiekit.train.coordinate`) as ``<checkpoint_dir>/step-<step>.safetensors``;
+sharded ones with `tiekit.save_sharded` (every rank its part) as the folder
+``<checkpoint_dir>/step-<step>/``. Either holds in its ``extra`` record where the run stands
+(epoch, batches done in it, global step) and every random number generator state the step
+touches, so a resumed run continues exactly where the saved one stood. Any strategy resumes
+from either kind (a sharded folder loads into a replicated model too).
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ import torch
 from torch import nn
 
 from tiekit import devices, load_checkpoint
+from tiekit.dcp import is_sharded_checkpoint, load_sharded
 from tiekit.errors import CheckpointError
 
 _STEP_FILE = re.compile(r"step-(\d+)\.safetensors")
+_STEP_FOLDER = re.compile(r"step-(\d+)")
 
 
 @dataclass(frozen=True)
@@ -34,14 +39,20 @@ class Position:
     step: int = 0
 
 
-def checkpoint_path(folder: Path, step: int) -> Path:
-    """Where the checkpoint of ``step`` goes in ``folder``."""
-    return folder / f"step-{step:08d}.safetensors"
+def checkpoint_path(folder: Path, step: int, *, sharded: bool = False) -> Path:
+    """Where the checkpoint of ``step`` goes in ``folder``: a file, or a folder when ``sharded``."""
+    return folder / (f"step-{step:08d}" if sharded else f"step-{step:08d}.safetensors")
 
 
 def last_checkpoint(folder: Path) -> Path | None:
-    """The checkpoint of ``folder`` with the highest step, or None."""
+    """The checkpoint of ``folder`` with the highest step, or None. A sharded folder counts only
+    once committed (its marker written): a save killed half way is never resumed from."""
     found = [(int(m.group(1)), p) for p in folder.glob("step-*.safetensors") if (m := _STEP_FILE.fullmatch(p.name))]
+    found += [
+        (int(m.group(1)), p)
+        for p in folder.glob("step-*")
+        if (m := _STEP_FOLDER.fullmatch(p.name)) and is_sharded_checkpoint(p)
+    ]
     return max(found)[1] if found else None
 
 
@@ -64,11 +75,43 @@ def contents(
     return {"model": model, "optimizer": optimizer, "step": position.step, "extra": extra}
 
 
+def sharded_contents(
+    model: nn.Module, optimizer: torch.optim.Optimizer, position: Position, world_size: int, device: torch.device
+) -> dict[str, Any]:
+    """The keywords of `tiekit.save_sharded` for a training checkpoint at ``position`` (as
+    `contents`). The RNG states go as JSON lists: stored in rank 0's marker, so the restored
+    states are rank 0's, as with one writer (tensors would be DCP items any rank may write)."""
+    extra = contents(model, optimizer, position, world_size, device)["extra"]
+    extra["rng"] = _as_lists(extra["rng"])
+    return {"model": model, "optimizer": optimizer, "extra": {**extra, "step": position.step}}
+
+
 def resume(
-    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, world_size: int, device: torch.device
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    world_size: int,
+    device: torch.device,
+    *,
+    sharded: bool = False,
 ) -> Position:
-    """Load ``path`` into ``model`` and ``optimizer``, restore the RNG states; the saved `Position`."""
-    record = load_checkpoint(path, model=model, optimizer=optimizer)
+    """Load ``path`` (a file, or a sharded folder: then collective, as `tiekit.load_sharded`) into
+    ``model`` and ``optimizer``, restore the RNG states; the saved `Position`."""
+    if is_sharded_checkpoint(path):
+        extra = load_sharded(model, path, optimizer=optimizer).extra
+        record = {"extra": extra, "step": extra.get("step") if isinstance(extra, dict) else None}
+        if isinstance(extra, dict) and "rng" in extra:
+            extra["rng"] = _as_tensors(extra["rng"])
+    elif path.is_dir():
+        raise CheckpointError(f"{path}: a folder without a committed sharded checkpoint (a save killed half way?)")
+    else:
+        if sharded:
+            raise CheckpointError(
+                f"{path}: a sharded run resumes from a sharded checkpoint folder (step-<step>/, written by "
+                "fit with a sharded strategy), not from a single file; to start from this file's weights, "
+                "load them with tiekit.load_checkpoint into the model you pass to fit"
+            )
+        record = load_checkpoint(path, model=model, optimizer=optimizer)
     extra = record.get("extra")
     if not isinstance(extra, dict) or not {"epoch", "batches", "rng"} <= set(extra):
         raise CheckpointError(f"{path}: not a tiekit.fit checkpoint (no training position in its 'extra' record)")
@@ -81,6 +124,26 @@ def resume(
         )
     _set_rng_states(extra["rng"], device)
     return Position(int(extra["epoch"]), int(extra["batches"]), int(record["step"]))
+
+
+def _as_lists(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return {"tensor": value.tolist(), "dtype": str(value.dtype).removeprefix("torch.")}
+    if isinstance(value, dict):
+        return {k: _as_lists(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_as_lists(v) for v in value]
+    return value
+
+
+def _as_tensors(value: Any) -> Any:
+    if isinstance(value, dict) and set(value) == {"tensor", "dtype"}:
+        return torch.tensor(value["tensor"], dtype=getattr(torch, value["dtype"]))
+    if isinstance(value, dict):
+        return {k: _as_tensors(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_as_tensors(v) for v in value]
+    return value
 
 
 def _rng_states(device: torch.device) -> dict[str, Any]:
