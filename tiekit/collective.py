@@ -160,10 +160,17 @@ def collective_save_checkpoint(
     once per distinct path, every writer's failure raised on every rank."""
     from tiekit.checkpoint import save_checkpoint
 
+    if kwargs.get("blocking", True) is not True:
+        raise TiekitError(
+            "collective_save_checkpoint writes before it returns (it reports the writer's failure to every "
+            "rank); for a background save call tiekit.save_checkpoint(..., blocking=False) on the writer"
+        )
     target = os.path.abspath(os.fspath(path))
-    collective_run(
-        target, lambda: save_checkpoint(target, **kwargs), what="collective_save_checkpoint", timeout=timeout
-    )
+
+    def write() -> None:
+        save_checkpoint(target, **kwargs)
+
+    collective_run(target, write, what="collective_save_checkpoint", timeout=timeout)
 
 
 # -- runtimes ---------------------------------------------------------------------------------

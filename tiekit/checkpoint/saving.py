@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import re
 from collections.abc import Mapping
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -32,6 +35,9 @@ from tiekit.mixin import TPUMixin
 from tiekit.plan import TiePlan
 from tiekit.retie import tie_changes
 from tiekit.slots import resolve
+
+if TYPE_CHECKING:
+    from tiekit.dcp.saving import SaveHandle
 
 
 def save_model(
@@ -76,15 +82,29 @@ def save_checkpoint(
     step: int | None = None,
     extra: Any = None,
     durable: bool = True,
-) -> None:
+    blocking: bool = True,
+) -> SaveHandle:
     """Save a training checkpoint: weights (one per tie group), optimizer state, step and ``extra``.
 
     The optimizer state is stored once per unique (tied) parameter, under the parameter's
     source name. ``extra`` may hold tensors, numbers, strings, None, and lists, tuples and
     string-keyed dicts of these (RNG states, data-loader positions...); nothing is pickled.
     ``durable`` as in `save_model`. Local, as `save_model`.
+
+    ``blocking=False`` copies everything to host memory first, then writes in a background
+    thread and returns at once: training may change the model meanwhile. The file appears whole
+    when the returned `SaveHandle` is done (the previous one at ``path`` stays until then);
+    background saves are written in call order and finished before the interpreter exits.
     """
-    write_training_checkpoint(path, model=model, optimizer=optimizer, step=step, extra=extra, durable=durable)
+    from tiekit.dcp.saving import SaveHandle
+
+    target, state, header = stage_training_checkpoint(
+        path, model=model, optimizer=optimizer, step=step, extra=extra, copy=not blocking
+    )
+    if blocking:
+        write_single(target, state, header, durable)
+        return SaveHandle(target, "", None, False)
+    return SaveHandle(target, "", _background().submit(write_single, target, state, header, durable), False)
 
 
 def write_training_checkpoint(
@@ -99,6 +119,24 @@ def write_training_checkpoint(
 ) -> None:
     """`save_checkpoint`, with the codec's ``fallback`` for values it cannot store (the Lightning
     integration's opt-in pickling)."""
+    target, state, header = stage_training_checkpoint(
+        path, model=model, optimizer=optimizer, step=step, extra=extra, fallback=fallback
+    )
+    write_single(target, state, header, durable)
+
+
+def stage_training_checkpoint(
+    path: PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    step: int | None,
+    extra: Any,
+    fallback: Fallback | None = None,
+    copy: bool = False,
+) -> tuple[Path, dict[str, torch.Tensor], dict[str, str]]:
+    """Where a training checkpoint goes, its host tensors and its header. ``copy``: every tensor
+    is a host copy of its own (never the model's or optimizer's memory), for a later write."""
     target = target_path(path, CHECKPOINT_NAME)
     plan = _saving_plan(model)
     names, tensors = _unique_tensors(model, plan)
@@ -114,10 +152,22 @@ def write_training_checkpoint(
         raise CheckpointError(f"cannot save {type(model).__name__}: parameter names {clash} clash with optimizer keys")
     header = _header_metadata(None, plan)
     header[STATE_KEY] = json.dumps(record, separators=(",", ":"))
-    all_names = [*names, *side]
+    originals = [*tensors, *side.values()]
+    hosts = _host_tensors(originals)
+    if copy:
+        hosts = [h.clone() if _shares_memory(h, t) else h for h, t in zip(hosts, originals, strict=True)]
+    return target, dict(zip([*names, *side], hosts, strict=True)), header
 
-    hosts = _host_tensors([*tensors, *side.values()])
-    write_single(target, dict(zip(all_names, hosts, strict=True)), header, durable)
+
+@functools.cache
+def _background() -> ThreadPoolExecutor:
+    """The one thread writing `save_checkpoint(blocking=False)` files: in call order, and joined
+    (so finished) when the interpreter exits."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiekit-save")
+
+
+def _shares_memory(host: torch.Tensor, original: torch.Tensor) -> bool:
+    return host.device == original.device and host.untyped_storage().data_ptr() == original.untyped_storage().data_ptr()
 
 
 def _parse_size(size: int | str) -> int:

@@ -66,6 +66,7 @@ def fit(
     val_data: Any = None,
     checkpoint_dir: str | Path | None = None,
     checkpoint_every: int | None = None,
+    checkpoint_async: bool = True,
     resume: str | Path | None = None,
     seed: int = 0,
     drop_last: bool = True,
@@ -83,9 +84,11 @@ def fit(
     loss. ``optimizer``: a factory taking the parameters. ``epochs`` (default 1, unlimited with
     ``max_steps``) and ``max_steps`` bound the run. ``batch_size``: per device (default: the
     DataLoader's, else 32). ``devices``: "auto", a number of devices/processes, or one device
-    ("cpu", "cuda:1", "xla"). ``strategy``: "auto", "xla", "spmd", "ddp" or "single" (see
+    ("cpu", "cuda:1", "xla"). ``strategy``: "auto", "xla", "spmd", "spmd_fsdp", "ddp", "fsdp" or "single" (see
     docs/training.md). ``precision``: "32-true", "bf16-true", "bf16-mixed" or "16-true" (bf16 on
-    XLA). ``checkpoint_dir``/``checkpoint_every``: tied checkpoints every N steps and at the end;
+    XLA). ``checkpoint_dir``/``checkpoint_every``: tied checkpoints every N steps and at the end
+    (sharded strategies: `tiekit.save_sharded` folders), written in the background while
+    training goes on unless ``checkpoint_async=False``; fit returns once the last is complete.
     ``resume``: a checkpoint path or "last". ``drop_last``: drop the short last batch (else it is
     padded on XLA so every step has one shape). ``progress``: tqdm bar on the master;
     ``log_dir``: ``metrics.csv`` (and TensorBoard logs when installed).
@@ -101,6 +104,7 @@ def fit(
         precision=precision,
         checkpoint_dir=None if checkpoint_dir is None else Path(checkpoint_dir),
         checkpoint_every=checkpoint_every,
+        checkpoint_async=checkpoint_async,
         resume=None if resume is None else "last" if resume == "last" else Path(resume),
         seed=seed,
         drop_last=drop_last,

@@ -42,6 +42,7 @@ class FitConfig:
     precision: str = "32-true"
     checkpoint_dir: Path | None = None
     checkpoint_every: int | None = None
+    checkpoint_async: bool = True
     resume: Path | str | None = None
     seed: int = 0
     drop_last: bool = True

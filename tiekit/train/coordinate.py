@@ -11,8 +11,9 @@ the same order, in `tiekit.train.loop`); a run of one rank decides alone and wai
    in rank 0's ``checkpoint_dir``), then opened by every rank: a rank that cannot (node-local
    folders) is a `TiekitError` on every rank naming it and the path. After the load, every
    rank must stand at the same step.
-3. `Coordinator.save`: one writer per checkpoint (rank 0; process index 0 under SPMD), its
-   failure raised on every rank.
+3. `Coordinator.save`: one writer per checkpoint (rank 0; process index 0 under SPMD; every
+   rank its part of a sharded one), its failure raised on every rank: at once, or for a save
+   written in the background at the next save or `Coordinator.finish_saves`.
 4. `abort`: a failing rank releases the launch threads waiting for it in a collective.
 """
 
@@ -29,8 +30,8 @@ from torch import nn
 import tiekit
 from tiekit.backends.base import Backend
 from tiekit.collective import Ranks, abort_thread_collectives, collective_gather, collective_save_checkpoint
-from tiekit.dcp import MARKER_NAME
-from tiekit.errors import TiekitError
+from tiekit.dcp import MARKER_NAME, SaveHandle
+from tiekit.errors import CheckpointError, TiekitError
 from tiekit.train import state
 from tiekit.train.config import FitConfig, Job
 
@@ -46,6 +47,7 @@ SHARED_OPTIONS = (
     "shuffle",
     "checkpoint_dir",
     "checkpoint_every",
+    "checkpoint_async",
     "resume",
 )
 
@@ -57,6 +59,7 @@ class Coordinator:
     ranks: Ranks
     run_id: str
     last_saved: Path | None = None
+    pending: SaveHandle | None = None  # this rank's background save, if one is under way
 
     def gather(self, value: Any) -> list[Any]:
         """Collective: every rank's ``value`` in rank order (``[value]`` in a run of one rank)."""
@@ -105,21 +108,49 @@ class Coordinator:
     ) -> None:
         """Collective: write the checkpoint of step ``at.step`` into ``cfg.checkpoint_dir`` once,
         on the writer (sharded: every rank its part, `tiekit.save_sharded`); its failure is raised
-        on every rank (`tiekit.CheckpointError`)."""
+        on every rank (`tiekit.CheckpointError`). With ``cfg.checkpoint_async`` the state is
+        copied to host memory here and written in the background: the failure of a save is
+        raised at the next save or at `finish_saves`."""
         assert cfg.checkpoint_dir is not None  # fit saves only with a checkpoint_dir
+        self.finish_saves(cfg)  # one save in flight at a time: the previous one written, or its failure raised
         path = state.checkpoint_path(cfg.checkpoint_dir, at.step, sharded=backend.sharded_checkpoints)
+        blocking = not cfg.checkpoint_async
         if backend.sharded_checkpoints:
-            tiekit.save_sharded(
-                path=path, **state.sharded_contents(model, optimizer, at, backend.devices_in_run, backend.device)
-            )
-            self.last_saved = path
-            return
-        contents = state.contents(model, optimizer, at, backend.devices_in_run, backend.device)
-        if self.ranks.world > 1:
-            collective_save_checkpoint(path, **contents)
+            sharded = state.sharded_contents(model, optimizer, at, backend.devices_in_run, backend.device)
+            self.pending = tiekit.save_sharded(path=path, blocking=blocking, **sharded)
         else:
-            tiekit.save_checkpoint(path, **contents)
+            contents = state.contents(model, optimizer, at, backend.devices_in_run, backend.device)
+            if not blocking:
+                if self.ranks.is_writer:
+                    self.pending = tiekit.save_checkpoint(path, blocking=False, **contents)
+            elif self.ranks.world > 1:
+                collective_save_checkpoint(path, **contents)
+            else:
+                tiekit.save_checkpoint(path, **contents)
         self.last_saved = path
+
+    def finish_saves(self, cfg: FitConfig) -> None:
+        """Collective (in a run that saves in the background): wait until this rank's background
+        save, if any, is written; raise any rank's failure on every rank (`tiekit.CheckpointError`
+        naming the ranks)."""
+        if cfg.checkpoint_dir is None or not cfg.checkpoint_async:
+            return  # the same on every rank: nothing was saved in the background
+        handle, self.pending = self.pending, None
+        error: str | None = None
+        own: CheckpointError | None = None
+        if handle is not None:
+            try:
+                handle.wait()
+            except CheckpointError as exc:  # reported to every rank below
+                error, own = str(exc), exc
+        if self.ranks.world == 1:
+            if own is not None:
+                raise own
+            return
+        failed = [(rank, e) for rank, e in enumerate(self.gather(error)) if e is not None]
+        if failed:
+            detail = "; ".join(f"rank {rank}: {e}" for rank, e in failed)
+            raise CheckpointError(f"a background checkpoint save failed on {len(failed)} rank(s): {detail}") from own
 
 
 def join(job: Job, backend: Backend) -> Coordinator:

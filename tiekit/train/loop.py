@@ -166,6 +166,7 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
         if cfg.checkpoint_dir is not None and saved_at != step:
             with log.outside_steps():
                 coordinator.save(cfg, model, optimizer, state.Position(epoch, done, step), backend)
+        coordinator.finish_saves(cfg)  # the last checkpoint complete before fit returns
     finally:
         log.close()
     backend.wait()
