@@ -194,6 +194,7 @@ def _stream_to_devices(jobs: list[_Job], files: Mapping[str, FileIdentity]) -> l
     free: list[torch.Tensor] = []  # staging buffers not in use; two at most are ever made
     out: list[tuple[_Job, torch.Tensor]] = []
     with TensorReader(files) as reader:  # waits for every read begun, even when a transfer fails
+        reader.open({job.entry[0] for job in jobs})  # every file checked before the first byte is read
 
         def start(batch: list[_Job]) -> tuple[torch.Tensor, list[torch.Tensor], list[Future[None]]]:
             size = sum(_staged_bytes(job) for job in batch)

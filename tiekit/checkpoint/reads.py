@@ -49,6 +49,11 @@ class TensorReader:
             os.close(fd)
         self._fds.clear()
 
+    def open(self, paths: set[str]) -> None:
+        """Open and check every file now, before the first byte of a read in several steps."""
+        for path in sorted(paths):
+            self._open(path)
+
     def read(self, reads: list[tuple[str, TensorEntry, torch.Tensor]]) -> None:
         """Read each entry's bytes into its contiguous CPU tensor, with no intermediate copy."""
         chunks = self._chunks(reads)
