@@ -83,24 +83,35 @@ def test_the_moved_values_are_the_models(swap: bool) -> None:
         assert torch.equal(value.cpu(), expected[name].to(value.dtype)), name
 
 
+@pytest.mark.parametrize("load", ["load_model", "load_checkpoint"])
 def test_loads_onto_xla_stream_through_the_host_in_bounded_batches(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    load: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """load_model of a meta model onto XLA, and load_checkpoint into a model already there."""
     import torch_xla.debug.metrics as met
 
     from tiekit.checkpoint import loading
 
     torch.manual_seed(0)
     source = gpt2()
-    tiekit.save_model(source, tmp_path / "m.safetensors")
+    path = tmp_path / "m.safetensors"
+    if load == "load_model":
+        tiekit.save_model(source, path)
+        with torch.device("meta"):
+            model = gpt2()
+    else:
+        tiekit.save_checkpoint(path, model=source, step=3)
+        model = gpt2()  # other values
+        tiekit.move(model, "xla")
     budget = 10_000  # the embedding (12,288 bytes) and the MLP weights (16,384) are larger
     monkeypatch.setattr(loading, "STAGING_BYTES", budget)
     unique = list({t.data_ptr(): t for t in source.state_dict().values()}.values())  # tied: one
     larger = sorted((t.nbytes for t in unique if t.nbytes > budget), reverse=True)
-    with torch.device("meta"):
-        model = gpt2()
     met.clear_all()
-    tiekit.load_model(model, tmp_path / "m.safetensors", device="xla")
+    if load == "load_model":
+        tiekit.load_model(model, path, device="xla")
+    else:
+        assert tiekit.load_checkpoint(path, model=model)["step"] == 3
     count, total, samples = met.metric_data("OutboundData")  # bytes of each host-to-device transfer
     sent = [int(value) for _, value in samples]
     assert count == len(sent) == met.metric_data("TransferToDeviceTime")[0]
