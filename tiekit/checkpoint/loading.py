@@ -216,7 +216,7 @@ def _stream_to_devices(jobs: list[_Job], files: Mapping[str, FileIdentity]) -> l
             reader.wait(reads)
             following = batches[index + 1] if index + 1 < len(batches) else None
             ahead = following is not None and _fits(following)
-            pending = start(following) if following is not None and ahead else None  # read while this crosses
+            pending = start(following) if following is not None and ahead else None  # read as this crosses
             out.extend(_transfer(batch, hosts))
             del hosts
             if _fits(batch):
@@ -276,8 +276,8 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 def _release_freed_memory() -> None:
     """Give the host memory freed by a batch back to the OS: glibc keeps freed blocks for reuse,
-    fragmented among the device buffers on XLA:CPU, so the process would grow by about a third of
-    the model however small the batches."""
+    fragmented among the device buffers on XLA:CPU, so the process would grow by a fifth of the
+    model more however small the batches (GPT-2 small: 1.30x the file instead of 1.10x)."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
