@@ -17,7 +17,7 @@ ratios are taken within a round.
 ``tiekit`` package, e.g. ``git archive caba64f tiekit | tar -x -C DIR``), run in the same rounds.
 
     PJRT_DEVICE=CPU .venv/bin/python benchmarks/bench_device_load.py [--layers 12] [--repeats 5]
-        [--baseline DIR ...] [--staging-mib N]
+        [--baseline DIR ...] [--staging-mib N] [--loads-only]
 """
 
 from __future__ import annotations
