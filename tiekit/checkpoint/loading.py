@@ -7,7 +7,10 @@ per unique weight, then re-tied.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import ctypes
+import functools
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +21,7 @@ from tiekit import devices
 from tiekit.checkpoint.codec import Reader, decode
 from tiekit.checkpoint.layout import CHECKPOINT_NAME, Device, PathLike
 from tiekit.checkpoint.optimizer import stage_optimizer
-from tiekit.checkpoint.reads import read_into, read_tensor
+from tiekit.checkpoint.reads import TensorReader, read_into, read_tensor
 from tiekit.checkpoint.source import Source, open_source, training_record
 from tiekit.checkpoint.staging import DtypePolicy, Staged, stage
 from tiekit.errors import CheckpointError
@@ -131,9 +134,10 @@ class _Job:
     replace: bool
 
 
-#: Host bytes staged at a time on the way to another device: a load onto XLA or CUDA reads,
-#: transfers and releases this much, not the whole model (a larger tensor goes alone).
-STAGING_BYTES = 64 << 20
+#: Bytes of each of the two host buffers a load onto XLA or CUDA streams through: one batch is read
+#: into one while the previous batch, in the other, is transferred; never the whole model (a
+#: tensor larger than this goes alone, in memory of its own, freed once it is transferred).
+STAGING_BYTES = 16 << 20
 
 
 def _fill(jobs: list[_Job], files: Mapping[str, FileIdentity]) -> dict[int, torch.Tensor]:
@@ -179,36 +183,104 @@ def _fill(jobs: list[_Job], files: Mapping[str, FileIdentity]) -> dict[int, torc
 
 def _stream_to_devices(jobs: list[_Job], files: Mapping[str, FileIdentity]) -> list[tuple[_Job, torch.Tensor]]:
     """Each job's value on its device, read and transferred in batches of at most `STAGING_BYTES`
-    host bytes (a larger tensor alone), each batch's host memory released before the next."""
+    (a larger tensor alone): each batch is read into a reused buffer while the one before it is
+    transferred from the other, so reading and transferring overlap as in one batched transfer."""
+    # Larger tensors first: such a batch briefly exists three times (its own memory, torch_xla's
+    # copy of it, the device buffer: all host memory on XLA:CPU), cheapest while little is on the
+    # device. The rest keep the file's order, which reads the file front to back.
+    jobs = sorted(jobs, key=lambda job: -_staged_bytes(job) if _staged_bytes(job) > STAGING_BYTES else 0)
+    batches = list(_batches(jobs))
+    room = min(STAGING_BYTES, sum(_staged_bytes(job) for job in jobs))
+    free: list[torch.Tensor] = []  # staging buffers not in use; two at most are ever made
     out: list[tuple[_Job, torch.Tensor]] = []
+    with TensorReader(files) as reader:  # waits for every read begun, even when a transfer fails
+        reader.open({job.entry[0] for job in jobs})  # every file checked before the first byte is read
+
+        def start(batch: list[_Job]) -> tuple[torch.Tensor, list[torch.Tensor], list[Future[None]]]:
+            size = sum(_staged_bytes(job) for job in batch)
+            if size > STAGING_BYTES:
+                block = torch.empty(size, dtype=torch.uint8)  # one tensor larger than a buffer
+            else:
+                block = free.pop() if free else torch.empty(room, dtype=torch.uint8)
+            hosts, offset = [], 0
+            for job in batch:
+                entry = job.entry[1]
+                hosts.append(block[offset : offset + entry.end - entry.start].view(entry.dtype).view(entry.shape))
+                offset += _staged_bytes(job)
+            return block, hosts, reader.start([(*job.entry, host) for job, host in zip(batch, hosts, strict=True)])
+
+        pending = start(batches[0]) if batches else None
+        for index, batch in enumerate(batches):
+            assert pending is not None  # started before the loop or in the previous round
+            block, hosts, reads = pending
+            reader.wait(reads)
+            following = batches[index + 1] if index + 1 < len(batches) else None
+            ahead = following is not None and _fits(following)
+            pending = start(following) if following is not None and ahead else None  # read as this crosses
+            out.extend(_transfer(batch, hosts))
+            del hosts
+            if _fits(batch):
+                free.append(block)
+            del block  # a larger tensor's own memory goes now
+            _release_freed_memory()
+            if following is not None and not ahead:
+                pending = start(following)  # a larger tensor: not while this batch's copies exist
+    return out
+
+
+def _fits(batch: list[_Job]) -> bool:
+    return sum(_staged_bytes(job) for job in batch) <= STAGING_BYTES
+
+
+def _transfer(batch: list[_Job], hosts: list[torch.Tensor]) -> list[tuple[_Job, torch.Tensor]]:
+    """The batch on its devices, one batched transfer per device. torch_xla copies each host
+    tensor before it returns (its AtenSource, a blocking ``Tensor.to(copy=True)``; the device
+    buffer is filled from that copy), as a blocking ``.to()`` does: the buffer is free after."""
+    by_device: dict[torch.device, list[tuple[_Job, torch.Tensor]]] = {}
+    for job, host in zip(batch, hosts, strict=True):
+        by_device.setdefault(job.device, []).append((job, host))
+    out: list[tuple[_Job, torch.Tensor]] = []
+    for device, items in by_device.items():
+        moved = devices.to_device([host.to(job.dtype) for job, host in items], device)
+        out.extend((job, value) for (job, _), value in zip(items, moved, strict=True))
+    return out
+
+
+def _staged_bytes(job: _Job) -> int:
+    """The job's room in the staging buffer: its bytes rounded up to 64, so every view is aligned."""
+    entry = job.entry[1]
+    return -(-(entry.end - entry.start) // 64) * 64
+
+
+def _batches(jobs: list[_Job]) -> Iterator[list[_Job]]:
     batch: list[_Job] = []
     size = 0
-
-    def flush() -> None:
-        by_device: dict[torch.device, list[tuple[_Job, torch.Tensor]]] = {}
-        reads = []
-        for job in batch:
-            path, entry = job.entry
-            host = torch.empty(entry.shape, dtype=entry.dtype)
-            reads.append((path, entry, host))
-            by_device.setdefault(job.device, []).append((job, host))
-        read_into(reads, files)
-        for device, items in by_device.items():
-            moved = devices.to_device([host.to(job.dtype) for job, host in items], device)  # one transfer
-            out.extend((job, value) for (job, _), value in zip(items, moved, strict=True))
-        batch.clear()
-
     for job in jobs:
-        entry = job.entry[1]
-        nbytes = entry.end - entry.start
-        if batch and size + nbytes > STAGING_BYTES:
-            flush()
-            size = 0
+        if batch and size + _staged_bytes(job) > STAGING_BYTES:
+            yield batch
+            batch, size = [], 0
         batch.append(job)
-        size += nbytes
+        size += _staged_bytes(job)
     if batch:
-        flush()
-    return out
+        yield batch
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        trim: Callable[[int], int] = ctypes.CDLL(None).malloc_trim
+    except (OSError, TypeError, AttributeError):
+        return None  # not glibc
+    return trim
+
+
+def _release_freed_memory() -> None:
+    """Give the host memory freed by a batch back to the OS: glibc keeps freed blocks for reuse,
+    fragmented among the device buffers on XLA:CPU, so the process would grow by a fifth of the
+    model more however small the batches (GPT-2 small: 1.30x the file instead of 1.10x)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

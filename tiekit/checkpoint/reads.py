@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import TracebackType
 from typing import Any, cast
 
 import torch
@@ -13,47 +14,122 @@ from tiekit.errors import CheckpointError
 from tiekit.header import FileIdentity, TensorEntry, file_identity
 
 _CHUNK = 1 << 23
+_WORKERS = 8
+_Chunk = tuple[int, memoryview, int, TensorEntry, str]  # descriptor, destination, offset, entry, path
 
 
-def read_into(reads: list[tuple[str, TensorEntry, torch.Tensor]], files: Mapping[str, FileIdentity]) -> None:
-    """Read each entry's bytes into its contiguous CPU tensor, with no intermediate copy.
+class TensorReader:
+    """Open files and reader threads kept for many reads: a load that streams batch after batch
+    opens each file and starts its threads once (a new pool per 16 MiB batch spent 0.26 s of a
+    1.27 s load of GPT-2 starting threads, on this loaded 2-core machine).
 
     Reads are cut in 8 MiB chunks and issued from a few threads (``os.preadv`` releases the
     GIL): one thread copying from the page cache is half as fast as two on this 2-core machine.
-    Every file is opened, and checked to be the one validated, before the first byte is read:
+    Every file is opened, and checked to be the one validated, before its first byte is read:
     an open descriptor keeps reading that file even if a save replaces it meanwhile.
     """
-    chunks: list[tuple[int, memoryview, int, TensorEntry, str]] = []
-    fds: dict[str, int] = {}
-    try:
+
+    def __init__(self, files: Mapping[str, FileIdentity]) -> None:
+        self._files = files
+        self._fds: dict[str, int] = {}
+        self._pool: ThreadPoolExecutor | None = None
+
+    def __enter__(self) -> TensorReader:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Wait for every read started (none writes into memory freed after), close the files."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def open(self, paths: set[str]) -> None:
+        """Open and check every file now, before the first byte of a read in several steps."""
+        for path in sorted(paths):
+            self._open(path)
+
+    def read(self, reads: list[tuple[str, TensorEntry, torch.Tensor]]) -> None:
+        """Read each entry's bytes into its contiguous CPU tensor, with no intermediate copy."""
+        chunks = self._chunks(reads)
+        if len(chunks) == 1 or self._workers() == 1:
+            for chunk in chunks:
+                _read_chunk(*chunk)
+        else:
+            self.wait(self._submit(chunks))
+
+    def start(self, reads: list[tuple[str, TensorEntry, torch.Tensor]]) -> list[Future[None]]:
+        """Begin reading each entry into its tensor in the background (the caller meanwhile
+        does other work, a transfer); `wait` on the result before using the tensors."""
+        chunks = self._chunks(reads)
+        if self._workers() > 1:
+            return self._submit(chunks)
+        done: Future[None] = Future()  # no threads to read with: read now
+        try:
+            for chunk in chunks:
+                _read_chunk(*chunk)
+        except BaseException as exc:  # noqa: BLE001 - handed to wait(), which raises it
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
+        return [done]
+
+    def _chunks(self, reads: list[tuple[str, TensorEntry, torch.Tensor]]) -> list[_Chunk]:
+        chunks: list[_Chunk] = []
         for path, entry, out in reads:
             size = entry.end - entry.start
             if size == 0:
                 continue
-            if path not in fds:
-                try:
-                    fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-                    now = file_identity(os.fstat(fds[path]))
-                except OSError as exc:
-                    raise CheckpointError(f"{path}: cannot open: {exc.strerror or exc}") from exc
-                if path in files and now != files[path]:
-                    raise CheckpointError(
-                        f"{path}: changed on disk after its header was checked (replaced by another save?); "
-                        "nothing was loaded, load again"
-                    )
+            handle = self._open(path)
             view = memoryview(cast(Any, out.reshape(-1).view(torch.uint8).numpy()))
-            handle = fds[path]
             chunks.extend((handle, view[a : a + _CHUNK], entry.start + a, entry, path) for a in range(0, size, _CHUNK))
-        workers = max(1, min(8, torch.get_num_threads(), len(chunks)))
-        if workers == 1 or not hasattr(os, "preadv"):
-            for chunk in chunks:
-                _read_chunk(*chunk)
-        else:
-            with ThreadPoolExecutor(workers) as pool:
-                list(pool.map(lambda c: _read_chunk(*c), chunks))  # list() re-raises a reader's error
-    finally:
-        for fd in fds.values():
-            os.close(fd)
+        return chunks
+
+    @staticmethod
+    def _workers() -> int:
+        return min(_WORKERS, torch.get_num_threads()) if hasattr(os, "preadv") else 1
+
+    def _submit(self, chunks: list[_Chunk]) -> list[Future[None]]:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._workers())
+        return [self._pool.submit(_read_chunk, *chunk) for chunk in chunks]
+
+    @staticmethod
+    def wait(started: list[Future[None]]) -> None:
+        """Wait for reads begun by `start`; raises the first reader's error (after all finished)."""
+        errors = [exc for future in started if (exc := future.exception()) is not None]
+        if errors:
+            raise errors[0]
+
+    def _open(self, path: str) -> int:
+        if path in self._fds:
+            return self._fds[path]
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot open: {exc.strerror or exc}") from exc
+        self._fds[path] = fd  # closed by close() from here on
+        try:
+            now = file_identity(os.fstat(fd))
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot open: {exc.strerror or exc}") from exc
+        if path in self._files and now != self._files[path]:
+            raise CheckpointError(
+                f"{path}: changed on disk after its header was checked (replaced by another save?); "
+                "nothing was loaded, load again"
+            )
+        return fd
+
+
+def read_into(reads: list[tuple[str, TensorEntry, torch.Tensor]], files: Mapping[str, FileIdentity]) -> None:
+    """Read each entry's bytes into its contiguous CPU tensor, with no intermediate copy (`TensorReader`)."""
+    with TensorReader(files) as reader:
+        reader.read(reads)
 
 
 def _read_chunk(fd: int, view: memoryview, offset: int, entry: TensorEntry, path: str) -> None:
