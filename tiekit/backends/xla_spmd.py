@@ -3,7 +3,8 @@ the mesh, and (``"spmd_fsdp"``) so are the parameters."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import sys
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -68,6 +69,45 @@ def shard_parameters(model: nn.Module, mesh: Any) -> int:
         spmd.mark_sharding(p, mesh, (axis,) + (None,) * (p.dim() - 1))
         annotated += 1
     return annotated
+
+
+def spmd_tensors(tensors: Iterable[torch.Tensor]) -> bool:
+    """True when SPMD is on in this process and any of ``tensors`` is one of its XLA tensors:
+    torch.distributed.checkpoint then needs torch_xla's SPMD planners, which write and read each
+    device's shard (DCP's default planners know nothing of XLA shardings). Never imports torch_xla:
+    a process that has not imported it holds no XLA tensor."""
+    if "torch_xla" not in sys.modules:
+        return False
+    xr = xla_module("torch_xla.runtime")
+    return bool(xr.is_spmd()) and any(t.device.type == "xla" for t in tensors)
+
+
+def spmd_save_planner() -> Any:
+    """torch_xla's ``SPMDSavePlanner``: each host writes the shards its devices hold (a replicated
+    or unsharded tensor once, through DCP's default planning)."""
+    checkpoint = xla_module("torch_xla.experimental.distributed_checkpoint")
+    return checkpoint.SPMDSavePlanner()
+
+
+def spmd_load_planner() -> Any:
+    """torch_xla's ``SPMDLoadPlanner``: reads into the live sharded XLA tensors in place (each
+    device gets its rows), so a parameter keeps its identity (hence its ties) and its sharding."""
+    checkpoint = xla_module("torch_xla.experimental.distributed_checkpoint")
+    return checkpoint.SPMDLoadPlanner()
+
+
+def spmd_host_copy(state: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """``state`` copied to host memory for a background save: a sharded tensor as its devices'
+    shards (torch_xla's ``_CpuShards``, which ``SPMDSavePlanner`` writes without touching the
+    device again), any other XLA tensor whole, a host tensor cloned (training may change it
+    meanwhile). Waits for the device; the copy is what is saved.
+
+    torch_xla's own ``CheckpointManager.save_async`` stages with the same private helper; there
+    is no public one in torch_xla 2.9."""
+    helpers = xla_module("torch_xla.experimental.distributed_checkpoint._helpers")
+    on_device = {k: t for k, t in state.items() if t.device.type == "xla"}
+    copied = dict(helpers._sharded_cpu_state_dict(on_device))
+    return {k: copied[k] if k in copied else t.detach().clone() for k, t in state.items()}
 
 
 class SpmdBackend(XlaBackend):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +79,15 @@ def destination(like: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.
     if like is not None and type(like).__name__ == "DTensor" and tuple(like.shape) == shape and not like.is_meta:
         return torch.empty_like(like.detach(), dtype=dtype)
     return torch.empty(shape, dtype=dtype)
+
+
+def xla_spmd(tensors: Iterable[torch.Tensor]) -> bool:
+    """True when ``tensors`` hold XLA SPMD tensors, which DCP saves and loads with torch_xla's
+    planners (`tiekit.backends.xla_spmd`, imported here only: ``import tiekit`` never imports
+    torch_xla, and a process without it holds no XLA tensor)."""
+    from tiekit.backends.xla_spmd import spmd_tensors
+
+    return spmd_tensors(tensors)
 
 
 def parameters_by_name(model: nn.Module) -> Mapping[str, torch.Tensor]:
