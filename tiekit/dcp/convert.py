@@ -10,7 +10,6 @@ Only model weights are converted: optimizer state and ``extra`` stay in the sour
 
 from __future__ import annotations
 
-import gc
 import os
 import uuid
 from collections.abc import Callable, Iterator
@@ -126,6 +125,7 @@ def _open(path: Path) -> _Reader:
 
 
 def _dcp_read(folder: Path) -> Callable[[list[str]], dict]:
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.state_dict_loader import load
@@ -138,11 +138,15 @@ def _dcp_read(folder: Path) -> Callable[[list[str]], dict]:
             info = metadata.state_dict_metadata[k]
             assert isinstance(info, TensorStorageMetadata)
             out[k] = torch.empty(tuple(info.size), dtype=info.properties.dtype)
+        # The keys are flat, so DCP's flattening (whose helpers leave reference cycles holding
+        # the tensors) is off; the planner's own dicts are emptied after the read. Then only
+        # `out` holds the tensors, each freed once written, with no gc.collect() (a full pass
+        # took 0.3 s per batch in a process holding GPT-2 small and transformers).
+        planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
         with quiet_dcp():
-            load(out, storage_reader=FileSystemReader(folder), no_dist=True)
-        # DCP's planner keeps its own dict of the tensors inside a reference cycle: collected now,
-        # each tensor is freed once written, else every batch stays until the next GC pass.
-        gc.collect()
+            load(dict(out), storage_reader=FileSystemReader(folder), planner=planner, no_dist=True)
+        planner.state_dict.clear()
+        planner.original_state_dict.clear()
         return out
 
     return read
