@@ -185,12 +185,13 @@ def _spmd_async_save(state: SaveState, writer: Any, planner: Any, group: Any, di
 def _prepare(model: nn.Module, root: Path, optimizer: Any, extra: Any) -> tuple[str, SaveState]:
     """Collective: agree on the folder and the save id; build this rank's state; fail everywhere
     if any rank failed."""
-    paths = collective_gather(os.fspath(root))
+    # One gather for both (each costs a round trip of every rank): the folders, and rank 0's id.
+    found = collective_gather((os.fspath(root), uuid.uuid4().hex[:16] if _rank() == 0 else None))
+    paths = [p for p, _ in found]
     if any(p != paths[0] for p in paths):
         shown = "; ".join(f"rank {r}: {p}" for r, p in enumerate(paths))
         raise CheckpointError(f"save_sharded needs the same folder on every rank ({shown})")
-    ids = collective_gather(uuid.uuid4().hex[:16] if _rank() == 0 else None)
-    save_id = str(ids[0])
+    save_id = str(found[0][1])
     state: SaveState | None = None
     error: Exception | None = None
     try:
