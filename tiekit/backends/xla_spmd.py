@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiekit.backends.xla import XlaBackend, xla_device_count, xla_module
+from tiekit.backends.xla import XlaBackend, xla_device_count, xla_module, xla_wait
 from tiekit.collective import ranks
 from tiekit.devices import xla
 from tiekit.plan import TiePlan
@@ -82,6 +82,14 @@ def spmd_tensors(tensors: Iterable[torch.Tensor]) -> bool:
     return bool(xr.is_spmd()) and any(t.device.type == "xla" for t in tensors)
 
 
+def spmd_settle() -> None:
+    """Run every pending XLA computation of this process and wait for it to finish: torch_xla's
+    planners read the tensors' device data, which a tensor still being computed (an optimizer
+    step not yet synced, or synced and still in flight) does not have yet."""
+    xla().sync()
+    xla_wait()
+
+
 def spmd_save_planner() -> Any:
     """torch_xla's ``SPMDSavePlanner``: each host writes the shards its devices hold (a replicated
     or unsharded tensor once, through DCP's default planning)."""
@@ -94,6 +102,20 @@ def spmd_load_planner() -> Any:
     device gets its rows), so a parameter keeps its identity (hence its ties) and its sharding."""
     checkpoint = xla_module("torch_xla.experimental.distributed_checkpoint")
     return checkpoint.SPMDLoadPlanner()
+
+
+def spmd_empty_like(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """A new XLA tensor of ``like``'s shape, on its device and sharded as it is, for
+    ``SPMDLoadPlanner`` to read each device's rows into (an optimizer state of a sharded
+    parameter stays sharded after a load); None when ``like`` carries no sharding."""
+    torch_xla = xla()
+    if not torch_xla._XLAC._get_xla_sharding_spec(like):
+        return None
+    # Device data, as a moved parameter is: the planner asks for its shards' indices, which a
+    # tensor still only a graph node (torch.zeros on the device) does not have yet.
+    made = torch.zeros(like.shape, dtype=dtype).to(like.device)
+    torch_xla._XLAC._xla_mark_sharding(made, torch_xla._XLAC._get_xla_op_sharding(like))
+    return made
 
 
 def spmd_host_copy(state: Mapping[str, torch.Tensor]) -> dict[str, Any]:

@@ -83,8 +83,9 @@ def load_sharded(
     assert marker is not None and source is not None and staged is not None
     single = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     if side:
+        planner = _spmd_planner() if xla_spmd(side.values()) else None
         with quiet_dcp():
-            load(side, storage_reader=FileSystemReader(marker.folder), no_dist=single)
+            load(side, storage_reader=FileSystemReader(marker.folder), planner=planner, no_dist=single)
     restore: Callable[[], None] | None = None
     try:
         extra = decode(marker.record.get("extra"), side, marker.where)
@@ -106,8 +107,9 @@ def load_sharded(
 def _spmd_planner() -> Any:
     """torch_xla's SPMD planner, for a model of XLA SPMD tensors: it reads each device's rows into
     the live sharded tensor in place, so ties (one tensor per group) and shardings stay."""
-    from tiekit.backends.xla_spmd import spmd_load_planner
+    from tiekit.backends.xla_spmd import spmd_load_planner, spmd_settle
 
+    spmd_settle()  # the planner reads and replaces device data: pending steps run first
     return spmd_load_planner()
 
 

@@ -153,8 +153,9 @@ def save_sharded(
 
 
 def _spmd_planner() -> Any:
-    from tiekit.backends.xla_spmd import spmd_save_planner
+    from tiekit.backends.xla_spmd import spmd_save_planner, spmd_settle
 
+    spmd_settle()  # the planner reads device data: pending steps run first
     return spmd_save_planner()
 
 
