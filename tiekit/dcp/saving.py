@@ -153,9 +153,8 @@ def save_sharded(
 
 
 def _spmd_planner() -> Any:
-    from tiekit.backends.xla_spmd import spmd_save_planner, spmd_settle
+    from tiekit.backends.xla_spmd import spmd_save_planner
 
-    spmd_settle()  # the planner reads device data: pending steps run first
     return spmd_save_planner()
 
 
@@ -199,6 +198,10 @@ def _prepare(model: nn.Module, root: Path, optimizer: Any, extra: Any) -> tuple[
         if _rank() == 0:
             root.mkdir(parents=True, exist_ok=True)
         state = save_state(model, optimizer, extra)
+        if xla_spmd(state.tensors.values()):
+            from tiekit.backends.xla_spmd import spmd_settle
+
+            spmd_settle()  # torch_xla's planner reads device data: pending steps run first
     except Exception as exc:  # noqa: BLE001 - reported on every rank below
         error = exc
     _raise_anywhere(error, f"{root}: save {save_id}")
