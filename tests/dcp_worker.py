@@ -168,6 +168,9 @@ def save_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
         step(model, optimizer, 2, RANK, WORLD)  # training continues meanwhile
         changed = not torch.equal(full_state(model)["embed.weight"], saved["embed.weight"])
         handle.wait(timeout=120)
+        # Done on rank 1 means its part is written; rank 0's wait returns once it committed (and
+        # removed the previous save folder), so the folder is read after rank 0's wait.
+        dist.barrier()
         if RANK == 0:
             save_tensors(saved, OUT / "async-saved.safetensors")
         marker = json.loads((OUT / "async" / tiekit.dcp.MARKER_NAME).read_text())

@@ -84,6 +84,22 @@ def test_optimizer_state_resumes(runs: dict[str, Any], world: int) -> None:
         assert run["tied_after_step"]
 
 
+@pytest.mark.parametrize("saved", ["fsdp", "ddp"])
+def test_convert_of_a_two_rank_save(runs: dict[str, Any], saved: str, tmp_path: Path) -> None:
+    # FSDP2: every tensor is two chunks (one per rank), assembled by DCP's reader; DDP: each
+    # replicated tensor is one whole chunk, written by one of the ranks and read directly.
+    from safetensors.torch import load_file
+
+    out = Path(runs["out"][0]["path"])
+    result = tiekit.convert(out / saved, tmp_path / "model.safetensors")
+    stored = load_file(tmp_path / "model.safetensors")
+    expected = load_file(out / f"{saved}-saved.safetensors")
+    assert "head.weight" not in stored and result.stored == tuple(stored)
+    assert sorted(stored) == sorted(k for k in expected if k != "head.weight")
+    for key, value in stored.items():
+        assert torch.equal(value, expected[key]), key
+
+
 def test_a_plain_process_and_a_meta_model_load_it(runs: dict[str, Any]) -> None:
     meta = runs["load-1"][0]["meta"]
     assert meta["tied"] and meta["device"] == "cpu" and meta["difference"] == 0.0, meta

@@ -77,6 +77,24 @@ def test_dcp_to_tied_safetensors_and_back(saved: tuple[nn.Module, Path], tmp_pat
     assert again.lm_head.weight is again.transformer.wte.weight and equal(again, model)
 
 
+def test_a_damaged_record_is_named_with_its_file_and_key(saved: tuple[nn.Module, Path], tmp_path: Path) -> None:
+    # Whole-tensor chunks are read straight from the shard file: a record overwritten in place
+    # (same size, so the marker's file sizes still match) is refused, not read as garbage.
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    _, path = saved
+    folder = next(path.glob("save-*"))
+    metadata = FileSystemReader(folder).read_metadata()
+    where = next(w for i, w in metadata.storage_data.items() if i.fqn == WTE)
+    shard = folder / where.relative_path
+    data = bytearray(shard.read_bytes())
+    data[where.offset : where.offset + 64] = b"\0" * 64  # the record's zip header
+    shard.write_bytes(bytes(data))
+    with pytest.raises(tiekit.CheckpointError, match=rf"{shard.name}: key '{WTE}' at byte {where.offset}: unreadable"):
+        tiekit.convert(path, tmp_path / "model.safetensors")
+    assert not (tmp_path / "model.safetensors").exists()
+
+
 def test_cli_converts_to_a_hugging_face_style_sharded_folder(
     saved: tuple[nn.Module, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.resources
 import subprocess
 import sys
+from pathlib import Path
 
 import tiekit
 
@@ -34,6 +35,24 @@ def test_import_and_core_use_do_not_import_torch_xla() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "1"]
+
+
+def test_sharded_checkpoints_do_not_import_torch_xla(tmp_path: Path) -> None:
+    # save_sharded / load_sharded / convert ask tiekit.backends.xla_spmd whether the tensors are
+    # XLA SPMD ones; that question must not import torch_xla in a process that never did.
+    code = (
+        "import sys, torch, tiekit\n"
+        "m = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))\n"
+        "m[1].weight = m[0].weight\n"
+        f"path = {str(tmp_path / 'ckpt')!r}\n"
+        "tiekit.save_sharded(m, path)\n"
+        "tiekit.save_sharded(m, path, blocking=False).wait(60)\n"
+        "tiekit.load_sharded(m, path)\n"
+        f"tiekit.convert(path, {str(tmp_path / 'model.safetensors')!r})\n"
+        "print('torch_xla' in sys.modules, m[1].weight is m[0].weight)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120).stdout
+    assert out.split() == ["False", "True"]
 
 
 def test_py_typed_is_shipped() -> None:

@@ -3,13 +3,14 @@ the mesh, and (``"spmd_fsdp"``) so are the parameters."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import sys
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from tiekit.backends.xla import XlaBackend, xla_device_count, xla_module
+from tiekit.backends.xla import XlaBackend, xla_device_count, xla_module, xla_wait
 from tiekit.collective import ranks
 from tiekit.devices import xla
 from tiekit.plan import TiePlan
@@ -68,6 +69,67 @@ def shard_parameters(model: nn.Module, mesh: Any) -> int:
         spmd.mark_sharding(p, mesh, (axis,) + (None,) * (p.dim() - 1))
         annotated += 1
     return annotated
+
+
+def spmd_tensors(tensors: Iterable[torch.Tensor]) -> bool:
+    """True when SPMD is on in this process and any of ``tensors`` is one of its XLA tensors:
+    torch.distributed.checkpoint then needs torch_xla's SPMD planners, which write and read each
+    device's shard (DCP's default planners know nothing of XLA shardings). Never imports torch_xla:
+    a process that has not imported it holds no XLA tensor."""
+    if "torch_xla" not in sys.modules:
+        return False
+    xr = xla_module("torch_xla.runtime")
+    return bool(xr.is_spmd()) and any(t.device.type == "xla" for t in tensors)
+
+
+def spmd_settle() -> None:
+    """Run every pending XLA computation of this process and wait for it to finish: torch_xla's
+    planners read the tensors' device data, which a tensor still being computed (an optimizer
+    step not yet synced, or synced and still in flight) does not have yet."""
+    xla().sync()
+    xla_wait()
+
+
+def spmd_save_planner() -> Any:
+    """torch_xla's ``SPMDSavePlanner``: each host writes the shards its devices hold (a replicated
+    or unsharded tensor once, through DCP's default planning)."""
+    checkpoint = xla_module("torch_xla.experimental.distributed_checkpoint")
+    return checkpoint.SPMDSavePlanner()
+
+
+def spmd_load_planner() -> Any:
+    """torch_xla's ``SPMDLoadPlanner``: reads into the live sharded XLA tensors in place (each
+    device gets its rows), so a parameter keeps its identity (hence its ties) and its sharding."""
+    checkpoint = xla_module("torch_xla.experimental.distributed_checkpoint")
+    return checkpoint.SPMDLoadPlanner()
+
+
+def spmd_empty_like(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """A new XLA tensor of ``like``'s shape, on its device and sharded as it is, for
+    ``SPMDLoadPlanner`` to read each device's rows into (an optimizer state of a sharded
+    parameter stays sharded after a load); None when ``like`` carries no sharding."""
+    torch_xla = xla()
+    if not torch_xla._XLAC._get_xla_sharding_spec(like):
+        return None
+    # Device data, as a moved parameter is: the planner asks for its shards' indices, which a
+    # tensor still only a graph node (torch.zeros on the device) does not have yet.
+    made = torch.zeros(like.shape, dtype=dtype).to(like.device)
+    torch_xla._XLAC._xla_mark_sharding(made, torch_xla._XLAC._get_xla_op_sharding(like))
+    return made
+
+
+def spmd_host_copy(state: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """``state`` copied to host memory for a background save: a sharded tensor as its devices'
+    shards (torch_xla's ``_CpuShards``, which ``SPMDSavePlanner`` writes without touching the
+    device again), any other XLA tensor whole, a host tensor cloned (training may change it
+    meanwhile). Waits for the device; the copy is what is saved.
+
+    torch_xla's own ``CheckpointManager.save_async`` stages with the same private helper; there
+    is no public one in torch_xla 2.9."""
+    helpers = xla_module("torch_xla.experimental.distributed_checkpoint._helpers")
+    on_device = {k: t for k, t in state.items() if t.device.type == "xla"}
+    copied = dict(helpers._sharded_cpu_state_dict(on_device))
+    return {k: copied[k] if k in copied else t.detach().clone() for k, t in state.items()}
 
 
 class SpmdBackend(XlaBackend):

@@ -2,8 +2,9 @@
 
 DCP de-duplicates by name and offset, not by alias, so a plain ``dcp.save`` of a tied model
 writes both names of a tied weight. `save_sharded` hands DCP one tensor per tie group (each
-group's source name; FSDP2's DTensor shards as the model holds them) and keeps the tie plan
-beside it; `load_sharded` reads it back on any number of ranks (DCP reshards) and re-ties.
+group's source name; FSDP2's DTensor shards as the model holds them; XLA SPMD tensors through
+torch_xla's SPMD planners, each device's shard) and keeps the tie plan beside it;
+`load_sharded` reads it back on any number of ranks (DCP reshards) and re-ties.
 
 Format (version 1) of a checkpoint folder ``CKPT/``::
 
@@ -23,7 +24,8 @@ and metadata hash it records. A killed save leaves the previous marker and its f
 the next commit removes folders no marker names.
 
 Modules: `layout` (names, the marker), `state` (what is stored), `saving` (`save_sharded`),
-`loading` (`load_sharded`), `convert` (to and from tied safetensors).
+`loading` (`load_sharded`), `convert` (to and from tied safetensors), `stream` (writing one
+tensor at a time), `chunks` (reading DCP chunks straight from the shard files).
 """
 
 from tiekit.dcp.convert import ConvertResult, convert

@@ -27,7 +27,7 @@ from tiekit.checkpoint.source import Source
 from tiekit.checkpoint.staging import Staged, stage
 from tiekit.dcp.layout import Marker, check_files, read_marker
 from tiekit.dcp.saving import _raise_anywhere
-from tiekit.dcp.state import destination, parameters_by_name, quiet_dcp, unwrap
+from tiekit.dcp.state import destination, parameters_by_name, quiet_dcp, unwrap, xla_spmd
 from tiekit.errors import CheckpointError
 from tiekit.header import TensorEntry
 from tiekit.plan import TiePlan
@@ -47,7 +47,9 @@ def load_sharded(
     model: nn.Module, path: PathLike, *, optimizer: torch.optim.Optimizer | None = None
 ) -> ShardedLoadResult:
     """Collective: every rank calls it with the same ``path``. Load a `save_sharded` checkpoint into
-    ``model`` (plain, DDP-wrapped, FSDP2-sharded, or on the meta device) and ``optimizer``.
+    ``model`` (plain, DDP-wrapped, FSDP2-sharded, XLA SPMD-sharded, or on the meta device) and
+    ``optimizer``. An XLA SPMD model is read in place by torch_xla's SPMD planner: each tied
+    parameter stays one XLA tensor with its sharding.
 
     Any number of ranks can load what any number saved (DCP reshards: a DTensor gets this rank's
     rows, a plain tensor the whole value), and a single process needs no process group. Ties are
@@ -81,8 +83,9 @@ def load_sharded(
     assert marker is not None and source is not None and staged is not None
     single = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     if side:
+        planner = _spmd_planner() if xla_spmd(side.values()) else None
         with quiet_dcp():
-            load(side, storage_reader=FileSystemReader(marker.folder), no_dist=single)
+            load(side, storage_reader=FileSystemReader(marker.folder), planner=planner, no_dist=single)
     restore: Callable[[], None] | None = None
     try:
         extra = decode(marker.record.get("extra"), side, marker.where)
@@ -92,12 +95,22 @@ def load_sharded(
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         error = exc
     _raise_anywhere(error, f"{root}: load")
+    planner = _spmd_planner() if xla_spmd(targets.values()) else None
     with quiet_dcp():
-        load(targets, storage_reader=FileSystemReader(marker.folder), no_dist=single)
+        load(targets, storage_reader=FileSystemReader(marker.folder), planner=planner, no_dist=single)
     _commit(inner, staged, fresh)
     if restore is not None:
         restore()
     return ShardedLoadResult(staged.missing, staged.unexpected, staged.groups, "tiekit", extra, marker.save_id)
+
+
+def _spmd_planner() -> Any:
+    """torch_xla's SPMD planner, for a model of XLA SPMD tensors: it reads each device's rows into
+    the live sharded tensor in place, so ties (one tensor per group) and shardings stay."""
+    from tiekit.backends.xla_spmd import spmd_load_planner, spmd_settle
+
+    spmd_settle()  # the planner reads and replaces device data: pending steps run first
+    return spmd_load_planner()
 
 
 def _dcp_metadata(marker: Marker) -> Any:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import threading
 import uuid
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from torch import nn
 from tiekit.checkpoint.layout import PathLike
 from tiekit.collective import collective_gather
 from tiekit.dcp.layout import SAVE_PREFIX, remove_stale, write_marker
-from tiekit.dcp.state import SaveState, quiet_dcp, save_state, unwrap
+from tiekit.dcp.state import SaveState, quiet_dcp, save_state, unwrap, xla_spmd
 from tiekit.errors import CheckpointError, TiekitError
 
 # Pending asynchronous saves of this process, by folder: a new save into the same folder waits
@@ -92,9 +92,10 @@ def save_sharded(
     extra: Any = None,
     blocking: bool = True,
 ) -> SaveHandle:
-    """Collective: every rank calls it with the same ``path``. Save ``model`` (plain, DDP-wrapped
-    or FSDP2-sharded by `tiekit.shard`), ``optimizer``'s state and ``extra`` as a
-    torch.distributed.checkpoint folder holding one copy per tie group, and commit it.
+    """Collective: every rank calls it with the same ``path``. Save ``model`` (plain, DDP-wrapped,
+    FSDP2-sharded by `tiekit.shard`, or XLA SPMD-sharded: torch_xla's SPMD planner writes each
+    device's shard), ``optimizer``'s state and ``extra`` as a torch.distributed.checkpoint folder
+    holding one copy per tie group, and commit it.
 
     Each rank writes its own shards (replicated tensors once in all); rank 0 commits by
     writing ``tiekit-dcp.json`` last, so the previous checkpoint in ``path`` stays the one
@@ -103,7 +104,8 @@ def save_sharded(
     Works in a single process without a process group.
 
     ``blocking=False`` copies the state to host memory, then writes in a background thread (DCP's
-    ``async_save``, on a separate gloo group) and returns at once: training may continue. The
+    ``async_save``, on a separate gloo group; XLA SPMD: each device's shard, written by one
+    background thread) and returns at once: training may continue. The
     returned `SaveHandle` tells when it is done; a later save into the same folder waits for it.
     With ``blocking=True`` the handle is already done and the checkpoint committed on every rank.
     """
@@ -120,11 +122,13 @@ def save_sharded(
     folder = root / f"{SAVE_PREFIX}{save_id}"
     writer = FileSystemWriter(folder, sync_files=True)
     distributed = _distributed()
+    spmd = xla_spmd(state.tensors.values())
+    planner = _spmd_planner() if spmd else None
     if blocking:
         error = None
         try:
             with quiet_dcp():
-                save(state.tensors, storage_writer=writer, no_dist=not distributed)
+                save(state.tensors, storage_writer=writer, planner=planner, no_dist=not distributed)
         except Exception as exc:  # noqa: BLE001 - reported on every rank below
             error = exc
         if _rank() == 0 and error is None:
@@ -135,31 +139,69 @@ def save_sharded(
         _raise_anywhere(error, f"{root}: save {save_id}")
         return SaveHandle(root, save_id, None, False)
     group = _async_group() if distributed else None
-    with quiet_dcp():
-        future = async_save(state.tensors, storage_writer=writer, process_group=group, no_dist=not distributed)
-    if not isinstance(future, Future):  # torch's AsyncSaveResponse (zero-overhead staging)
-        future = future.upload_completion
+    if spmd:
+        future = _spmd_async_save(state, writer, planner, group, distributed)
+    else:
+        with quiet_dcp():
+            response = async_save(state.tensors, storage_writer=writer, process_group=group, no_dist=not distributed)
+        # torch's AsyncSaveResponse (zero-overhead staging) holds the future of the upload
+        future = response if isinstance(response, Future) else response.upload_completion
     handle = SaveHandle(root, save_id, future, _rank() == 0, state)
     with _pending_lock:
         _pending[key] = handle
     return handle
 
 
+def _spmd_planner() -> Any:
+    from tiekit.backends.xla_spmd import spmd_save_planner
+
+    return spmd_save_planner()
+
+
+_xla_writer: ThreadPoolExecutor | None = None
+
+
+def _spmd_async_save(state: SaveState, writer: Any, planner: Any, group: Any, distributed: bool) -> Future[Any]:
+    """XLA SPMD state saved in the background: each device's shard is copied to host memory now
+    (DCP's async_save would stage a sharded tensor whole), then DCP writes the copy from one
+    background thread, as torch_xla's CheckpointManager.save_async does. One thread: saves of
+    this process are written in the order they were made."""
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    from tiekit.backends.xla_spmd import spmd_host_copy
+
+    global _xla_writer
+    host = spmd_host_copy(state.tensors)
+    if _xla_writer is None:
+        _xla_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiekit-xla-save")
+
+    def write() -> None:
+        with quiet_dcp():
+            save(host, storage_writer=writer, planner=planner, process_group=group, no_dist=not distributed)
+
+    return _xla_writer.submit(write)
+
+
 def _prepare(model: nn.Module, root: Path, optimizer: Any, extra: Any) -> tuple[str, SaveState]:
     """Collective: agree on the folder and the save id; build this rank's state; fail everywhere
     if any rank failed."""
-    paths = collective_gather(os.fspath(root))
+    # One gather for both (each costs a round trip of every rank): the folders, and rank 0's id.
+    found = collective_gather((os.fspath(root), uuid.uuid4().hex[:16] if _rank() == 0 else None))
+    paths = [p for p, _ in found]
     if any(p != paths[0] for p in paths):
         shown = "; ".join(f"rank {r}: {p}" for r, p in enumerate(paths))
         raise CheckpointError(f"save_sharded needs the same folder on every rank ({shown})")
-    ids = collective_gather(uuid.uuid4().hex[:16] if _rank() == 0 else None)
-    save_id = str(ids[0])
+    save_id = str(found[0][1])
     state: SaveState | None = None
     error: Exception | None = None
     try:
         if _rank() == 0:
             root.mkdir(parents=True, exist_ok=True)
         state = save_state(model, optimizer, extra)
+        if xla_spmd(state.tensors.values()):
+            from tiekit.backends.xla_spmd import spmd_settle
+
+            spmd_settle()  # torch_xla's planner reads device data: pending steps run first
     except Exception as exc:  # noqa: BLE001 - reported on every rank below
         error = exc
     _raise_anywhere(error, f"{root}: save {save_id}")

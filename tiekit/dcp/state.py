@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,10 +75,28 @@ def save_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, extra:
 
 def destination(like: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A tensor to load a saved ``shape``/``dtype`` value into: sharded as ``like`` when ``like`` is
-    a DTensor of that global shape (so DCP reads only this rank's part), else whole on the CPU."""
-    if like is not None and type(like).__name__ == "DTensor" and tuple(like.shape) == shape and not like.is_meta:
+    a DTensor or a sharded XLA SPMD tensor of that global shape (so DCP reads only this rank's, or
+    these devices', part), else whole on the CPU."""
+    if like is None or tuple(like.shape) != shape or like.is_meta:
+        return torch.empty(shape, dtype=dtype)
+    if type(like).__name__ == "DTensor":
         return torch.empty_like(like.detach(), dtype=dtype)
+    if xla_spmd([like]):
+        from tiekit.backends.xla_spmd import spmd_empty_like
+
+        made = spmd_empty_like(like, dtype)
+        if made is not None:
+            return made
     return torch.empty(shape, dtype=dtype)
+
+
+def xla_spmd(tensors: Iterable[torch.Tensor]) -> bool:
+    """True when ``tensors`` hold XLA SPMD tensors, which DCP saves and loads with torch_xla's
+    planners (`tiekit.backends.xla_spmd`, imported here only: ``import tiekit`` never imports
+    torch_xla, and a process without it holds no XLA tensor)."""
+    from tiekit.backends.xla_spmd import spmd_tensors
+
+    return spmd_tensors(tensors)
 
 
 def parameters_by_name(model: nn.Module) -> Mapping[str, torch.Tensor]:

@@ -29,6 +29,10 @@ from tiekit.plan import TiePlan
 #: (key, shape, dtype) of each tensor to write, in order.
 Spec = tuple[str, tuple[int, ...], torch.dtype]
 
+#: A tensor to write, or its chunks along the first dimension in order (a DCP tensor saved by
+#: several ranks, `tiekit.dcp.chunks`): their bytes one after the other are the tensor's.
+Value = torch.Tensor | list[torch.Tensor]
+
 
 def nbytes(spec: Spec) -> int:
     size = spec[2].itemsize
@@ -52,20 +56,28 @@ def _header(specs: Sequence[Spec], metadata: dict[str, str]) -> bytes:
 
 
 def _write_file(
-    path: Path, specs: Sequence[Spec], metadata: dict[str, str], tensors: Iterator[tuple[str, torch.Tensor]]
+    path: Path, specs: Sequence[Spec], metadata: dict[str, str], tensors: Iterator[tuple[str, Value]]
 ) -> None:
     with open(path, "wb") as f:
         f.write(_header(specs, metadata))
         for key, shape, dtype in specs:
-            name, tensor = next(tensors)
-            if name != key or tuple(tensor.shape) != shape or tensor.dtype != dtype:
-                raise CheckpointError(f"{path}: key {key!r}: got {name!r} {tuple(tensor.shape)} {tensor.dtype}")
-            if tensor.numel():
-                data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-                f.write(memoryview(cast(Any, data.numpy())))
-                del data
+            name, value = next(tensors)
+            parts = value if isinstance(value, list) else [value]
+            joined = (sum(p.shape[0] for p in parts), *parts[0].shape[1:]) if len(parts) > 1 else parts[0].shape
+            if (
+                name != key
+                or tuple(joined) != shape
+                or any(p.dtype != dtype or p.shape[1:] != shape[1:] for p in parts)
+            ):
+                got = ", ".join(f"{tuple(p.shape)} {p.dtype}" for p in parts)
+                raise CheckpointError(f"{path}: key {key!r}: got {name!r} {got}")
+            for part in parts:
+                if part.numel():
+                    data = part.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                    f.write(memoryview(cast(Any, data.numpy())))
+                    del data
             # Dropped before the next tensor is read, so its memory is reused, not added to.
-            del tensor
+            del value, parts
     os.chmod(path, 0o644)
 
 
@@ -73,7 +85,7 @@ def write_safetensors(
     target: Path,
     specs: Sequence[Spec],
     plan: TiePlan,
-    tensors: Iterator[tuple[str, torch.Tensor]],
+    tensors: Iterator[tuple[str, Value]],
     max_shard_size: int | None = None,
 ) -> list[Path]:
     """Write ``tensors`` (yielded in ``specs`` order) as one tied safetensors file ``target``, or

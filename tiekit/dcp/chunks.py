@@ -1,0 +1,120 @@
+"""Reading DCP tensors chunk by chunk straight from their shard files, without DCP's copy.
+
+DCP's ``FileSystemWriter`` stores each chunk as one ``torch.save`` record at an offset of a shard
+file (``.metadata`` says which file, where, how long). Its reader loads each record into a new
+tensor, then copies it into the destination the caller allocated: for a conversion that only
+passes the bytes on, that copy and allocation cost about as much as the reading (GPT-2 small:
+0.3 s of 1.0 s saved by one process, 0.7 s of 2.2 s saved by 2 FSDP2 ranks). A tensor saved
+whole, or split along its first dimension only (FSDP2's shards), is read here with the same
+``torch.load(weights_only=True)``, as its chunks in row order, whose bytes one after the other
+are the tensor's; anything else goes through DCP's reader, which assembles it.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO, Any, cast
+
+import torch
+
+from tiekit.errors import CheckpointError
+
+#: key -> its chunks in row order: (file name in the folder, offset, length, chunk shape).
+Rows = dict[str, list[tuple[str, int, int, tuple[int, ...]]]]
+
+
+def row_chunks(metadata: Any) -> Rows:
+    """The keys of DCP ``metadata`` stored as one chunk covering the whole tensor, or as chunks
+    that split only its first dimension (FSDP2's shards, one per rank) and cover it in order,
+    untransformed (no compression or other storage transform), with where each chunk is: their
+    bytes, one after the other, are the tensor's."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    places: dict[tuple[str, tuple[int, ...]], list[Any]] = {}
+    for index, where in (metadata.storage_data or {}).items():
+        places.setdefault((index.fqn, tuple(index.offset or ())), []).append(where)
+    out: Rows = {}
+    for key, info in metadata.state_dict_metadata.items():
+        if not isinstance(info, TensorStorageMetadata) or not info.chunks:
+            continue
+        size = tuple(info.size)
+        chunks = sorted(info.chunks, key=lambda c: tuple(c.offsets))
+        rows: list[tuple[str, int, int, tuple[int, ...]]] = []
+        end = 0
+        for chunk in chunks:
+            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+            found = places.get((key, offsets), [])
+            if len(found) != 1 or getattr(found[0], "transform_descriptors", None):
+                break
+            if size and (offsets[0] != end or any(offsets[1:]) or sizes[1:] != size[1:]):
+                break
+            if not size and len(chunks) != 1:
+                break
+            rows.append((found[0].relative_path, int(found[0].offset), int(found[0].length), sizes))
+            end += sizes[0] if size else 0
+        else:
+            if not size or end == size[0]:
+                out[key] = rows
+    return out
+
+
+class _Slice(io.RawIOBase):
+    """Bytes ``[offset, offset + length)`` of an open file, as a seekable file of its own."""
+
+    def __init__(self, file: io.BufferedReader, offset: int, length: int) -> None:
+        super().__init__()
+        self._file, self._offset, self._length, self._pos = file, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._length}[whence]
+        self._pos = min(max(base + pos, 0), self._length)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        count = min(len(buffer), self._length - self._pos)
+        if count <= 0:
+            return 0
+        self._file.seek(self._offset + self._pos)
+        got = self._file.readinto(memoryview(buffer)[:count])
+        self._pos += got
+        return got
+
+
+def read_rows(folder: Path, places: Rows, dtypes: Mapping[str, torch.dtype]) -> dict[str, list[torch.Tensor]]:
+    """Each key's chunks at ``places`` (from `row_chunks`), in row order, each checked against its
+    chunk shape and ``dtypes[key]``: `CheckpointError` naming the file and key otherwise. Local."""
+    out: dict[str, list[torch.Tensor]] = {key: [] for key in places}
+    files: dict[str, io.BufferedReader] = {}
+    try:
+        for key, chunks in places.items():
+            for name, offset, length, shape in chunks:
+                path = folder / name
+                if name not in files:
+                    files[name] = open(path, "rb")  # noqa: SIM115 - closed below, one per shard file
+                try:
+                    record = cast(IO[bytes], _Slice(files[name], offset, length))
+                    tensor = torch.load(record, map_location="cpu", weights_only=True)
+                except Exception as exc:
+                    raise CheckpointError(f"{path}: key {key!r} at byte {offset}: unreadable ({exc})") from exc
+                if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape or tensor.dtype != dtypes[key]:
+                    got = f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor) else "no tensor"
+                    raise CheckpointError(
+                        f"{path}: key {key!r} at byte {offset} holds {got}, the metadata says {shape} {dtypes[key]}"
+                    )
+                out[key].append(tensor)
+    finally:
+        for file in files.values():
+            file.close()
+    return out
