@@ -163,11 +163,3 @@ def test_a_sharded_run_refuses_to_resume_from_a_single_file(tmp_path: Path) -> N
     assert saved.checkpoint is not None
     with pytest.raises(tiekit.TiekitError, match="resumes from a sharded checkpoint folder"):
         tiekit.fit(DropoutNet, data(), max_steps=4, strategy="fsdp", devices=2, resume=saved.checkpoint, **kw)
-
-
-def test_spmd_fsdp_refuses_checkpoints_until_save_sharded_reads_xla_shards() -> None:
-    data = TensorDataset(torch.randn(16, 32), torch.randn(16, 10))
-    with pytest.raises(tiekit.TiekitError, match="does not checkpoint yet"):
-        tiekit.fit(
-            WeightSharingModule, data, loss_fn=F.mse_loss, strategy="spmd_fsdp", checkpoint_dir="ck", progress=False
-        )

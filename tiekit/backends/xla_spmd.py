@@ -139,6 +139,7 @@ class SpmdBackend(XlaBackend):
 
     def __init__(self, *, shard_parameters: bool = False) -> None:
         self.sharded = shard_parameters
+        self.sharded_checkpoints = shard_parameters  # save_sharded reads the XLA shards in place
         axis = "fsdp" if shard_parameters else "data"
         device, self.mesh, host, hosts = spmd_mesh(axis)
         super().__init__(device)

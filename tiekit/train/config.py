@@ -78,11 +78,6 @@ class FitConfig:
                 torch.device(self.devices)
             except RuntimeError as exc:
                 raise TiekitError(f"devices={self.devices!r} is neither 'auto' nor a device: {exc}") from exc
-        if self.strategy == "spmd_fsdp" and (self.checkpoint_dir is not None or self.resume is not None):
-            raise TiekitError(
-                "strategy='spmd_fsdp' does not checkpoint yet (tiekit.save_sharded does not read XLA SPMD "
-                "shards yet); train without checkpoint_dir/resume, or with strategy='spmd'"
-            )
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
             raise TiekitError("checkpoint_every needs checkpoint_dir: where should the checkpoints go?")
         if self.resume == "last" and self.checkpoint_dir is None:
