@@ -129,3 +129,11 @@ def test_fit_raises_a_failed_background_save(tmp_path: Path) -> None:
     blocker.write_text("not a folder")
     with pytest.raises(tiekit.CheckpointError, match="file"):
         tiekit.fit(WeightSharingModule, data(), max_steps=2, checkpoint_dir=blocker / "ckpt", **FIT)
+
+
+def test_resume_from_a_folder_without_a_committed_checkpoint_names_it(tmp_path: Path) -> None:
+    killed = tmp_path / "step-00000004"
+    (killed / "save-0123").mkdir(parents=True)  # what a save killed before its marker leaves
+    with pytest.raises(tiekit.TiekitError, match="step-00000004"):
+        tiekit.fit(WeightSharingModule, data(), max_steps=2, resume=killed, **FIT)
+    assert tiekit.dcp.is_sharded_checkpoint(killed) is False
