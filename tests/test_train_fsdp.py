@@ -65,7 +65,13 @@ def test_fsdp_on_two_processes_trains_step_by_step_like_ddp_and_returns_the_call
 
 
 @pytest.mark.parametrize(
-    ("build", "precision"), [(gpt2, "bf16-mixed"), (llama, "32-true"), (t5, "bf16-true")], ids=["gpt2", "llama", "t5"]
+    ("build", "precision"),
+    [
+        pytest.param(gpt2, "bf16-mixed", id="gpt2"),
+        # 20 s each: on one stack only (the newest torch, whose FSDP2 changes most).
+        pytest.param(llama, "32-true", id="llama", marks=pytest.mark.newest_torch_only),
+        pytest.param(t5, "bf16-true", id="t5", marks=pytest.mark.newest_torch_only),
+    ],
 )
 def test_hf_models_train_under_fsdp_like_ddp_in_every_precision(build: Any, precision: str) -> None:
     kw: dict[str, Any] = {"max_steps": 4, "seed": 1, "optimizer": ADAMW, "progress": False, "precision": precision}
