@@ -234,27 +234,33 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-def _cost(contender: Any, steps: int) -> tuple[float, float]:
-    """(wall, CPU) seconds of one run of ``steps`` steps."""
+def _cost(contender: Any, steps: int) -> tuple[float, float, float | None]:
+    """(wall, CPU) seconds of one run of ``steps`` steps, and the run's own seconds per 1,000
+    samples measured inside its loop from step `WARMUP` on (None if it reports no rate)."""
     gc.collect()
     wall, cpu = time.perf_counter(), _cpu_seconds()
-    contender(steps)
-    return time.perf_counter() - wall, _cpu_seconds() - cpu
+    found = contender(steps)
+    rate = found.get("samples_per_second") if isinstance(found, dict) else None
+    return time.perf_counter() - wall, _cpu_seconds() - cpu, 1000 / rate if rate else None
 
 
 def per_step_costs(
     pair: tuple[str, str], steps: int, repeats: int, contenders: dict[str, Any] | None = None
 ) -> dict[str, dict[str, list[float]]]:
-    """Per-step wall and CPU seconds of each contender, ``repeats`` times, alternating."""
+    """Per-step wall and CPU seconds of each contender (differenced between runs of ``steps``
+    and `SHORT` steps), and its in-loop seconds per 1,000 samples ("loop", from the longer run),
+    ``repeats`` times, alternating, the order flipped every repeat."""
     run = contenders or CONTENDERS
     for name in pair:
         _cost(run[name], SHORT)  # warm-up: imports, compilation caches
-    costs: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in pair}
-    for _ in range(repeats):
-        for name in pair:
+    costs: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": [], "loop": []} for name in pair}
+    for repeat in range(repeats):
+        for name in pair if repeat % 2 == 0 else pair[::-1]:
             short, long = _cost(run[name], SHORT), _cost(run[name], steps)
             costs[name]["wall"].append((long[0] - short[0]) / (steps - SHORT))
             costs[name]["cpu"].append((long[1] - short[1]) / (steps - SHORT))
+            if long[2] is not None:
+                costs[name]["loop"].append(long[2])
     return costs
 
 
@@ -306,12 +312,18 @@ def main() -> None:
 
 
 def print_costs(ours: str, theirs: str, costs: dict[str, dict[str, list[float]]]) -> None:
-    """The per-step costs of ``ours`` and ``theirs`` and their ratios."""
-    for kind in ("cpu", "wall"):
-        a, b = costs[ours][kind], costs[theirs][kind]
+    """The per-step costs of ``ours`` and ``theirs`` and their ratios; "loop" is each run's own
+    timing of its steady steps (no process start or set-up in it), in ms per 1,000 samples."""
+    for kind in ("cpu", "wall", "loop"):
+        a, b = costs[ours].get(kind, []), costs[theirs].get(kind, [])
+        if not a or not b:
+            continue
+        unit = "ms/step" if kind != "loop" else "ms/1k samples"
+        pairs = [x / y for x, y in zip(a, b, strict=False)]
         print(
-            f"  {kind:4s} ms/step  {ours} {_fmt(a)}  {theirs} {_fmt(b)}  ratio: median "
-            f"{statistics.median(a) / statistics.median(b):.3f}x, best {min(a) / min(b):.3f}x"
+            f"  {kind:4s} {unit}  {ours} {_fmt(a)}  {theirs} {_fmt(b)}  ratio: median "
+            f"{statistics.median(a) / statistics.median(b):.3f}x, best {min(a) / min(b):.3f}x, "
+            f"median of paired rounds {statistics.median(pairs):.3f}x"
         )
 
 
