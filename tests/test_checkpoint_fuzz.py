@@ -98,6 +98,11 @@ def with_options(optimizer_record: dict[str, Any], **options: Any) -> dict[str, 
     return {**optimizer_record, "param_groups": [{**group, "options": {**group["options"], **options}}]}
 
 
+def with_state(optimizer_record: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
+    state = optimizer_record["state"]
+    return {**optimizer_record, "state": {**state, "layer_1.weight": {**state["layer_1.weight"], key: value}}}
+
+
 def load_into_fresh(target: Path) -> tuple[nn.Module, torch.optim.Optimizer, Any, Exception | None]:
     model = broken_tie()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -118,6 +123,9 @@ def load_into_fresh(target: Path) -> tuple[nn.Module, torch.optim.Optimizer, Any
         (lambda o: {**o, "state": {**o["state"], "zzz": {}}}, "optimizer state for 'zzz', which no param group"),
         (lambda o: {**o, "state": {k: "x" for k in o["state"]}}, "corrupted optimizer state of"),
         (lambda o: with_options(o, betas=[None, None]), "option 'betas' is [None, None] in the checkpoint"),
+        # Found by the fuzzer: torch takes these and fails at the first step (float(None), None.lerp_).
+        (lambda o: with_state(o, "step", None), "optimizer state 'step' of 'layer_1.weight' is None"),
+        (lambda o: with_state(o, "exp_avg", 0.5), "optimizer state 'exp_avg' of 'layer_1.weight' is 0.5"),
         (lambda o: with_options(o, amsgrad=True), "built with amsgrad=True, this one with amsgrad=False"),
     ],
 )

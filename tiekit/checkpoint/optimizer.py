@@ -153,12 +153,28 @@ def _check_state_shapes(
     numel = math.prod(shape)
     strict = type(optimizer).__module__.startswith("torch.optim") and type(optimizer).__name__ in _PARAMETER_SHAPED
     for key, value in values.items():
+        if strict and not _state_value_fits(key, value):
+            # torch would take it and fail at the first step (None.lerp_, float(None)...).
+            raise CheckpointError(
+                f"{where}: optimizer state {key!r} of {name!r} is {value!r}, where "
+                f"{type(optimizer).__name__} keeps a tensor"
+            )
         if not isinstance(value, torch.Tensor) or value.dim() == 0 or tuple(value.shape) == shape:
             continue
         if value.numel() == numel or strict:
             raise CheckpointError(
                 f"{where}: optimizer state {key!r} of {name!r} has shape {tuple(value.shape)}, the parameter {shape}"
             )
+
+
+def _state_value_fits(key: str, value: Any) -> bool:
+    """A per-parameter state value torch.optim's parameter-shaped optimizers can step with: a
+    tensor; a number for ``step`` (older torch saved it so); None for SGD's empty momentum buffer."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if key == "step":
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    return key == "momentum_buffer" and value is None
 
 
 # How this process computes, not what training reached: the live optimizer's values are kept
