@@ -11,12 +11,19 @@ minus that of the same run without checkpoints, over the number of saves. Runs a
 between the three modes; medians over ``--repeats``. ``--strategy fsdp`` runs on 2 CPU
 processes (gloo) with sharded `tiekit.save_sharded` folders.
 
-    .venv/bin/python benchmarks/bench_async_checkpoint.py [--strategy single|fsdp] [--repeats 5]
+``--threads N`` gives the single-process run N torch threads. By default it uses every core, so
+on a small machine the background writer competes with training for CPU (the kernel's work of
+writing 95 MB to the page cache is 25-290 ms of CPU here); ``--threads 1`` on 2 cores leaves one
+free, as an accelerator host has cores to spare while the step runs on the device.
+
+    .venv/bin/python benchmarks/bench_async_checkpoint.py [--strategy single|fsdp] [--repeats 5] [--threads N]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import statistics
 import tempfile
 from pathlib import Path
@@ -73,18 +80,29 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=43)
     parser.add_argument("--every", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads of the single-process run")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     saves = len(range(args.every, args.steps + 1, args.every))
     seconds: dict[str, list[float]] = {"none": [], "blocking": [], "async": []}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats + 1):  # the first round warms up and is dropped
             for mode in seconds:
-                value = loop_seconds(args.strategy, args.steps, args.every, mode, Path(tmp) / f"{mode}-{repeat}")
+                folder = Path(tmp) / f"{mode}-{repeat}"
+                value = loop_seconds(args.strategy, args.steps, args.every, mode, folder)
+                # Freed page cache is what the next run writes into. On this VM, page cache grown
+                # into memory the guest never touched costs ~10x the CPU per byte written (95 MB:
+                # 300-400 ms instead of 25-35 ms), which would bill the machine's history to a mode.
+                shutil.rmtree(folder, ignore_errors=True)
                 if repeat:
                     seconds[mode].append(value)
     median = {mode: statistics.median(values) for mode, values in seconds.items()}
     lost = {mode: (median[mode] - median["none"]) / saves for mode in ("blocking", "async")}
-    print(f"strategy={args.strategy}: {args.steps} steps, {saves} saves, repeats {args.repeats}")
+    print(
+        f"strategy={args.strategy}: {args.steps} steps, {saves} saves, repeats {args.repeats}, "
+        f"torch threads {torch.get_num_threads()} of {os.cpu_count()} cores"
+    )
     for mode, values in seconds.items():
         print(f"  loop seconds {mode:8s}: median {median[mode]:.3f}  ({', '.join(f'{v:.3f}' for v in values)})")
     print(f"  lost per checkpoint: blocking {lost['blocking'] * 1e3:.1f} ms, background {lost['async'] * 1e3:.1f} ms")

@@ -70,6 +70,44 @@ def test_a_background_save_holds_the_state_of_its_call_not_of_its_write(tmp_path
     assert torch.equal(fresh_optimizer.state[fresh.layer_1.weight]["exp_avg"], moment)
 
 
+def test_a_loop_saving_in_the_background_stages_every_checkpoint_into_the_same_memory(tmp_path: Path) -> None:
+    """fit's way (save_checkpoint_reusing): the second save copies into the first one's host
+    tensors once that is written; without them every save takes new memory (the control)."""
+    from tiekit.checkpoint.saving import save_checkpoint_reusing
+
+    model, optimizer = trained()
+    first_values = {k: v.clone() for k, v in model.state_dict().items()}
+    handle, staged = save_checkpoint_reusing(
+        tmp_path / "a.safetensors", model=model, optimizer=optimizer, step=1, blocking=False
+    )
+    handle.wait(timeout=60)
+    own = {p.data_ptr() for p in model.parameters()}
+    assert not own & {t.data_ptr() for t in staged.values()}  # copies, never the model's memory
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    second_values = {k: v.clone() for k, v in model.state_dict().items()}
+    handle, again = save_checkpoint_reusing(
+        tmp_path / "b.safetensors", model=model, optimizer=optimizer, step=2, blocking=False, staging=staged
+    )
+    handle.wait(timeout=60)
+    assert again.keys() == staged.keys()
+    assert all(again[k].data_ptr() == staged[k].data_ptr() for k in again)  # the same buffers, refilled
+    handle, control = save_checkpoint_reusing(tmp_path / "c.safetensors", model=model, step=3, blocking=False)
+    handle.wait(timeout=60)
+    assert not {t.data_ptr() for t in control.values()} & {t.data_ptr() for t in staged.values()}
+
+    for path, values, step in (
+        (tmp_path / "a.safetensors", first_values, 1),
+        (tmp_path / "b.safetensors", second_values, 2),
+    ):
+        fresh = WeightSharingModule()
+        assert tiekit.load_checkpoint(path, model=fresh)["step"] == step
+        assert fresh.layer_3.weight is fresh.layer_1.weight
+        for name, value in fresh.state_dict().items():
+            assert torch.equal(value, values[name]), (path.name, name)
+
+
 def test_the_previous_checkpoint_stays_until_the_new_one_is_written(tmp_path: Path) -> None:
     model, _ = trained()
     path = tmp_path / "ckpt.safetensors"

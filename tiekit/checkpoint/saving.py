@@ -96,15 +96,36 @@ def save_checkpoint(
     when the returned `SaveHandle` is done (the previous one at ``path`` stays until then);
     background saves are written in call order and finished before the interpreter exits.
     """
+    return save_checkpoint_reusing(
+        path, model=model, optimizer=optimizer, step=step, extra=extra, durable=durable, blocking=blocking
+    )[0]
+
+
+def save_checkpoint_reusing(
+    path: PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    step: int | None = None,
+    extra: Any = None,
+    durable: bool = True,
+    blocking: bool = True,
+    staging: Mapping[str, torch.Tensor] | None = None,
+) -> tuple[SaveHandle, dict[str, torch.Tensor]]:
+    """`save_checkpoint`, and the host tensors it wrote. With ``blocking=False``, ``staging`` (what
+    an earlier call returned, its write finished) is copied into where a name's shape and dtype
+    match instead of new memory: a training loop that saves in the background then stages every
+    checkpoint into the same buffers (fresh memory costs page faults in the step; measured 28 ms
+    per 95 MB here). Local."""
     from tiekit.dcp.saving import SaveHandle
 
     target, state, header = stage_training_checkpoint(
-        path, model=model, optimizer=optimizer, step=step, extra=extra, copy=not blocking
+        path, model=model, optimizer=optimizer, step=step, extra=extra, copy=not blocking, staging=staging
     )
     if blocking:
         write_single(target, state, header, durable)
-        return SaveHandle(target, "", None, False)
-    return SaveHandle(target, "", _background().submit(write_single, target, state, header, durable), False)
+        return SaveHandle(target, "", None, False), state
+    return SaveHandle(target, "", _background().submit(write_single, target, state, header, durable), False), state
 
 
 def write_training_checkpoint(
@@ -134,9 +155,11 @@ def stage_training_checkpoint(
     extra: Any,
     fallback: Fallback | None = None,
     copy: bool = False,
+    staging: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[Path, dict[str, torch.Tensor], dict[str, str]]:
     """Where a training checkpoint goes, its host tensors and its header. ``copy``: every tensor
-    is a host copy of its own (never the model's or optimizer's memory), for a later write."""
+    is a host copy of its own (never the model's or optimizer's memory), for a later write, made
+    in ``staging``'s tensor of the same name where its shape and dtype match."""
     target = target_path(path, CHECKPOINT_NAME)
     plan = _saving_plan(model)
     names, tensors = _unique_tensors(model, plan)
@@ -154,9 +177,20 @@ def stage_training_checkpoint(
     header[STATE_KEY] = json.dumps(record, separators=(",", ":"))
     originals = [*tensors, *side.values()]
     hosts = _host_tensors(originals)
+    keys = [*names, *side]
     if copy:
-        hosts = [h.clone() if _shares_memory(h, t) else h for h, t in zip(hosts, originals, strict=True)]
-    return target, dict(zip([*names, *side], hosts, strict=True)), header
+        hosts = [
+            _copy(h, (staging or {}).get(key)) if _shares_memory(h, t) else h
+            for key, h, t in zip(keys, hosts, originals, strict=True)
+        ]
+    return target, dict(zip(keys, hosts, strict=True)), header
+
+
+def _copy(host: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
+    """A copy of ``host`` in ``buffer`` when it fits exactly, else in new memory."""
+    if buffer is None or buffer.shape != host.shape or buffer.dtype != host.dtype or not buffer.is_contiguous():
+        return host.clone()
+    return buffer.copy_(host)
 
 
 @functools.cache

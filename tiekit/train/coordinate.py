@@ -29,6 +29,7 @@ from torch import nn
 
 import tiekit
 from tiekit.backends.base import Backend
+from tiekit.checkpoint.saving import save_checkpoint_reusing
 from tiekit.collective import Ranks, abort_thread_collectives, collective_gather, collective_save_checkpoint
 from tiekit.dcp import MARKER_NAME, SaveHandle
 from tiekit.errors import CheckpointError, TiekitError
@@ -60,6 +61,9 @@ class Coordinator:
     run_id: str
     last_saved: Path | None = None
     pending: SaveHandle | None = None  # this rank's background save, if one is under way
+    # The host tensors of the last background single-file save, copied into by the next one
+    # once that save is written (one save in flight at a time).
+    staging: dict[str, torch.Tensor] | None = None
 
     def gather(self, value: Any) -> list[Any]:
         """Collective: every rank's ``value`` in rank order (``[value]`` in a run of one rank)."""
@@ -122,7 +126,9 @@ class Coordinator:
             contents = state.contents(model, optimizer, at, backend.devices_in_run, backend.device)
             if not blocking:
                 if self.ranks.is_writer:
-                    self.pending = tiekit.save_checkpoint(path, blocking=False, **contents)
+                    self.pending, self.staging = save_checkpoint_reusing(
+                        path, blocking=False, staging=self.staging, **contents
+                    )
             elif self.ranks.world > 1:
                 collective_save_checkpoint(path, **contents)
             else:
