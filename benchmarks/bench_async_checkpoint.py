@@ -26,6 +26,7 @@ import os
 import shutil
 import statistics
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,27 @@ def corpus(count: int = 4096) -> TensorDataset:
     return TensorDataset(ids[:, :-1], ids[:, 1:])
 
 
+#: Seconds the training loop spent inside each checkpoint call of fit (``Coordinator.save``), in
+#: this process: the stall a save puts into the loop, without what a background write costs the
+#: steps it runs beside (which the loop seconds hold).
+STALLS: list[float] = []
+
+
+def _timed_saves() -> None:
+    from tiekit.train.coordinate import Coordinator
+
+    save = Coordinator.save
+
+    def timed(self: Coordinator, *args: Any, **kwargs: Any) -> None:
+        started = time.perf_counter()
+        try:
+            save(self, *args, **kwargs)
+        finally:
+            STALLS.append(time.perf_counter() - started)
+
+    Coordinator.save = timed  # type: ignore[method-assign]
+
+
 def loop_seconds(strategy: str, steps: int, every: int, mode: str, folder: Path) -> float:
     """Seconds of fit's training loop after the warm-up steps, saves in the loop included."""
     kw: dict[str, Any] = {"loss_fn": lm_loss, "max_steps": steps, "batch_size": BATCH, "progress": False}
@@ -84,13 +106,18 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    _timed_saves()
+    stalls: dict[str, list[float]] = {"blocking": [], "async": []}
     saves = len(range(args.every, args.steps + 1, args.every))
     seconds: dict[str, list[float]] = {"none": [], "blocking": [], "async": []}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats + 1):  # the first round warms up and is dropped
             for mode in seconds:
                 folder = Path(tmp) / f"{mode}-{repeat}"
+                STALLS.clear()
                 value = loop_seconds(args.strategy, args.steps, args.every, mode, folder)
+                if repeat and mode in stalls:
+                    stalls[mode].extend(STALLS[:saves])  # the in-loop saves (not the final one)
                 # Freed page cache is what the next run writes into. On this VM, page cache grown
                 # into memory the guest never touched costs ~10x the CPU per byte written (95 MB:
                 # 300-400 ms instead of 25-35 ms), which would bill the machine's history to a mode.
@@ -107,6 +134,12 @@ def main() -> None:
         print(f"  loop seconds {mode:8s}: median {median[mode]:.3f}  ({', '.join(f'{v:.3f}' for v in values)})")
     print(f"  lost per checkpoint: blocking {lost['blocking'] * 1e3:.1f} ms, background {lost['async'] * 1e3:.1f} ms")
     print(f"  background / blocking: {lost['async'] / lost['blocking']:.3f}x (target at most 0.20x)")
+    if args.strategy == "single":  # fsdp saves in the spawned processes, out of this one's sight
+        stall = {mode: statistics.median(values) for mode, values in stalls.items()}
+        print(
+            f"  loop stalled inside a save (median): blocking {stall['blocking'] * 1e3:.1f} ms, "
+            f"background {stall['async'] * 1e3:.1f} ms: {stall['async'] / stall['blocking']:.3f}x"
+        )
 
 
 if __name__ == "__main__":
