@@ -161,23 +161,13 @@ def stage_training_checkpoint(
     is a host copy of its own (never the model's or optimizer's memory), for a later write, made
     in ``staging``'s tensor of the same name where its shape and dtype match."""
     target = target_path(path, CHECKPOINT_NAME)
-    plan = _saving_plan(model)
-    names, tensors = _unique_tensors(model, plan)
-    side: dict[str, torch.Tensor] = {}
-    record: dict[str, Any] = {
-        "version": STATE_VERSION,
-        "step": encode(step, "extra/step", side),
-        "extra": encode(extra, "extra/value", side, fallback=fallback),
-        "optimizer": None if optimizer is None else optimizer_record(optimizer, model, plan, side),
-    }
-    clash = sorted(set(names) & set(side))
-    if clash:
-        raise CheckpointError(f"cannot save {type(model).__name__}: parameter names {clash} clash with optimizer keys")
+    values = {"step": (step, "extra/step"), "extra": (extra, "extra/value")}
+    plan, state, encoded = encode_training_state(model, optimizer, values, fallback)
     header = _header_metadata(None, plan)
-    header[STATE_KEY] = json.dumps(record, separators=(",", ":"))
-    originals = [*tensors, *side.values()]
+    header[STATE_KEY] = json.dumps({"version": STATE_VERSION, **encoded}, separators=(",", ":"))
+    originals = list(state.values())
     hosts = _host_tensors(originals)
-    keys = [*names, *side]
+    keys = list(state)
     if copy:
         hosts = [
             _copy(h, (staging or {}).get(key)) if _shares_memory(h, t) else h
@@ -191,6 +181,29 @@ def _copy(host: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
     if buffer is None or buffer.shape != host.shape or buffer.dtype != host.dtype or not buffer.is_contiguous():
         return host.clone()
     return buffer.copy_(host)
+
+
+def encode_training_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    values: Mapping[str, tuple[Any, str]],
+    fallback: Fallback | None = None,
+) -> tuple[TiePlan, dict[str, torch.Tensor], dict[str, Any]]:
+    """What a training checkpoint holds, as the single-file and the sharded saves write it: the
+    tie plan; the tensors (one per tie group, then the tensors of ``values`` and the optimizer
+    state); and the JSON record: each of ``values`` (``key: (value, prefix of its tensors)``)
+    encoded under its key, then ``"optimizer"``. Local; `CheckpointError` on what cannot be stored."""
+    plan = _saving_plan(model)
+    names, tensors = _unique_tensors(model, plan)
+    side: dict[str, torch.Tensor] = {}
+    record: dict[str, Any] = {
+        key: encode(value, prefix, side, fallback=fallback) for key, (value, prefix) in values.items()
+    }
+    record["optimizer"] = None if optimizer is None else optimizer_record(optimizer, model, plan, side)
+    clash = sorted(set(names) & set(side))
+    if clash:
+        raise CheckpointError(f"cannot save {type(model).__name__}: parameter names {clash} clash with optimizer keys")
+    return plan, {**dict(zip(names, tensors, strict=True)), **side}, record
 
 
 @functools.cache

@@ -19,10 +19,7 @@ import torch
 from torch import nn
 
 from tiekit.analyze import dtype_name
-from tiekit.checkpoint.codec import encode
-from tiekit.checkpoint.optimizer import optimizer_record
-from tiekit.checkpoint.saving import _saving_plan, _unique_tensors
-from tiekit.errors import CheckpointError
+from tiekit.checkpoint.saving import encode_training_state
 from tiekit.plan import TiePlan
 
 STATE_VERSION = 1
@@ -56,19 +53,8 @@ def save_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, extra:
     """The tensors to save (one per tie group, then optimizer state and ``extra`` tensors) and the
     JSON record. Local: reads only this rank's model; `CheckpointError` naming the key on anything
     that cannot be stored."""
-    plan = _saving_plan(model)
-    names, tensors = _unique_tensors(model, plan)
-    side: dict[str, torch.Tensor] = {}
-    record: dict[str, Any] = {
-        "state_version": STATE_VERSION,
-        "extra": encode(extra, "extra/value", side),
-        "optimizer": None if optimizer is None else optimizer_record(optimizer, model, plan, side),
-    }
-    clash = sorted(set(names) & set(side))
-    if clash:
-        raise CheckpointError(f"cannot save {type(model).__name__}: parameter names {clash} clash with optimizer keys")
-    state = dict(zip(names, tensors, strict=True))
-    state.update(side)
+    plan, state, encoded = encode_training_state(model, optimizer, {"extra": (extra, "extra/value")})
+    record: dict[str, Any] = {"state_version": STATE_VERSION, **encoded}
     record["tensors"] = {k: [list(t.shape), dtype_name(t.dtype)] for k, t in state.items()}
     return SaveState(plan, state, record)
 
