@@ -9,7 +9,7 @@ import re
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from tiekit import devices
 from tiekit.analyze import find_ties
 from tiekit.checkpoint.codec import Fallback, encode
 from tiekit.checkpoint.files import write_sharded, write_single
+from tiekit.checkpoint.handle import SaveHandle
 from tiekit.checkpoint.layout import (
     CHECKPOINT_NAME,
     PLAN_KEY,
@@ -35,9 +36,6 @@ from tiekit.mixin import TPUMixin
 from tiekit.plan import TiePlan
 from tiekit.retie import tie_changes
 from tiekit.slots import resolve
-
-if TYPE_CHECKING:
-    from tiekit.dcp.saving import SaveHandle
 
 
 def save_model(
@@ -117,15 +115,13 @@ def save_checkpoint_reusing(
     match instead of new memory: a training loop that saves in the background then stages every
     checkpoint into the same buffers (fresh memory costs page faults in the step; measured 28 ms
     per 95 MB here). Local."""
-    from tiekit.dcp.saving import SaveHandle
-
     target, state, header = stage_training_checkpoint(
         path, model=model, optimizer=optimizer, step=step, extra=extra, copy=not blocking, staging=staging
     )
     if blocking:
         write_single(target, state, header, durable)
-        return SaveHandle(target, "", None, False), state
-    return SaveHandle(target, "", _background().submit(write_single, target, state, header, durable), False), state
+        return SaveHandle(target, "", None), state
+    return SaveHandle(target, "", _background().submit(write_single, target, state, header, durable)), state
 
 
 def write_training_checkpoint(

@@ -28,10 +28,11 @@ Modules: `layout` (names, the marker), `state` (what is stored), `saving` (`save
 tensor at a time), `chunks` (reading DCP chunks straight from the shard files).
 """
 
+from tiekit.checkpoint.handle import SaveHandle
 from tiekit.dcp.convert import ConvertResult, convert
 from tiekit.dcp.layout import MARKER_NAME, is_sharded_checkpoint
 from tiekit.dcp.loading import ShardedLoadResult, load_sharded
-from tiekit.dcp.saving import SaveHandle, save_sharded
+from tiekit.dcp.saving import save_sharded
 
 __all__ = [
     "MARKER_NAME",

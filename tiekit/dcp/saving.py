@@ -15,6 +15,7 @@ half-written ``save-<id>/`` is never named by a marker, and the next commit remo
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import uuid
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tiekit.checkpoint.handle import SaveHandle
 from tiekit.checkpoint.layout import PathLike
 from tiekit.collective import collective_gather
 from tiekit.dcp.layout import SAVE_PREFIX, remove_stale, write_marker
@@ -35,53 +37,6 @@ from tiekit.errors import CheckpointError, TiekitError
 # for the previous one first (two saves racing for one marker would leave either).
 _pending: dict[str, SaveHandle] = {}
 _pending_lock = threading.Lock()
-
-
-class SaveHandle:
-    """An asynchronous `save_sharded` under way. ``done()`` never waits; ``wait()`` blocks until
-    it finished and raises `CheckpointError` if it failed.
-
-    On rank 0 (and in a single process) done means committed: the marker names the new save. On
-    other ranks it means this rank's part is written; rank 0 commits once every part is.
-    """
-
-    def __init__(
-        self, path: Path, save_id: str, future: Future[Any] | None, commit: bool, state: SaveState | None = None
-    ) -> None:
-        self.path = path
-        self.save_id = save_id
-        self._finished = threading.Event()
-        self._error: BaseException | None = None
-        self._state = state
-        if future is None:
-            self._finished.set()
-        else:
-            future.add_done_callback(lambda f: self._complete(f, commit))
-
-    def _complete(self, future: Future[Any], commit: bool) -> None:
-        try:
-            future.result()
-            if commit:
-                _commit(self.path, self.save_id, self._state)
-        except BaseException as exc:  # noqa: BLE001 - kept for wait(), which raises it in the caller
-            self._error = exc
-        finally:
-            self._state = None  # the staged copies may be large: drop them once written
-            self._finished.set()
-
-    def done(self) -> bool:
-        """True once the save finished (committed on rank 0), successfully or not. Never waits."""
-        return self._finished.is_set()
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until the save finished; `CheckpointError` if it failed or ``timeout`` seconds passed.
-        Local: waits for this rank's own writing (and rank 0's commit on rank 0)."""
-        if not self._finished.wait(timeout):
-            raise CheckpointError(f"{self.path}: save {self.save_id} not finished within {timeout} s")
-        if self._error is not None:
-            if isinstance(self._error, CheckpointError):
-                raise self._error
-            raise CheckpointError(f"{self.path}: save {self.save_id} failed: {self._error}") from self._error
 
 
 def save_sharded(
@@ -137,7 +92,7 @@ def save_sharded(
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
                 error = exc
         _raise_anywhere(error, f"{root}: save {save_id}")
-        return SaveHandle(root, save_id, None, False)
+        return SaveHandle(root, save_id, None)
     group = _async_group() if distributed else None
     if spmd:
         future = _spmd_async_save(state, writer, planner, group, distributed)
@@ -146,7 +101,8 @@ def save_sharded(
             response = async_save(state.tensors, storage_writer=writer, process_group=group, no_dist=not distributed)
         # torch's AsyncSaveResponse (zero-overhead staging) holds the future of the upload
         future = response if isinstance(response, Future) else response.upload_completion
-    handle = SaveHandle(root, save_id, future, _rank() == 0, state)
+    commit = functools.partial(_commit, root, save_id, state) if _rank() == 0 else None
+    handle = SaveHandle(root, save_id, future, commit)
     with _pending_lock:
         _pending[key] = handle
     return handle

@@ -1,0 +1,63 @@
+"""`SaveHandle`: a checkpoint save that may still be under way (``blocking=False``)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from tiekit.errors import CheckpointError
+
+
+class SaveHandle:
+    """A save under way (`save_checkpoint` or `save_sharded` with ``blocking=False``), or a
+    finished one. ``done()`` never waits; ``wait()`` blocks until it finished and raises
+    `CheckpointError` if it failed.
+
+    For `save_sharded`: on rank 0 (and in a single process) done means committed, the marker
+    names the new save; on other ranks it means this rank's part is written (rank 0 commits once
+    every part is). For `save_checkpoint`: the file is in place.
+    """
+
+    def __init__(
+        self, path: Path, save_id: str, future: Future[Any] | None, then: Callable[[], None] | None = None
+    ) -> None:
+        """``then`` runs on the writing thread once ``future`` succeeded (the commit); a failure of
+        either is kept for `wait`. Without ``future`` the save is finished."""
+        self.path = path
+        self.save_id = save_id
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+        self._then = then
+        if future is None:
+            self._finished.set()
+        else:
+            future.add_done_callback(self._complete)
+
+    def _complete(self, future: Future[Any]) -> None:
+        try:
+            future.result()
+            if self._then is not None:
+                self._then()
+        except BaseException as exc:  # noqa: BLE001 - kept for wait(), which raises it in the caller
+            self._error = exc
+        finally:
+            self._then = None  # it may hold the staged copies, which may be large: drop them once written
+            self._finished.set()
+
+    def done(self) -> bool:
+        """True once the save finished (committed on rank 0), successfully or not. Never waits."""
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the save finished; `CheckpointError` if it failed or ``timeout`` seconds passed.
+        Local: waits for this rank's own writing (and rank 0's commit on rank 0)."""
+        what = f"save {self.save_id}" if self.save_id else "save"
+        if not self._finished.wait(timeout):
+            raise CheckpointError(f"{self.path}: {what} not finished within {timeout} s")
+        if self._error is not None:
+            if isinstance(self._error, CheckpointError):
+                raise self._error
+            raise CheckpointError(f"{self.path}: {what} failed: {self._error}") from self._error
