@@ -47,6 +47,7 @@ def worker(rank: int, port: int, out: Path) -> None:
         model = tiekit.shard(build())
         optimizer = trained(model)
         tiekit.save_sharded(model, out / "ckpt", optimizer=optimizer, extra={"step": 1})  # collective
+        dist.barrier()  # every rank done with the group before one leaves it (gloo may abort at exit)
     finally:
         dist.destroy_process_group()
 

@@ -86,7 +86,8 @@ def join_process_group(rank: int, world: int, port: int | None) -> torch.device:
 
 
 def collective_close_process_group() -> None:
-    """Collective: close the process group fit made under torchrun (a group you made stays yours).
+    """Collective: close the process group fit made (under torchrun, or in the processes it spawned;
+    a group you made stays yours).
     Left open, torch 2.14's processes abort at exit ("terminate called without an active
     exception"), and so do they when one closes the group while a peer still uses its store: the
     ranks first meet (for at most 10 s: a rank that died is the launcher's to report)."""

@@ -10,7 +10,7 @@ model's weights read (in place for real tensors, into new tensors for meta ones)
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,10 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from tiekit import devices
 from tiekit.analyze import dtype_name
 from tiekit.checkpoint.codec import decode
 from tiekit.checkpoint.layout import PathLike, name_list
-from tiekit.checkpoint.loading import LoadResult
+from tiekit.checkpoint.loading import STAGING_BYTES, LoadResult, release_freed_memory
 from tiekit.checkpoint.optimizer import stage_optimizer
 from tiekit.checkpoint.source import Source
 from tiekit.checkpoint.staging import Staged, stage
@@ -95,9 +96,10 @@ def load_sharded(
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         error = exc
     _raise_anywhere(error, f"{root}: load")
-    planner = _spmd_planner() if xla_spmd(targets.values()) else None
+    planner = _spmd_planner() if xla_spmd(targets.values()) else _weights_planner(targets.values())
     with quiet_dcp():
         load(targets, storage_reader=FileSystemReader(marker.folder), planner=planner, no_dist=single)
+    devices.sync()  # XLA: the last tensors' copies, before the model is used
     _commit(inner, staged, fresh)
     if restore is not None:
         restore()
@@ -111,6 +113,30 @@ def _spmd_planner() -> Any:
 
     spmd_settle()  # the planner reads and replaces device data: pending steps run first
     return spmd_load_planner()
+
+
+def _weights_planner(targets: Iterable[torch.Tensor]) -> Any:
+    """DCP's default planner, for tensors on the CPU; for tensors on a lazy device (XLA), one that
+    runs the pending copies every `STAGING_BYTES`. DCP copies each value it reads into its
+    destination; on XLA the copy is pending work that holds both the value sent and the buffer it
+    replaces until the graph runs, so a load left to run at the end holds the model twice
+    (GPT-2 with 8 layers onto XLA:CPU: peak RSS grew 1.26x the checkpoint)."""
+    if all(t.device.type == "cpu" for t in targets):
+        return None
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class Syncing(DefaultLoadPlanner):
+        pending = 0
+
+        def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
+            super().commit_tensor(read_item, tensor)
+            self.pending += tensor.numel() * tensor.element_size()
+            if self.pending >= STAGING_BYTES:
+                devices.sync()
+                release_freed_memory()  # the replaced buffers, back to the OS (see there)
+                self.pending = 0
+
+    return Syncing()
 
 
 def _dcp_metadata(marker: Marker) -> Any:

@@ -202,9 +202,11 @@ def _process_entry(rank: int, job: Job, world: int, port: int) -> None:
         assert job.result_dir is not None
         error = {"type": type(exc).__name__, "message": str(exc)}
         (job.result_dir / f"error-{rank}.json").write_text(json.dumps(error), encoding="utf-8")
+        dist.destroy_process_group()  # peers may be gone: no meeting
         raise
-    finally:
-        dist.destroy_process_group()
+    # The ranks meet before leaving: a process whose peer closed the group under it could abort
+    # at exit ("terminate called without an active exception", seen in CI under load).
+    collective_close_process_group()
 
 
 def _process_backend(strategy: str, rank: int, world: int, port: int | None) -> TorchBackend:
