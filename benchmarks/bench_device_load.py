@@ -17,6 +17,7 @@ ratios are taken within a round.
 ``tiekit`` package, e.g. ``git archive caba64f tiekit | tar -x -C DIR``), run in the same rounds.
 
     PJRT_DEVICE=CPU .venv/bin/python benchmarks/bench_device_load.py [--layers 12] [--repeats 5]
+        [--vocab 50257] [--width 768]
         [--baseline DIR ...] [--staging-mib N] [--loads-only]
 """
 
@@ -42,10 +43,11 @@ CASE = textwrap.dedent(
     import tiekit
 
     case, path, layers, staging = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    vocab, width = int(sys.argv[5]), int(sys.argv[6])
     if staging:
         from tiekit.checkpoint import loading
         loading.STAGING_BYTES = staging
-    config = transformers.GPT2Config(n_layer=layers)
+    config = transformers.GPT2Config(n_layer=layers, vocab_size=vocab, n_embd=width)
     device = torch_xla.device()
 
     def peak_kb():
@@ -111,10 +113,10 @@ CASE = textwrap.dedent(
 )
 
 
-def run(case: str, path: Path, layers: int, tree: Path, staging: int) -> dict[str, float]:
+def run(case: str, path: Path, model: tuple[int, int, int], tree: Path, staging: int) -> dict[str, float]:
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1", "PYTHONPATH": str(tree)}
     done = subprocess.run(
-        [sys.executable, "-c", CASE, case, str(path), str(layers), str(staging)],
+        [sys.executable, "-c", CASE, case, str(path), *map(str, model[:1]), str(staging), *map(str, model[1:])],
         capture_output=True,
         text=True,
         env=env,
@@ -138,6 +140,8 @@ def spread(values: list[float], unit: str = "") -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--vocab", type=int, default=50257, help="128000: the embedding is most of the model")
+    parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--repeats", type=int, default=3, help="rounds of every case (default 3)")
     parser.add_argument("--baseline", type=Path, action="append", default=[], help="another tiekit tree")
     parser.add_argument("--staging-mib", type=float, default=0, help="set loading.STAGING_BYTES (this tree)")
@@ -167,15 +171,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "model.safetensors"
         torch.manual_seed(0)
-        tiekit.save_model(transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=args.layers)), path)
+        config = transformers.GPT2Config(n_layer=args.layers, vocab_size=args.vocab, n_embd=args.width)
+        tiekit.save_model(transformers.GPT2LMHeadModel(config), path)
         file_mb = path.stat().st_size / 2**20
-        print(f"GPT-2 with {args.layers} layers: checkpoint {file_mb:.0f} MiB; {args.repeats} rounds", flush=True)
+        embedding = args.vocab * args.width * 4 / 2**20
+        print(
+            f"GPT-2 with {args.layers} layers, width {args.width}, vocabulary {args.vocab}:"
+            f" checkpoint {file_mb:.0f} MiB, embedding {embedding / file_mb:.0%} of it; {args.repeats} rounds",
+            flush=True,
+        )
+        model = (args.layers, args.vocab, args.width)
         rounds = []
         for index in range(args.repeats):
             # Each round starts one case later: a case run right after one that used 2.6x the model
             # can pay for the memory the kernel is still reclaiming, so no case always follows the same.
             order = cases[index % len(cases) :] + cases[: index % len(cases)]
-            rounds.append({label: run(case, path, args.layers, tree, st) for label, case, tree, st in order})
+            rounds.append({label: run(case, path, model, tree, st) for label, case, tree, st in order})
             load = os.getloadavg()[0]
             print(f"  round {index + 1}: load average {load:.1f}", flush=True)
         print(

@@ -8,6 +8,8 @@ when an XLA device is actually asked for, never by ``import tiekit``.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import os
 from types import ModuleType
@@ -102,6 +104,35 @@ def to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.T
 
     moved: Any = xm.send_cpu_data_to_device(tensors, device)
     return list(moved)
+
+
+def write_rows(target: torch.Tensor, first: int, rows: torch.Tensor) -> None:
+    """``target[first : first + len(rows)] = rows``, in place, both tensors on one device.
+
+    On XLA the write is one dynamic-update-slice whose offset is data, not a constant of the
+    graph: every piece of one shape runs one compiled graph (slice assignment compiles one per
+    offset), and torch_xla hands the target's buffer to the result, so the target is never held
+    twice. Pending until the next `sync`.
+    """
+    if target.device.type != "xla":
+        target.narrow(0, first, rows.shape[0]).copy_(rows)
+        return
+    start = torch.tensor([first], dtype=torch.int32).to(target.device)  # a shape-[1] tensor: 0 and 1
+    # as 0-d tensors would become constants of the graph, and the first piece would compile alone
+    target.copy_(_xla_row_writer()(target, rows, start, rank=target.dim()))
+
+
+@functools.cache
+def _xla_row_writer() -> Any:
+    xla()
+    xb: Any = importlib.import_module("torch_xla.core.xla_builder")
+    xor: Any = importlib.import_module("torch_xla.core.xla_op_registry")
+
+    def lower(target: Any, rows: Any, start: Any, rank: int) -> Any:
+        zero = xb.Op.scalar(target.builder(), 0, dtype=xb.Type.S32)
+        return target.dynamic_update_slice(rows, [start.reshape([]), *[zero] * (rank - 1)])
+
+    return xor.register("tiekit_write_rows", lower)
 
 
 def xla_wanted() -> bool:

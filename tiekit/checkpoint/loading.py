@@ -8,6 +8,7 @@ per unique weight, then re-tied.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
@@ -188,9 +189,17 @@ def _stream_to_devices(jobs: list[_Job], files: Mapping[str, FileIdentity]) -> l
     # Larger tensors first: such a batch briefly exists three times (its own memory, torch_xla's
     # copy of it, the device buffer: all host memory on XLA:CPU), cheapest while little is on the
     # device. The rest keep the file's order, which reads the file front to back.
-    jobs = sorted(jobs, key=lambda job: -_staged_bytes(job) if _staged_bytes(job) > STAGING_BYTES else 0)
-    batches = list(_batches(jobs))
-    room = min(STAGING_BYTES, sum(_staged_bytes(job) for job in jobs))
+    total = sum(_staged_bytes(job) for job in jobs)
+    pieces: dict[int, tuple[_Job, int]] = {}  # id(piece) -> (the job it is part of, its first row)
+    units: list[_Job] = []
+    for job in jobs:
+        cut = _pieces(job, total)
+        pieces.update((id(piece), (job, first)) for first, piece in cut)
+        units.extend([piece for _, piece in cut] or [job])
+    units.sort(key=lambda job: -_staged_bytes(job) if _staged_bytes(job) > STAGING_BYTES else 0)
+    batches = list(_batches(units))
+    room = min(STAGING_BYTES, total)
+    targets: dict[int, torch.Tensor] = {}  # id(job) -> the device tensor its pieces are written into
     free: list[torch.Tensor] = []  # staging buffers not in use; two at most are ever made
     out: list[tuple[_Job, torch.Tensor]] = []
     with TensorReader(files) as reader:  # waits for every read begun, even when a transfer fails
@@ -217,7 +226,7 @@ def _stream_to_devices(jobs: list[_Job], files: Mapping[str, FileIdentity]) -> l
             following = batches[index + 1] if index + 1 < len(batches) else None
             ahead = following is not None and _fits(following)
             pending = start(following) if following is not None and ahead else None  # read as this crosses
-            out.extend(_transfer(batch, hosts))
+            out.extend(_place(_transfer(batch, hosts), pieces, targets))
             del hosts
             if _fits(batch):
                 free.append(block)
@@ -225,6 +234,74 @@ def _stream_to_devices(jobs: list[_Job], files: Mapping[str, FileIdentity]) -> l
             release_freed_memory()
             if following is not None and not ahead:
                 pending = start(following)  # a larger tensor: not while this batch's copies exist
+    return out
+
+
+def _pieces(job: _Job, total: int) -> list[tuple[int, _Job]]:
+    """The job cut into pieces of whole rows that each fit a staging buffer, as (first row, piece),
+    when that takes less memory than the tensor whole; else nothing.
+
+    A tensor larger than a buffer crosses whole, briefly existing three times (`_stream_to_devices`);
+    in pieces it exists once, on the device, each piece written in place (`devices.write_rows`),
+    but on XLA that costs a compilation (the first of a process: about 40 MB of host memory on
+    XLA:CPU) and every piece's copies. So only a tensor whose three copies would exceed the whole
+    load plus that (8 buffers) goes in pieces: a dominant embedding (GPT-2 with a 128k vocabulary),
+    not GPT-2 small's (31% of the model, which peaks at the end of its load anyway). All pieces have
+    one shape, so one graph serves them: the last starts early and overlaps the one before it.
+    """
+    path, entry = job.entry
+    size = entry.end - entry.start
+    if size <= STAGING_BYTES or len(entry.shape) == 0 or entry.shape[0] < 2 or 3 * size <= total + 8 * STAGING_BYTES:
+        return []
+    row = size // entry.shape[0]
+    count = (STAGING_BYTES - 63) // row  # rows per piece; its room is rounded up to 64 bytes
+    if count == 0:
+        return []  # one row is larger than a buffer
+    firsts = [*range(0, entry.shape[0] - count, count), entry.shape[0] - count]
+    return [
+        (
+            first,
+            dataclasses.replace(
+                job,
+                entry=(
+                    path,
+                    dataclasses.replace(
+                        entry,
+                        shape=(count, *entry.shape[1:]),
+                        start=entry.start + first * row,
+                        end=entry.start + (first + count) * row,
+                    ),
+                ),
+            ),
+        )
+        for first in firsts
+    ]
+
+
+def _place(
+    moved: list[tuple[_Job, torch.Tensor]], pieces: dict[int, tuple[_Job, int]], targets: dict[int, torch.Tensor]
+) -> list[tuple[_Job, torch.Tensor]]:
+    """Whole tensors as they are; pieces written into their job's device tensor, made at its first
+    piece (and returned then, once per job). The writes run now, so each piece's memory goes."""
+    out: list[tuple[_Job, torch.Tensor]] = []
+    written = False
+    for unit, value in moved:
+        whole = pieces.get(id(unit))
+        if whole is None:
+            out.append((unit, value))
+            continue
+        job, first = whole
+        target = targets.get(id(job))
+        if target is None:
+            target = targets[id(job)] = torch.zeros(job.entry[1].shape, dtype=job.dtype, device=job.device)
+            devices.sync()  # a graph of its own, so every write runs the same one
+            out.append((job, target))
+        devices.write_rows(target, first, value)
+        written = True
+    if written:
+        moved.clear()
+        del unit, value  # the last piece too: its device memory goes when the writes run
+        devices.sync()
     return out
 
 
