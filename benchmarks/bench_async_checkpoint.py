@@ -16,7 +16,11 @@ on a small machine the background writer competes with training for CPU (the ker
 writing 95 MB to the page cache is 25-290 ms of CPU here); ``--threads 1`` on 2 cores leaves one
 free, as an accelerator host has cores to spare while the step runs on the device.
 
+``--keep N`` passes ``checkpoint_keep=N`` to fit: each new file is then written into the page
+cache of the one deleted before it, not into memory the kernel has to grow into.
+
     .venv/bin/python benchmarks/bench_async_checkpoint.py [--strategy single|fsdp] [--repeats 5] [--threads N]
+        [--keep N]
 """
 
 from __future__ import annotations
@@ -86,12 +90,13 @@ def _timed_saves() -> None:
     Coordinator.save = timed  # type: ignore[method-assign]
 
 
-def loop_seconds(strategy: str, steps: int, every: int, mode: str, folder: Path) -> float:
+def loop_seconds(strategy: str, steps: int, every: int, mode: str, folder: Path, keep: int | None = None) -> float:
     """Seconds of fit's training loop after the warm-up steps, saves in the loop included."""
     kw: dict[str, Any] = {"loss_fn": lm_loss, "max_steps": steps, "batch_size": BATCH, "progress": False}
     kw |= {"strategy": "fsdp", "devices": 2} if strategy == "fsdp" else {"devices": "cpu"}
     if mode != "none":
         kw |= {"checkpoint_dir": folder, "checkpoint_every": every, "checkpoint_async": mode == "async"}
+        kw["checkpoint_keep"] = keep
     result = tiekit.fit(build, corpus(), **kw)
     return (steps - WARMUP) * BATCH * result.world_size / result.samples_per_second
 
@@ -103,6 +108,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=43)
     parser.add_argument("--every", type=int, default=8)
     parser.add_argument("--threads", type=int, default=0, help="torch threads of the single-process run")
+    parser.add_argument("--keep", type=int, default=None, help="fit's checkpoint_keep (default: keep all)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -115,7 +121,7 @@ def main() -> None:
             for mode in seconds:
                 folder = Path(tmp) / f"{mode}-{repeat}"
                 STALLS.clear()
-                value = loop_seconds(args.strategy, args.steps, args.every, mode, folder)
+                value = loop_seconds(args.strategy, args.steps, args.every, mode, folder, args.keep)
                 if repeat and mode in stalls:
                     stalls[mode].extend(STALLS[:saves])  # the in-loop saves (not the final one)
                 # Freed page cache is what the next run writes into. On this VM, page cache grown
@@ -128,7 +134,7 @@ def main() -> None:
     lost = {mode: (median[mode] - median["none"]) / saves for mode in ("blocking", "async")}
     print(
         f"strategy={args.strategy}: {args.steps} steps, {saves} saves, repeats {args.repeats}, "
-        f"torch threads {torch.get_num_threads()} of {os.cpu_count()} cores"
+        f"torch threads {torch.get_num_threads()} of {os.cpu_count()} cores, checkpoint_keep {args.keep}"
     )
     for mode, values in seconds.items():
         print(f"  loop seconds {mode:8s}: median {median[mode]:.3f}  ({', '.join(f'{v:.3f}' for v in values)})")

@@ -105,6 +105,50 @@ def test_checkpoints_are_tied_and_reload_into_a_fresh_model(tmp_path: Path) -> N
     assert record["step"] == 3 and record["extra"]["epoch"] == 0 and record["extra"]["batches"] == 3
 
 
+@pytest.mark.parametrize("background", [True, False], ids=["async", "blocking"])
+def test_checkpoint_keep_deletes_the_runs_older_checkpoints_once_a_newer_is_complete(
+    tmp_path: Path, background: bool
+) -> None:
+    earlier = tmp_path / "step-00000001.safetensors"  # another run's: not this run's to delete
+    tiekit.save_checkpoint(earlier, model=DropoutNet(), step=1)
+    kw: dict[str, Any] = {"batch_size": 4, "checkpoint_dir": tmp_path, "checkpoint_async": background, **CPU}
+    result = tiekit.fit(DropoutNet, data(), max_steps=11, checkpoint_every=2, checkpoint_keep=2, **kw)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["step-00000001.safetensors", "step-00000010.safetensors", "step-00000011.safetensors"]
+    assert tiekit.load_checkpoint(result.checkpoint, model=DropoutNet())["step"] == 11
+    kept = tiekit.fit(DropoutNet, data(), max_steps=4, checkpoint_every=2, **kw)  # the control: keeps all
+    assert kept.checkpoint == tmp_path / "step-00000004.safetensors"
+    assert len(list(tmp_path.iterdir())) == 5
+
+
+@pytest.mark.parametrize("keep", [0, -1, 1.5, True])
+def test_checkpoint_keep_must_be_a_positive_integer(tmp_path: Path, keep: Any) -> None:
+    with pytest.raises(tiekit.TiekitError, match="checkpoint_keep"):
+        tiekit.fit(DropoutNet(), data(), max_steps=1, checkpoint_dir=tmp_path, checkpoint_keep=keep, **CPU)
+    with pytest.raises(tiekit.TiekitError, match="checkpoint_keep needs checkpoint_dir"):
+        tiekit.fit(DropoutNet(), data(), max_steps=1, checkpoint_keep=2, **CPU)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_that_cannot_be_deleted_is_a_warning_and_stays_whole(tmp_path: Path) -> None:
+    from tiekit.train import state
+
+    folder = tmp_path / "step-00000004"
+    tiekit.save_sharded(DropoutNet(), folder)
+    leftover = tmp_path / ".step-00000004.deleting"  # an earlier deletion's, cut short: the rename fails
+    leftover.mkdir()
+    (leftover / "x").write_bytes(b"x")
+    with pytest.warns(UserWarning, match="could not delete the old checkpoint .*step-00000004"):
+        state.remove_checkpoint(folder)
+    assert state.last_checkpoint(tmp_path) == folder
+    tiekit.load_sharded(DropoutNet(), folder)
+
+    (leftover / "x").unlink()
+    leftover.rmdir()
+    state.remove_checkpoint(folder)  # the control
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_every_replica_gets_its_own_shard_and_a_new_order_each_epoch() -> None:
     ds = data(40)
     shards = [

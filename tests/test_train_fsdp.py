@@ -134,7 +134,18 @@ def test_fsdp_checkpoints_are_sharded_folders_that_resume_bit_identically(tmp_pa
     first = tiekit.fit(DropoutNet, data(), max_steps=7, checkpoint_dir=tmp_path, checkpoint_every=5, **kw)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000005", "step-00000007"]
     assert first.checkpoint == tmp_path / "step-00000007" and tiekit.dcp.is_sharded_checkpoint(first.checkpoint)
-    resumed = tiekit.fit(DropoutNet, data(), max_steps=13, checkpoint_dir=tmp_path, resume="last", **kw)
+    resumed = tiekit.fit(
+        DropoutNet,
+        data(),
+        max_steps=13,
+        checkpoint_dir=tmp_path,
+        checkpoint_every=5,
+        checkpoint_keep=1,
+        resume="last",
+        **kw,
+    )
+    # This run wrote 10 and 13 and kept its newest; the first run's folders are not its to delete.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000005", "step-00000007", "step-00000013"]
 
     assert resumed.steps == 13 and resumed.losses == straight.losses[7:]
     assert same(weights(resumed.model), weights(straight.model))

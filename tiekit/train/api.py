@@ -67,6 +67,7 @@ def fit(
     checkpoint_dir: str | Path | None = None,
     checkpoint_every: int | None = None,
     checkpoint_async: bool = True,
+    checkpoint_keep: int | None = None,
     resume: str | Path | None = None,
     seed: int = 0,
     drop_last: bool = True,
@@ -89,6 +90,8 @@ def fit(
     XLA). ``checkpoint_dir``/``checkpoint_every``: tied checkpoints every N steps and at the end
     (sharded strategies: `tiekit.save_sharded` folders), written in the background while
     training goes on unless ``checkpoint_async=False``; fit returns once the last is complete.
+    ``checkpoint_keep``: keep only the N newest checkpoints this run wrote, deleting an older one
+    once a newer one is complete (default: keep all).
     ``resume``: a checkpoint path or "last". ``drop_last``: drop the short last batch (else it is
     padded on XLA so every step has one shape). ``progress``: tqdm bar on the master;
     ``log_dir``: ``metrics.csv`` (and TensorBoard logs when installed).
@@ -105,6 +108,7 @@ def fit(
         checkpoint_dir=None if checkpoint_dir is None else Path(checkpoint_dir),
         checkpoint_every=checkpoint_every,
         checkpoint_async=checkpoint_async,
+        checkpoint_keep=checkpoint_keep,
         resume=None if resume is None else "last" if resume == "last" else Path(resume),
         seed=seed,
         drop_last=drop_last,

@@ -43,6 +43,7 @@ class FitConfig:
     checkpoint_dir: Path | None = None
     checkpoint_every: int | None = None
     checkpoint_async: bool = True
+    checkpoint_keep: int | None = None
     resume: Path | str | None = None
     seed: int = 0
     drop_last: bool = True
@@ -63,7 +64,7 @@ class FitConfig:
         if self.strategy not in STRATEGIES:
             raise TiekitError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
         check_precision(self.precision)
-        for name in ("epochs", "max_steps", "batch_size", "checkpoint_every"):
+        for name in ("epochs", "max_steps", "batch_size", "checkpoint_every", "checkpoint_keep"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise TiekitError(f"{name} must be a positive integer or None, not {value!r}")
@@ -80,6 +81,8 @@ class FitConfig:
                 raise TiekitError(f"devices={self.devices!r} is neither 'auto' nor a device: {exc}") from exc
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
             raise TiekitError("checkpoint_every needs checkpoint_dir: where should the checkpoints go?")
+        if self.checkpoint_keep is not None and self.checkpoint_dir is None:
+            raise TiekitError("checkpoint_keep needs checkpoint_dir: the folder whose checkpoints to keep")
         if self.resume == "last" and self.checkpoint_dir is None:
             raise TiekitError('resume="last" needs checkpoint_dir: the folder to look for the last checkpoint in')
         if not callable(self.optimizer):

@@ -20,7 +20,7 @@ the same order, in `tiekit.train.loop`); a run of one rank decides alone and wai
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ SHARED_OPTIONS = (
     "checkpoint_dir",
     "checkpoint_every",
     "checkpoint_async",
+    "checkpoint_keep",
     "resume",
 )
 
@@ -64,6 +65,8 @@ class Coordinator:
     # The host tensors of the last background single-file save, copied into by the next one
     # once that save is written (one save in flight at a time).
     staging: dict[str, torch.Tensor] | None = None
+    pending_path: Path | None = None  # where the save in flight (on any rank) goes
+    written: list[Path] = field(default_factory=list)  # this run's complete checkpoints, oldest first
 
     def gather(self, value: Any) -> list[Any]:
         """Collective: every rank's ``value`` in rank order (``[value]`` in a run of one rank)."""
@@ -134,6 +137,10 @@ class Coordinator:
             else:
                 tiekit.save_checkpoint(path, **contents)
         self.last_saved = path
+        if blocking:
+            self._complete(cfg, path)
+        else:
+            self.pending_path = path
 
     def finish_saves(self, cfg: FitConfig) -> None:
         """Collective (in a run that saves in the background): wait until this rank's background
@@ -152,11 +159,27 @@ class Coordinator:
         if self.ranks.world == 1:
             if own is not None:
                 raise own
+        else:
+            failed = [(rank, e) for rank, e in enumerate(self.gather(error)) if e is not None]
+            if failed:
+                detail = "; ".join(f"rank {rank}: {e}" for rank, e in failed)
+                raise CheckpointError(
+                    f"a background checkpoint save failed on {len(failed)} rank(s): {detail}"
+                ) from own
+        path, self.pending_path = self.pending_path, None
+        if path is not None:
+            self._complete(cfg, path)  # complete on every rank: the gather above waited for all
+
+    def _complete(self, cfg: FitConfig, path: Path) -> None:
+        """``path`` is complete on every rank: with ``checkpoint_keep``, the writer deletes this
+        run's checkpoints older than the newest ``checkpoint_keep`` (local, no collective)."""
+        self.written = [p for p in self.written if p != path] + [path]  # a step saved twice counts once
+        if cfg.checkpoint_keep is None or len(self.written) <= cfg.checkpoint_keep:
             return
-        failed = [(rank, e) for rank, e in enumerate(self.gather(error)) if e is not None]
-        if failed:
-            detail = "; ".join(f"rank {rank}: {e}" for rank, e in failed)
-            raise CheckpointError(f"a background checkpoint save failed on {len(failed)} rank(s): {detail}") from own
+        old, self.written = self.written[: -cfg.checkpoint_keep], self.written[-cfg.checkpoint_keep :]
+        if self.ranks.is_writer:
+            for stale in old:
+                state.remove_checkpoint(stale)
 
 
 def join(job: Job, backend: Backend) -> Coordinator:

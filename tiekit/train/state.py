@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import re
+import shutil
 import sys
 import warnings
 from dataclasses import dataclass
@@ -54,6 +55,21 @@ def last_checkpoint(folder: Path) -> Path | None:
         if (m := _STEP_FOLDER.fullmatch(p.name)) and is_sharded_checkpoint(p)
     ]
     return max(found)[1] if found else None
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint fit wrote (``checkpoint_keep``). A sharded folder is first renamed to
+    ``.<name>.deleting`` in one step, so a deletion cut short never leaves part of a checkpoint
+    that `last_checkpoint` would take. A failure is a warning naming the path; training goes on."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            doomed = path.with_name(f".{path.name}.deleting")
+            path.rename(doomed)  # fails, changing nothing, if a leftover of that name is there
+            shutil.rmtree(doomed)
+        else:
+            path.unlink(missing_ok=True)
+    except OSError as exc:
+        warnings.warn(f"checkpoint_keep: could not delete the old checkpoint {path}: {exc}", stacklevel=2)
 
 
 def contents(
