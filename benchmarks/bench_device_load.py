@@ -5,7 +5,8 @@ them too), with a GPT-2 small built from its config (124M parameters, tied embed
 
 * ``.to(xla)`` vs ``tiekit.move`` of a model with real weights;
 * loading a 498 MB tied checkpoint into a meta model on XLA: ``tiekit.load_model(device="xla")``
-  against a plain safetensors ``load_file`` + ``load_state_dict(assign=True)`` + ``.to(xla)``.
+  against a plain safetensors ``load_file`` + ``load_state_dict(assign=True)`` + ``.to(xla)``;
+* with ``--in-place``, loading it into a model already on XLA (its tensors overwritten in place).
 
 Every case reports host-to-device transfers and bytes (torch_xla's ``TransferToDeviceTime`` and
 ``OutboundData`` metrics), time until every device buffer is ready (``_on_ready_callback``: XLA:CPU
@@ -17,7 +18,7 @@ ratios are taken within a round.
 ``tiekit`` package, e.g. ``git archive caba64f tiekit | tar -x -C DIR``), run in the same rounds.
 
     PJRT_DEVICE=CPU .venv/bin/python benchmarks/bench_device_load.py [--layers 12] [--repeats 5]
-        [--vocab 50257] [--width 768]
+        [--vocab 50257] [--width 768] [--in-place]
         [--baseline DIR ...] [--staging-mib N] [--loads-only]
 """
 
@@ -58,10 +59,13 @@ CASE = textwrap.dedent(
         data = met.metric_data(name)
         return 0 if data is None else int(data[field])
 
-    if case in ("to", "move"):
-        torch.manual_seed(0)
+    if case in ("to", "move", "in_place"):
+        torch.manual_seed(1)
         model = transformers.GPT2LMHeadModel(config)
         unique = len({id(t) for t in [*model.parameters(), *model.buffers()]})
+        if case == "in_place":
+            tiekit.move(model, device)
+            (torch.ones(3, device=device) * 2).cpu()  # the compiler started, as in a training process
     else:
         with torch.device("meta"):
             model = transformers.GPT2LMHeadModel(config)
@@ -77,6 +81,8 @@ CASE = textwrap.dedent(
         tiekit.move(model, device)
     elif case == "load_model":
         tiekit.load_model(model, path, device=device)
+    elif case == "in_place":
+        tiekit.load_model(model, path)  # into the model's own tensors on XLA
     else:
         state = safetensors.torch.load_file(path)
         model.load_state_dict(state, strict=False, assign=True)
@@ -146,6 +152,7 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, action="append", default=[], help="another tiekit tree")
     parser.add_argument("--staging-mib", type=float, default=0, help="set loading.STAGING_BYTES (this tree)")
     parser.add_argument("--loads-only", action="store_true", help="skip .to and tiekit.move")
+    parser.add_argument("--in-place", action="store_true", help="also load into a model already on XLA")
     args = parser.parse_args()
     here = Path(__file__).resolve().parent.parent  # the tree this script belongs to, not an installed tiekit
     sys.path.insert(0, str(here))
@@ -168,6 +175,9 @@ def main() -> None:
         ("tiekit.load_model(device=xla)", "load_model", here, staging),
     ]
     cases += [(f"load_model at {tree.name}", "load_model", tree.resolve(), 0) for tree in args.baseline]
+    if args.in_place:
+        cases += [("load_model into a model on XLA", "in_place", here, staging)]
+        cases += [(f"the same at {tree.name}", "in_place", tree.resolve(), 0) for tree in args.baseline]
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "model.safetensors"
         torch.manual_seed(0)
@@ -214,7 +224,15 @@ def main() -> None:
             f"  load_model / plain: time {ratio(ours, plain, 'seconds')} "
             f"(to return: {ratio(ours, plain, 'returned')}), RSS {ratio(ours, plain, 'rss_growth_mb')}"
         )
-        for label, _, tree, _ in cases[len(cases) - len(args.baseline) :]:
+        baselines = [c for c in cases if c[1] == "load_model" and c[2] != here]
+        if args.in_place:
+            for tree in args.baseline:
+                mine, theirs = "load_model into a model on XLA", f"the same at {tree.name}"
+                print(
+                    f"  in place / in place at {tree.name}: time {ratio(mine, theirs, 'seconds')}, "
+                    f"RSS {ratio(mine, theirs, 'rss_growth_mb')}"
+                )
+        for label, _, tree, _ in baselines:
             print(
                 f"  load_model / load_model at {tree.name}: time {ratio(ours, label, 'seconds')} "
                 f"(to return: {ratio(ours, label, 'returned')}), RSS {ratio(ours, label, 'rss_growth_mb')}"

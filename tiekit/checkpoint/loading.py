@@ -144,11 +144,12 @@ STAGING_BYTES = 16 << 20
 def _fill(jobs: list[_Job], files: Mapping[str, FileIdentity]) -> dict[int, torch.Tensor]:
     """Read each job's bytes into its tensor (in place) or into a new tensor; {id(old): new}.
 
-    Values are cast to the job's dtype as ``load_state_dict`` casts them. Tensors bound for
-    another device stream through the host in `STAGING_BYTES` batches (one batched transfer
-    each), first, since they change nothing yet; then the CPU reads, where only same-dtype
-    tensors are read straight into their memory. Whatever else changes the model happens after
-    every read succeeded.
+    Values are cast to the job's dtype as ``load_state_dict`` casts them. Tensors bound for a
+    device other than the CPU stream through the host in `STAGING_BYTES` batches (one batched
+    transfer each), first; then the CPU reads. Tensors filled in place are written as their
+    bytes arrive (same-dtype CPU tensors are read straight into their memory, tensors already on
+    their device are overwritten batch by batch): holding their new values aside would hold the
+    model twice. Whatever else changes the model happens after every read succeeded.
     """
     on_device = _stream_to_devices([job for job in jobs if job.device.type != "cpu"], files)
     reads: list[tuple[str, TensorEntry, torch.Tensor]] = []
@@ -169,23 +170,18 @@ def _fill(jobs: list[_Job], files: Mapping[str, FileIdentity]) -> dict[int, torc
             copies.append((job.tensor, host))
     read_into(reads, files)
     fresh = {id(job.tensor): host.to(job.dtype) for job, host in replaced}  # no copy when the dtype is right
-    # Everything is read and on its device: only now does the model change.
+    # Everything is read and on its device: only now does the rest of the model change.
     for tensor, host in copies:
         tensor.copy_(host)  # casts
-    for job, value in on_device:
-        if job.replace:
-            fresh[id(job.tensor)] = value
-        else:
-            job.tensor.copy_(value)
-    if on_device:
-        devices.sync()
+    fresh.update((id(job.tensor), value) for job, value in on_device)
     return fresh
 
 
 def _stream_to_devices(jobs: list[_Job], files: Mapping[str, FileIdentity]) -> list[tuple[_Job, torch.Tensor]]:
-    """Each job's value on its device, read and transferred in batches of at most `STAGING_BYTES`
-    (a larger tensor alone): each batch is read into a reused buffer while the one before it is
-    transferred from the other, so reading and transferring overlap as in one batched transfer."""
+    """Each replacing job's new value on its device (jobs filled in place are written as their
+    batch arrives), read and transferred in batches of at most `STAGING_BYTES` (a larger tensor
+    alone): each batch is read into a reused buffer while the one before it is transferred from
+    the other, so reading and transferring overlap as in one batched transfer."""
     # Larger tensors first: such a batch briefly exists three times (its own memory, torch_xla's
     # copy of it, the device buffer: all host memory on XLA:CPU), cheapest while little is on the
     # device. The rest keep the file's order, which reads the file front to back.
@@ -237,6 +233,11 @@ def _stream_to_devices(jobs: list[_Job], files: Mapping[str, FileIdentity]) -> l
     return out
 
 
+#: What cutting a tensor into pieces may cost beyond the pieces' own copies: the first XLA
+#: compilation of a process takes about 40 MB of host memory on XLA:CPU.
+_PIECES_COST = 64 << 20
+
+
 def _pieces(job: _Job, total: int) -> list[tuple[int, _Job]]:
     """The job cut into pieces of whole rows that each fit a staging buffer, as (first row, piece),
     when that takes less memory than the tensor whole; else nothing.
@@ -244,14 +245,19 @@ def _pieces(job: _Job, total: int) -> list[tuple[int, _Job]]:
     A tensor larger than a buffer crosses whole, briefly existing three times (`_stream_to_devices`);
     in pieces it exists once, on the device, each piece written in place (`devices.write_rows`),
     but on XLA that costs a compilation (the first of a process: about 40 MB of host memory on
-    XLA:CPU) and every piece's copies. So only a tensor whose three copies would exceed the whole
-    load plus that (8 buffers) goes in pieces: a dominant embedding (GPT-2 with a 128k vocabulary),
-    not GPT-2 small's (31% of the model, which peaks at the end of its load anyway). All pieces have
-    one shape, so one graph serves them: the last starts early and overlaps the one before it.
+    XLA:CPU, `_PIECES_COST`) and every piece's three copies. A new tensor goes in pieces only when
+    its three copies would exceed the whole load plus that: a dominant embedding (GPT-2 with a 128k
+    vocabulary), not GPT-2 small's (31% of the model; the load peaks at its end anyway). A tensor
+    filled in place (a model already on the device) goes in pieces once its three copies exceed
+    that cost alone: they come on top of the whole model (GPT-2 small's embedding does). All
+    pieces have one shape, so one graph serves them: the last starts early and overlaps the one
+    before it.
     """
     path, entry = job.entry
     size = entry.end - entry.start
-    if size <= STAGING_BYTES or len(entry.shape) == 0 or entry.shape[0] < 2 or 3 * size <= total + 8 * STAGING_BYTES:
+    # Written in place, the tensor's three copies come on top of the whole model already there.
+    room = (total if job.replace else 0) + 3 * STAGING_BYTES + _PIECES_COST
+    if size <= STAGING_BYTES or len(entry.shape) == 0 or entry.shape[0] < 2 or 3 * size <= room:
         return []
     row = size // entry.shape[0]
     count = (STAGING_BYTES - 63) // row  # rows per piece; its room is rounded up to 64 bytes
@@ -281,17 +287,24 @@ def _pieces(job: _Job, total: int) -> list[tuple[int, _Job]]:
 def _place(
     moved: list[tuple[_Job, torch.Tensor]], pieces: dict[int, tuple[_Job, int]], targets: dict[int, torch.Tensor]
 ) -> list[tuple[_Job, torch.Tensor]]:
-    """Whole tensors as they are; pieces written into their job's device tensor, made at its first
-    piece (and returned then, once per job). The writes run now, so each piece's memory goes."""
+    """New tensors as they are (returned); a job filled in place is written now; pieces written
+    into their job's tensor, or for a replacing job a device tensor made at its first piece (and
+    returned then, once per job). The writes run now, so each batch's device memory goes."""
     out: list[tuple[_Job, torch.Tensor]] = []
     written = False
     for unit, value in moved:
         whole = pieces.get(id(unit))
         if whole is None:
-            out.append((unit, value))
+            if unit.replace:
+                out.append((unit, value))
+            else:
+                unit.tensor.copy_(value)
+                written = True
             continue
         job, first = whole
-        target = targets.get(id(job))
+        target = None if job.replace else job.tensor
+        if target is None:
+            target = targets.get(id(job))
         if target is None:
             target = targets[id(job)] = torch.zeros(job.entry[1].shape, dtype=job.dtype, device=job.device)
             devices.sync()  # a graph of its own, so every write runs the same one
