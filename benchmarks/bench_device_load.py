@@ -46,8 +46,8 @@ CASE = textwrap.dedent(
     case, path, layers, staging = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     vocab, width = int(sys.argv[5]), int(sys.argv[6])
     if staging:
-        from tiekit.checkpoint import loading
-        loading.STAGING_BYTES = staging
+        from tiekit.checkpoint import streaming
+        streaming.STAGING_BYTES = staging
     config = transformers.GPT2Config(n_layer=layers, vocab_size=vocab, n_embd=width)
     device = torch_xla.device()
 
@@ -150,7 +150,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--repeats", type=int, default=3, help="rounds of every case (default 3)")
     parser.add_argument("--baseline", type=Path, action="append", default=[], help="another tiekit tree")
-    parser.add_argument("--staging-mib", type=float, default=0, help="set loading.STAGING_BYTES (this tree)")
+    parser.add_argument("--staging-mib", type=float, default=0, help="set streaming.STAGING_BYTES (this tree)")
     parser.add_argument("--loads-only", action="store_true", help="skip .to and tiekit.move")
     parser.add_argument("--in-place", action="store_true", help="also load into a model already on XLA")
     args = parser.parse_args()

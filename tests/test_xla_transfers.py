@@ -90,7 +90,7 @@ def test_loads_onto_xla_stream_through_the_host_in_bounded_batches(
     """load_model of a meta model onto XLA, and load_checkpoint into a model already there."""
     import torch_xla.debug.metrics as met
 
-    from tiekit.checkpoint import loading
+    from tiekit.checkpoint import streaming
 
     torch.manual_seed(0)
     source = gpt2()
@@ -104,7 +104,7 @@ def test_loads_onto_xla_stream_through_the_host_in_bounded_batches(
         model = gpt2()  # other values
         tiekit.move(model, "xla")
     budget = 10_000  # the embedding (12,288 bytes) and the MLP weights (16,384) are larger
-    monkeypatch.setattr(loading, "STAGING_BYTES", budget)
+    monkeypatch.setattr(streaming, "STAGING_BYTES", budget)
     unique = list({t.data_ptr(): t for t in source.state_dict().values()}.values())  # tied: one
     larger = sorted((t.nbytes for t in unique if t.nbytes > budget), reverse=True)
     met.clear_all()
@@ -130,8 +130,8 @@ _PEAK = (
     f"CONFIG = {_CONFIG!r}\n"
     + """
 import sys, torch, torch_xla, transformers, tiekit
-from tiekit.checkpoint import loading
-loading.STAGING_BYTES = 1 << 20  # staging in proportion to this small model, as 16 MiB is to GPT-2's 475
+from tiekit.checkpoint import streaming
+streaming.STAGING_BYTES = 1 << 20  # staging in proportion to this small model, as 16 MiB is to GPT-2's 475
 config = transformers.GPT2Config(**CONFIG)
 with torch.device("meta"):
     model = transformers.GPT2LMHeadModel(config)
@@ -181,10 +181,10 @@ _IN_PLACE_PEAK = (
     f"CONFIG = {_IN_PLACE!r}\n"
     + """
 import sys, torch, torch_xla, transformers, tiekit
-from tiekit.checkpoint import loading
-loading.STAGING_BYTES = 1 << 20  # as in the load_model bound above
+from tiekit.checkpoint import streaming
+streaming.STAGING_BYTES = 1 << 20  # as in the load_model bound above
 if sys.argv[2] == "whole":
-    loading._pieces = lambda job, total: []  # the control
+    streaming._pieces = lambda job, total: []  # the control
 model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**CONFIG))  # other values than the file's
 tiekit.move(model, "xla")
 (torch.ones(3, device=model.lm_head.weight.device) * 2).cpu()  # as in training: the compiler started
@@ -339,7 +339,7 @@ def test_a_dominant_tensor_crosses_in_pieces_written_into_one_device_tensor(
     control, with pieces turned off, sends it whole."""
     import torch_xla.debug.metrics as met
 
-    from tiekit.checkpoint import loading
+    from tiekit.checkpoint import streaming
 
     torch.manual_seed(0)
     source = gpt2(vocab_size=2000, n_layer=1)
@@ -350,8 +350,8 @@ def test_a_dominant_tensor_crosses_in_pieces_written_into_one_device_tensor(
     else:
         tiekit.save_checkpoint(path, model=source, step=3)
     budget = 16_384  # of the other tensors none is larger
-    monkeypatch.setattr(loading, "STAGING_BYTES", budget)
-    monkeypatch.setattr(loading, "_PIECES_COST", 4 * budget)  # in proportion to this small model
+    monkeypatch.setattr(streaming, "STAGING_BYTES", budget)
+    monkeypatch.setattr(streaming, "_PIECES_COST", 4 * budget)  # in proportion to this small model
     row = embedding[0].nbytes
     count = (budget - 63) // row
     pieces = -(-embedding.shape[0] // count)
@@ -380,7 +380,7 @@ def test_a_dominant_tensor_crosses_in_pieces_written_into_one_device_tensor(
     for name, value in source.state_dict().items():
         assert torch.equal(model.state_dict()[name].cpu(), value), name
 
-    monkeypatch.setattr(loading, "_pieces", lambda job, total: [])
+    monkeypatch.setattr(streaming, "_pieces", lambda job, total: [])
     sent, _, model = load_and_report()
     assert max(sent) == embedding.nbytes
     assert model.lm_head.weight is model.transformer.wte.weight
@@ -408,7 +408,7 @@ def test_a_load_whose_embedding_dominates_the_model_holds_it_once(tmp_path: Path
     for pieces in (True, False):
         script = _PEAK.replace(repr(_CONFIG), repr(_DOMINANT))
         if not pieces:
-            script = script.replace("config = ", "loading._pieces = lambda job, total: []\nconfig = ", 1)
+            script = script.replace("config = ", "streaming._pieces = lambda job, total: []\nconfig = ", 1)
         done = subprocess.run(
             [sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=300, check=False
         )

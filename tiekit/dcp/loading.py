@@ -22,10 +22,11 @@ from tiekit import devices
 from tiekit.analyze import dtype_name
 from tiekit.checkpoint.codec import decode
 from tiekit.checkpoint.layout import PathLike, name_list
-from tiekit.checkpoint.loading import STAGING_BYTES, LoadResult, release_freed_memory
+from tiekit.checkpoint.loading import LoadResult
 from tiekit.checkpoint.optimizer import stage_optimizer
 from tiekit.checkpoint.source import Source
 from tiekit.checkpoint.staging import Staged, stage
+from tiekit.checkpoint.streaming import STAGING_BYTES, release_freed_memory
 from tiekit.dcp.layout import Marker, check_files, read_marker
 from tiekit.dcp.saving import _raise_anywhere
 from tiekit.dcp.state import destination, parameters_by_name, quiet_dcp, unwrap, xla_spmd
