@@ -21,6 +21,7 @@ from typing import IO, Any, cast
 import torch
 
 from tiekit.errors import CheckpointError
+from tiekit.header import TensorEntry
 
 #: key -> its chunks in row order: (file name in the folder, offset, length, chunk shape).
 Rows = dict[str, list[tuple[str, int, int, tuple[int, ...]]]]
@@ -117,4 +118,60 @@ def read_rows(folder: Path, places: Rows, dtypes: Mapping[str, torch.dtype]) -> 
     finally:
         for file in files.values():
             file.close()
+    return out
+
+
+#: key -> its chunks in row order as (shard file, the chunk's bytes as an entry, its first row).
+Located = dict[str, list[tuple[str, TensorEntry, int]]]
+
+
+def locate_rows(folder: Path, places: Rows, dtypes: Mapping[str, torch.dtype]) -> Located:
+    """Where the bytes of each chunk at ``places`` (from `row_chunks`) are in its shard file, without
+    reading them, so a load can stream them to a device. Each record's small pickle is read under
+    ``FakeTensorMode``, torch's way to load a checkpoint's tensors as metadata with their storage's
+    offset in the file (``untyped_storage()._checkpoint_offset``). A key with a chunk stored
+    other than as its rows, contiguous, is left out (DCP's reader takes it); a record that is not
+    the chunk the metadata describes is a `CheckpointError` naming the file and key. Local."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    out: Located = {}
+    files: dict[str, io.BufferedReader] = {}
+    try:
+        with FakeTensorMode():  # one mode for every record: making one costs as much as a load
+            out = _locate(folder, places, dtypes, files)
+    finally:
+        for file in files.values():
+            file.close()
+    return out
+
+
+def _locate(
+    folder: Path, places: Rows, dtypes: Mapping[str, torch.dtype], files: dict[str, io.BufferedReader]
+) -> Located:
+    out: Located = {}
+    for key, chunks in places.items():
+        parts: list[tuple[str, TensorEntry, int]] = []
+        first = 0
+        for name, offset, length, shape in chunks:
+            path = folder / name
+            if name not in files:
+                files[name] = open(path, "rb")  # noqa: SIM115 - closed by locate_rows, one per shard file
+            try:
+                fake = torch.load(cast(IO[bytes], _Slice(files[name], offset, length)), weights_only=True)
+                start = offset + int(fake.untyped_storage()._checkpoint_offset)
+            except Exception as exc:
+                raise CheckpointError(f"{path}: key {key!r} at byte {offset}: unreadable ({exc})") from exc
+            if not isinstance(fake, torch.Tensor) or tuple(fake.shape) != shape or fake.dtype != dtypes[key]:
+                got = f"{tuple(fake.shape)} {fake.dtype}" if isinstance(fake, torch.Tensor) else "no tensor"
+                raise CheckpointError(
+                    f"{path}: key {key!r} at byte {offset} holds {got}, the metadata says {shape} {dtypes[key]}"
+                )
+            start += int(fake.storage_offset()) * fake.element_size()
+            end = start + int(fake.numel()) * fake.element_size()
+            if not fake.is_contiguous() or end > offset + length:
+                break
+            parts.append((os.fspath(path), TensorEntry(key, fake.dtype, shape, start, end), first))
+            first += shape[0] if shape else 0
+        else:
+            out[key] = parts
     return out

@@ -5,6 +5,8 @@ Order: every rank validates on its own and the ranks compare outcomes before the
 collective (an error on one rank is raised on all, none waits); the optimizer state and
 ``extra`` are read next into new tensors and checked against the optimizer; only then are the
 model's weights read (in place for real tensors, into new tensors for meta ones) and re-tied.
+Whole tensors of a model on a device (XLA, not SPMD-sharded) are streamed from the shard files
+in place (`tiekit.checkpoint.streaming`), the rest through DCP.
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ from tiekit.checkpoint.loading import LoadResult
 from tiekit.checkpoint.optimizer import stage_optimizer
 from tiekit.checkpoint.source import Source
 from tiekit.checkpoint.staging import Staged, stage
-from tiekit.checkpoint.streaming import STAGING_BYTES, release_freed_memory
+from tiekit.checkpoint.streaming import STAGING_BYTES, RowPart, release_freed_memory, stream_rows_in_place
+from tiekit.dcp.chunks import Located, locate_rows, row_chunks
 from tiekit.dcp.layout import Marker, check_files, read_marker
 from tiekit.dcp.saving import _raise_anywhere
 from tiekit.dcp.state import destination, parameters_by_name, quiet_dcp, unwrap, xla_spmd
 from tiekit.errors import CheckpointError
-from tiekit.header import TensorEntry
+from tiekit.header import TensorEntry, file_identity
 from tiekit.plan import TiePlan
 from tiekit.retie import retie
 from tiekit.slots import assign, resolve, slot_table
@@ -67,11 +70,12 @@ def load_sharded(
     root = Path(os.path.abspath(os.fspath(path)))
     inner = unwrap(model)
     error: Exception | None = None
-    marker = source = staged = None
+    marker = source = staged = metadata = None
     side: dict[str, torch.Tensor] = {}
     try:
         marker = read_marker(root)
-        source = _source(marker, _dcp_metadata(marker))
+        metadata = _dcp_metadata(marker)
+        source = _source(marker, metadata)
         try:
             staged = stage(inner, source, strict=True, device=None, dtype="model")
         except CheckpointError as exc:  # load_sharded is always strict: drop the loader's strict=False hint
@@ -94,12 +98,20 @@ def load_sharded(
         if optimizer is not None:
             restore = stage_optimizer(optimizer, inner, staged, marker.record["optimizer"], side, marker.where)
         targets, fresh = _model_destinations(inner, staged, source)
+        spmd = xla_spmd(targets.values())
+        streamed = {} if spmd else _device_rows(targets, marker.folder, metadata)
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         error = exc
     _raise_anywhere(error, f"{root}: load")
-    planner = _spmd_planner() if xla_spmd(targets.values()) else _weights_planner(targets.values())
-    with quiet_dcp():
-        load(targets, storage_reader=FileSystemReader(marker.folder), planner=planner, no_dist=single)
+    planner = _spmd_planner() if spmd else _weights_planner(targets.values())
+    rest = {key: tensor for key, tensor in targets.items() if key not in streamed}
+    with quiet_dcp():  # every rank calls it, whatever it streams itself
+        load(rest, storage_reader=FileSystemReader(marker.folder), planner=planner, no_dist=single)
+    if streamed:
+        parts = [
+            RowPart(targets[key], path, entry, first) for key, rows in streamed.items() for path, entry, first in rows
+        ]
+        stream_rows_in_place(parts, {path: file_identity(os.stat(path)) for path in {p.path for p in parts}})
     devices.sync()  # XLA: the last tensors' copies, before the model is used
     _commit(inner, staged, fresh)
     if restore is not None:
@@ -138,6 +150,32 @@ def _weights_planner(targets: Iterable[torch.Tensor]) -> Any:
                 self.pending = 0
 
     return Syncing()
+
+
+def _device_rows(targets: Mapping[str, torch.Tensor], folder: Path, metadata: Any) -> Located:
+    """Where the bytes of each whole tensor larger than a staging buffer bound for a device (a model
+    on XLA, not SPMD-sharded) are in the shard files, for those stored as rows. Read through DCP,
+    such a tensor would exist whole on the host, then in torch_xla's copy and as a new device
+    buffer beside the old one; streamed, it is written in place in pieces
+    (`tiekit.checkpoint.streaming`). Smaller ones cost DCP little, and locating each costs a
+    ``torch.load`` of its record's metadata."""
+    wanted = {
+        key: tensor
+        for key, tensor in targets.items()
+        if tensor.device.type not in ("cpu", "meta")
+        and type(tensor) is torch.Tensor
+        and tensor.numel() * tensor.element_size() > STAGING_BYTES  # smaller ones cost DCP little
+    }
+    if not wanted:
+        return {}
+    places = {key: rows for key, rows in row_chunks(metadata).items() if key in wanted}
+    places = {
+        key: rows
+        for key, rows in places.items()
+        if tuple(metadata.state_dict_metadata[key].size) == tuple(wanted[key].shape)
+    }
+    dtypes = {key: metadata.state_dict_metadata[key].properties.dtype for key in places}
+    return locate_rows(folder, places, dtypes)
 
 
 def _dcp_metadata(marker: Marker) -> Any:
