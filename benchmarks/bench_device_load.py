@@ -6,7 +6,8 @@ them too), with a GPT-2 small built from its config (124M parameters, tied embed
 * ``.to(xla)`` vs ``tiekit.move`` of a model with real weights;
 * loading a 498 MB tied checkpoint into a meta model on XLA: ``tiekit.load_model(device="xla")``
   against a plain safetensors ``load_file`` + ``load_state_dict(assign=True)`` + ``.to(xla)``;
-* with ``--in-place``, loading it into a model already on XLA (its tensors overwritten in place).
+* with ``--in-place``, loading it into a model already on XLA (its tensors overwritten in place),
+  from the file and from a `tiekit.save_sharded` folder of the same weights (``load_sharded``).
 
 Every case reports host-to-device transfers and bytes (torch_xla's ``TransferToDeviceTime`` and
 ``OutboundData`` metrics), time until every device buffer is ready (``_on_ready_callback``: XLA:CPU
@@ -59,11 +60,11 @@ CASE = textwrap.dedent(
         data = met.metric_data(name)
         return 0 if data is None else int(data[field])
 
-    if case in ("to", "move", "in_place"):
+    if case in ("to", "move", "in_place", "sharded"):
         torch.manual_seed(1)
         model = transformers.GPT2LMHeadModel(config)
         unique = len({id(t) for t in [*model.parameters(), *model.buffers()]})
-        if case == "in_place":
+        if case in ("in_place", "sharded"):
             tiekit.move(model, device)
             (torch.ones(3, device=device) * 2).cpu()  # the compiler started, as in a training process
     else:
@@ -83,6 +84,8 @@ CASE = textwrap.dedent(
         tiekit.load_model(model, path, device=device)
     elif case == "in_place":
         tiekit.load_model(model, path)  # into the model's own tensors on XLA
+    elif case == "sharded":
+        tiekit.load_sharded(model, path.with_suffix(""))  # the same weights, save_sharded's folder
     else:
         state = safetensors.torch.load_file(path)
         model.load_state_dict(state, strict=False, assign=True)
@@ -178,11 +181,17 @@ def main() -> None:
     if args.in_place:
         cases += [("load_model into a model on XLA", "in_place", here, staging)]
         cases += [(f"the same at {tree.name}", "in_place", tree.resolve(), 0) for tree in args.baseline]
+        cases += [("load_sharded into a model on XLA", "sharded", here, staging)]
+        cases += [(f"load_sharded at {tree.name}", "sharded", tree.resolve(), 0) for tree in args.baseline]
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "model.safetensors"
         torch.manual_seed(0)
         config = transformers.GPT2Config(n_layer=args.layers, vocab_size=args.vocab, n_embd=args.width)
-        tiekit.save_model(transformers.GPT2LMHeadModel(config), path)
+        saved = transformers.GPT2LMHeadModel(config)
+        tiekit.save_model(saved, path)
+        if args.in_place:
+            tiekit.save_sharded(saved, path.with_suffix(""))  # RSS growth is given over the file's bytes
+        del saved
         file_mb = path.stat().st_size / 2**20
         embedding = args.vocab * args.width * 4 / 2**20
         print(
@@ -227,11 +236,14 @@ def main() -> None:
         baselines = [c for c in cases if c[1] == "load_model" and c[2] != here]
         if args.in_place:
             for tree in args.baseline:
-                mine, theirs = "load_model into a model on XLA", f"the same at {tree.name}"
-                print(
-                    f"  in place / in place at {tree.name}: time {ratio(mine, theirs, 'seconds')}, "
-                    f"RSS {ratio(mine, theirs, 'rss_growth_mb')}"
-                )
+                for mine, theirs in (
+                    ("load_model into a model on XLA", f"the same at {tree.name}"),
+                    ("load_sharded into a model on XLA", f"load_sharded at {tree.name}"),
+                ):
+                    print(
+                        f"  {mine} / at {tree.name}: time {ratio(mine, theirs, 'seconds')}, "
+                        f"RSS {ratio(mine, theirs, 'rss_growth_mb')}"
+                    )
         for label, _, tree, _ in baselines:
             print(
                 f"  load_model / load_model at {tree.name}: time {ratio(ours, label, 'seconds')} "
