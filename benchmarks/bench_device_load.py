@@ -85,7 +85,7 @@ CASE = textwrap.dedent(
     elif case == "in_place":
         tiekit.load_model(model, path)  # into the model's own tensors on XLA
     elif case == "sharded":
-        tiekit.load_sharded(model, path.with_suffix(""))  # the same weights, save_sharded's folder
+        tiekit.load_sharded(model, path.removesuffix(".safetensors"))  # the same weights, save_sharded's folder
     else:
         state = safetensors.torch.load_file(path)
         model.load_state_dict(state, strict=False, assign=True)
