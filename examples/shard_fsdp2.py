@@ -29,10 +29,10 @@ VOCAB, DIM, STEPS, WORLD = 101, 16, 5, 2
 class Block(nn.Module):
     """A residual MLP block: the repeated unit FSDP shards one by one."""
 
-    def __init__(self) -> None:
+    def __init__(self, dim: int = DIM) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.mlp = nn.Linear(DIM, DIM)
+        self.norm = nn.LayerNorm(dim)
+        self.mlp = nn.Linear(dim, dim)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return h + torch.tanh(self.mlp(self.norm(h)))
@@ -41,11 +41,11 @@ class Block(nn.Module):
 class TiedLM(nn.Module):
     """Embedding, two blocks, and an output layer whose weight is the embedding matrix."""
 
-    def __init__(self) -> None:
+    def __init__(self, vocab: int = VOCAB, dim: int = DIM) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList([Block(), Block()])
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList([Block(dim), Block(dim)])
+        self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.embed.weight  # the tie
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT)]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
+
+import shard_fsdp2  # noqa: E402
 
 import tiekit  # noqa: E402
 
@@ -32,31 +34,9 @@ warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
 VOCAB, DIM = 4001, 128  # the embedding dominates the bytes; 4001 rows divide by neither 2 nor 4
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.mlp = nn.Linear(DIM, DIM)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + torch.tanh(self.mlp(self.norm(h)))
-
-
-class TiedLM(nn.Module):
-    """Embedding, two blocks, and an output layer whose weight is the embedding matrix."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList([Block(), Block()])
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.embed(ids)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
+def tied_lm() -> nn.Module:
+    """examples/shard_fsdp2.py's tied LM, with an embedding that dominates the bytes."""
+    return shard_fsdp2.TiedLM(VOCAB, DIM)
 
 
 def batch(step: int) -> torch.Tensor:
@@ -110,7 +90,7 @@ def disk_bytes(path: Path) -> int:
 
 def fsdp_model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return tiekit.shard(TiedLM()) if WORLD > 1 else TiedLM()
+    return tiekit.shard(tied_lm()) if WORLD > 1 else tied_lm()
 
 
 def save_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
@@ -147,7 +127,7 @@ def save_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
         from torch.nn.parallel import DistributedDataParallel
 
         torch.manual_seed(0)
-        model = DistributedDataParallel(TiedLM())
+        model = DistributedDataParallel(tied_lm())
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         step(model, optimizer, 0, RANK, WORLD)
         tiekit.save_sharded(model, OUT / "ddp", optimizer=optimizer)
@@ -231,7 +211,7 @@ def load_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
     def meta() -> dict[str, Any]:
         """Into a model built on the meta device (one process): allocated once per tie, re-tied."""
         with torch.device("meta"):
-            model = TiedLM()
+            model = tied_lm()
         model.head.weight = nn.Parameter(torch.empty(VOCAB, DIM, device="meta"))  # as to_empty leaves it: untied
         tiekit.load_sharded(model, OUT / "fsdp")
         state = full_state(model)
@@ -242,7 +222,7 @@ def load_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
         }
 
     def ddp() -> dict[str, Any]:
-        model = TiedLM()
+        model = tied_lm()
         tiekit.load_sharded(model, OUT / "ddp")
         return {
             "tied": model.head.weight is model.embed.weight,
