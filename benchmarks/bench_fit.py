@@ -113,15 +113,12 @@ def fit_ddp(steps: int) -> dict[str, Any]:
     return {"samples_per_second": result.samples_per_second}
 
 
-def _hand_ddp_rank(rank: int, steps: int, port: int, out: str) -> None:
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
+def hand_loop(model: torch.nn.Module, rank: int, steps: int) -> float:
+    """The hand-written loop of the 2-process contenders on this rank: fit's data order
+    (DistributedSampler, seed 0), AdamW, losses read every ``LOG_EVERY`` steps as fit logs them;
+    samples per second over both ranks from the end of the warm-up."""
     from torch.utils.data import DataLoader, DistributedSampler
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))  # as fit (and torchrun) do
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    torch.manual_seed(0)
-    model = DistributedDataParallel(tied_lm.build())
     optimizer = adamw()(model.parameters())
     data = tied_lm.corpus()
     sampler = DistributedSampler(data, num_replicas=2, rank=rank, shuffle=True, seed=0)
@@ -141,12 +138,20 @@ def _hand_ddp_rank(rank: int, steps: int, port: int, out: str) -> None:
             started = time.perf_counter()
         if step == steps:
             break
-    if rank == 0:
-        Path(out).write_text(str(2 * (steps - WARMUP) * BATCH / (time.perf_counter() - started)))
-    dist.destroy_process_group()
+    return 2 * (steps - WARMUP) * BATCH / (time.perf_counter() - started)
 
 
-def hand_ddp(steps: int) -> dict[str, Any]:
+def join_two(rank: int, port: int) -> None:
+    """Join this spawned process to a 2-rank gloo group, with fit's thread count and seed."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))  # as fit (and torchrun) do
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+
+
+def spawn_two(rank_fn: Any, steps: int) -> str:
+    """Run ``rank_fn(rank, steps, port, out)`` in 2 spawned processes; what rank 0 wrote to ``out``."""
     import tempfile
 
     from torch.multiprocessing.spawn import start_processes
@@ -155,8 +160,23 @@ def hand_ddp(steps: int) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory() as folder:
         out = str(Path(folder) / "rate")
-        start_processes(_hand_ddp_rank, args=(steps, free_port(), out), nprocs=2, start_method="spawn")
-        return {"samples_per_second": float(Path(out).read_text())}
+        start_processes(rank_fn, args=(steps, free_port(), out), nprocs=2, start_method="spawn")
+        return Path(out).read_text()
+
+
+def _hand_ddp_rank(rank: int, steps: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    join_two(rank, port)
+    rate = hand_loop(DistributedDataParallel(tied_lm.build()), rank, steps)
+    if rank == 0:
+        Path(out).write_text(str(rate))
+    dist.destroy_process_group()
+
+
+def hand_ddp(steps: int) -> dict[str, Any]:
+    return {"samples_per_second": float(spawn_two(_hand_ddp_rank, steps))}
 
 
 def fit_cpu(steps: int) -> dict[str, Any]:

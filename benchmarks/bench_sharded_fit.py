@@ -19,13 +19,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from bench_fit import BATCH, LOG_EVERY, WARMUP, adamw, in_subprocess, per_step_costs, print_costs, tied_lm
+from bench_fit import (
+    BATCH,
+    LOG_EVERY,
+    WARMUP,
+    adamw,
+    hand_loop,
+    in_subprocess,
+    join_two,
+    per_step_costs,
+    print_costs,
+    spawn_two,
+    tied_lm,
+)
 
 DEVICES = 4  # XLA:CPU devices of the SPMD contenders
 
@@ -51,52 +62,23 @@ def fit_fsdp(steps: int) -> dict[str, Any]:
 def _hand_fsdp_rank(rank: int, steps: int, port: int, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
-    from torch.utils.data import DataLoader, DistributedSampler
 
     from tiekit.sharding import shard_units
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))  # as fit (and torchrun) do
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    torch.manual_seed(0)
+    join_two(rank, port)
     model = tied_lm.build()
     for unit in shard_units(model)[:-1]:  # the same units as tiekit.shard: the blocks, then the root
         fully_shard(unit.modules if len(unit.modules) > 1 else unit.modules[0])
     fully_shard(model)
-    optimizer = adamw()(model.parameters())
-    data = tied_lm.corpus()
-    sampler = DistributedSampler(data, num_replicas=2, rank=rank, shuffle=True, seed=0)
-    loader = DataLoader(data, batch_size=BATCH, sampler=sampler, drop_last=True)
-    losses: list[torch.Tensor] = []
-    started = 0.0
-    for step, (ids, targets) in enumerate(loader, start=1):
-        loss = model(ids, targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-        if step % LOG_EVERY == 0 or step == steps:
-            [float(v) for v in losses]
-            losses = []
-        if step == WARMUP:
-            started = time.perf_counter()
-        if step == steps:
-            break
+    rate = hand_loop(model, rank, steps)
     if rank == 0:
-        rate = 2 * (steps - WARMUP) * BATCH / (time.perf_counter() - started)
         local, whole = _local_bytes(model)
         Path(out).write_text(json.dumps({"samples_per_second": rate, "local_bytes": local, "whole_bytes": whole}))
     dist.destroy_process_group()
 
 
 def hand_fsdp(steps: int) -> dict[str, Any]:
-    from torch.multiprocessing.spawn import start_processes
-
-    from tiekit.backends.torch_distributed import free_port
-
-    with tempfile.TemporaryDirectory() as folder:
-        out = str(Path(folder) / "rate")
-        start_processes(_hand_fsdp_rank, args=(steps, free_port(), out), nprocs=2, start_method="spawn")
-        return dict(json.loads(Path(out).read_text()))
+    return dict(json.loads(spawn_two(_hand_fsdp_rank, steps)))
 
 
 # -- XLA SPMD over 4 XLA:CPU devices -----------------------------------------------------------------
