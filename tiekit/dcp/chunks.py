@@ -101,24 +101,36 @@ def read_rows(folder: Path, places: Rows, dtypes: Mapping[str, torch.dtype]) -> 
     try:
         for key, chunks in places.items():
             for name, offset, length, shape in chunks:
-                path = folder / name
-                if name not in files:
-                    files[name] = open(path, "rb")  # noqa: SIM115 - closed below, one per shard file
-                try:
-                    record = cast(IO[bytes], _Slice(files[name], offset, length))
-                    tensor = torch.load(record, map_location="cpu", weights_only=True)
-                except Exception as exc:
-                    raise CheckpointError(f"{path}: key {key!r} at byte {offset}: unreadable ({exc})") from exc
-                if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape or tensor.dtype != dtypes[key]:
-                    got = f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor) else "no tensor"
-                    raise CheckpointError(
-                        f"{path}: key {key!r} at byte {offset} holds {got}, the metadata says {shape} {dtypes[key]}"
-                    )
-                out[key].append(tensor)
+                out[key].append(_load_record(folder, files, key, (name, offset, length, shape), dtypes[key]))
     finally:
         for file in files.values():
             file.close()
     return out
+
+
+def _load_record(
+    folder: Path,
+    files: dict[str, io.BufferedReader],
+    key: str,
+    place: tuple[str, int, int, tuple[int, ...]],
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The ``torch.save`` record at ``place`` (file name, offset, length, chunk shape), checked to be
+    the chunk of ``key`` the metadata describes: `CheckpointError` naming the file and key otherwise.
+    Opens each file once into ``files`` (the caller closes them). Under ``FakeTensorMode`` it reads
+    the record's metadata only."""
+    name, offset, length, shape = place
+    path = folder / name
+    if name not in files:
+        files[name] = open(path, "rb")  # noqa: SIM115 - closed by the caller, one per shard file
+    try:
+        tensor = torch.load(cast(IO[bytes], _Slice(files[name], offset, length)), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"{path}: key {key!r} at byte {offset}: unreadable ({exc})") from exc
+    if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+        got = f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor) else "no tensor"
+        raise CheckpointError(f"{path}: key {key!r} at byte {offset} holds {got}, the metadata says {shape} {dtype}")
+    return tensor
 
 
 #: key -> its chunks in row order as (shard file, the chunk's bytes as an entry, its first row).
@@ -154,19 +166,11 @@ def _locate(
         first = 0
         for name, offset, length, shape in chunks:
             path = folder / name
-            if name not in files:
-                files[name] = open(path, "rb")  # noqa: SIM115 - closed by locate_rows, one per shard file
-            try:
-                fake = torch.load(cast(IO[bytes], _Slice(files[name], offset, length)), weights_only=True)
-                start = offset + int(fake.untyped_storage()._checkpoint_offset)
-            except Exception as exc:
-                raise CheckpointError(f"{path}: key {key!r} at byte {offset}: unreadable ({exc})") from exc
-            if not isinstance(fake, torch.Tensor) or tuple(fake.shape) != shape or fake.dtype != dtypes[key]:
-                got = f"{tuple(fake.shape)} {fake.dtype}" if isinstance(fake, torch.Tensor) else "no tensor"
-                raise CheckpointError(
-                    f"{path}: key {key!r} at byte {offset} holds {got}, the metadata says {shape} {dtypes[key]}"
-                )
-            start += int(fake.storage_offset()) * fake.element_size()
+            fake = _load_record(folder, files, key, (name, offset, length, shape), dtypes[key])  # metadata only
+            record = fake.untyped_storage()._checkpoint_offset  # where its bytes start in the record
+            if record is None:
+                break
+            start = offset + int(record) + int(fake.storage_offset()) * fake.element_size()
             end = start + int(fake.numel()) * fake.element_size()
             if not fake.is_contiguous() or end > offset + length:
                 break
