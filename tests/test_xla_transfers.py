@@ -126,6 +126,15 @@ def test_loads_onto_xla_stream_through_the_host_in_bounded_batches(
         assert torch.equal(model.state_dict()[name].cpu(), value), name
 
 
+# The lines of the peak-RSS scripts below that start the measure: ``peak()``, then ``before``.
+_RESET_PEAK = """
+def peak():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak restarts from what the process holds now
+before = peak()
+"""
 _CONFIG = dict(n_layer=8, n_embd=256, n_head=4, vocab_size=8000, n_positions=64, bos_token_id=0, eos_token_id=0)
 _PEAK = (
     f"CONFIG = {_CONFIG!r}\n"
@@ -137,12 +146,9 @@ config = transformers.GPT2Config(**CONFIG)
 with torch.device("meta"):
     model = transformers.GPT2LMHeadModel(config)
 torch_xla.sync()
-def peak():
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # the peak restarts from what the process holds now
-before = peak()
+"""
+    + _RESET_PEAK
+    + """
 tiekit.load_model(model, sys.argv[1], device="xla")
 torch_xla.sync()
 assert model.lm_head.weight is model.transformer.wte.weight
@@ -190,12 +196,9 @@ model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**CONFIG))  # other
 tiekit.move(model, "xla")
 (torch.ones(3, device=model.lm_head.weight.device) * 2).cpu()  # as in training: the compiler started
 torch_xla.sync()
-def peak():
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")
-before = peak()
+"""
+    + _RESET_PEAK
+    + """
 assert tiekit.load_checkpoint(sys.argv[1], model=model)["step"] == 5
 torch_xla.sync()
 grown = peak() - before
@@ -241,7 +244,8 @@ def test_a_load_into_a_model_on_xla_overwrites_it_in_place_batch_by_batch(tmp_pa
     assert growth["whole"] >= 0.9, f"the control grew by {growth['whole']:.2f}x only"  # 1.18-1.32x measured
 
 
-_SHARDED_PEAK = """
+_SHARDED_PEAK = (
+    """
 import ast, sys, torch, torch_xla, transformers, tiekit
 import tiekit.dcp.loading
 import tiekit.checkpoint.streaming
@@ -257,12 +261,9 @@ model = transformers.GPT2LMHeadModel(config)  # other values than the checkpoint
 tiekit.move(model, "xla")
 (torch.ones(3, device=model.lm_head.weight.device) * 2).cpu()  # the compiler started, as in training
 torch_xla.sync()
-def peak():
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")
-before = peak()
+"""
+    + _RESET_PEAK
+    + """
 tiekit.load_sharded(model, sys.argv[1])
 torch_xla.sync()
 grown = peak() - before
@@ -270,6 +271,7 @@ assert model.lm_head.weight is model.transformer.wte.weight
 print(sum(p.detach().double().sum().item() for p in model.parameters()))
 print(grown)
 """
+)
 
 
 def sharded_load_growth(config: dict[str, Any], mode: str, tmp_path: Path) -> float:
