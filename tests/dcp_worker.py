@@ -29,6 +29,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 import shard_fsdp2  # noqa: E402
 
 import tiekit  # noqa: E402
+from tiekit.backends.torch_distributed import collective_close_process_group  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
 VOCAB, DIM = 4001, 128  # the embedding dominates the bytes; 4001 rows divide by neither 2 nor 4
@@ -259,7 +260,7 @@ def main() -> None:
     finally:
         (OUT / f"{MODE}-{WORLD}-rank{RANK}.json").write_text(json.dumps(found, indent=1))
         if WORLD > 1:
-            dist.destroy_process_group()
+            collective_close_process_group()  # meet before destroying: gloo aborted at exit without it
 
 
 if __name__ == "__main__":
