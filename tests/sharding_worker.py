@@ -29,6 +29,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E4
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import tiekit  # noqa: E402
+from tiekit.backends.torch_distributed import collective_close_process_group  # noqa: E402
 from tiekit.sharding import shard_units  # noqa: E402
 from tiekit.slots import resolve  # noqa: E402
 
@@ -256,7 +257,7 @@ def main() -> None:
                 found[name] = {"error": traceback.format_exc()}
     finally:
         (OUT / f"rank{RANK}.json").write_text(json.dumps(found, indent=1))
-        dist.destroy_process_group()
+        collective_close_process_group()  # meet before destroying: gloo can abort at exit without it
 
 
 REFERENCE = reference_lm()
