@@ -182,6 +182,19 @@ def test_a_load_onto_xla_holds_little_host_memory_beyond_the_device_copy(tmp_pat
     assert growth <= 1.4, f"peak RSS grew by {growth:.2f}x the file"
 
 
+def run_peak_script(script: str, *args: str) -> tuple[float, int]:
+    """Run a peak-RSS script in a fresh process: (the sum of the loaded weights, bytes of peak growth)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    total, grown = done.stdout.strip().splitlines()[-2:]
+    return float(total), int(grown)
+
+
 # An embedding of 66 MB, 90% of the model: large enough that pieces pay for their compilation.
 _IN_PLACE = dict(n_layer=2, n_embd=256, n_head=4, vocab_size=64_000, n_positions=64, bos_token_id=0, eos_token_id=0)
 _IN_PLACE_PEAK = (
@@ -217,8 +230,6 @@ def test_a_load_into_a_model_on_xla_overwrites_it_in_place_batch_by_batch(tmp_pa
     grew GPT-2 small by 0.66x the file beyond the model, now 0.20x. The control sends the
     embedding whole, which briefly exists three times beside the model. The compiler has started
     (as in a training process): its first compilation's 40-60 MB would swamp this 72 MB model."""
-    import subprocess
-    import sys
 
     import transformers
 
@@ -229,17 +240,9 @@ def test_a_load_into_a_model_on_xla_overwrites_it_in_place_batch_by_batch(tmp_pa
     expected = sum(p.detach().double().sum().item() for p in saved.parameters())
     growth = {}
     for mode in ("pieces", "whole"):
-        done = subprocess.run(
-            [sys.executable, "-c", _IN_PLACE_PEAK, str(path), mode],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        total, grown = done.stdout.strip().splitlines()[-2:]
-        assert float(total) == pytest.approx(expected, rel=1e-9)  # the file's values, not the model's own
-        growth[mode] = int(grown) / path.stat().st_size
+        total, grown = run_peak_script(_IN_PLACE_PEAK, str(path), mode)
+        assert total == pytest.approx(expected, rel=1e-9)  # the file's values, not the model's own
+        growth[mode] = grown / path.stat().st_size
     assert growth["pieces"] <= 0.7, f"peak RSS grew by {growth['pieces']:.2f}x the file"  # 0.14-0.46x measured
     assert growth["whole"] >= 0.9, f"the control grew by {growth['whole']:.2f}x only"  # 1.18-1.32x measured
 
@@ -277,8 +280,6 @@ print(grown)
 def sharded_load_growth(config: dict[str, Any], mode: str, tmp_path: Path) -> float:
     """Peak RSS growth of load_sharded into a model on XLA, over the checkpoint's bytes, in a fresh
     process; the values loaded checked against the saved model's."""
-    import subprocess
-    import sys
 
     import transformers
 
@@ -287,18 +288,10 @@ def sharded_load_growth(config: dict[str, Any], mode: str, tmp_path: Path) -> fl
     path = tmp_path / "ckpt"
     if not path.exists():
         tiekit.save_sharded(saved, path)
-    done = subprocess.run(
-        [sys.executable, "-c", _SHARDED_PEAK, str(path), repr(config), mode],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    total, grown = done.stdout.strip().splitlines()[-2:]
+    total, grown = run_peak_script(_SHARDED_PEAK, str(path), repr(config), mode)
     expected = sum(p.detach().double().sum().item() for p in saved.parameters())
-    assert float(total) == pytest.approx(expected, rel=1e-9)  # the checkpoint's values, not the model's own
-    return int(grown) / sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    assert total == pytest.approx(expected, rel=1e-9)  # the checkpoint's values, not the model's own
+    return grown / sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 @pytest.mark.slow
