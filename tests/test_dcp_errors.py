@@ -73,6 +73,15 @@ def test_a_truncated_shard_is_named_with_its_keys(saved: Path) -> None:
     refused(saved, rf"__0_0\.distcp: {len(data) // 2} bytes, but save '\w+' wrote {len(data)} .*'embed\.weight'")
 
 
+def test_a_shard_whose_records_are_corrupt_is_named_in_a_checkpoint_error(saved: Path) -> None:
+    """Same size, so validation passes; DCP's reader then fails with its own CheckpointException, a
+    BaseException a caller catching Exception or CheckpointError would miss: tiekit raises it as a
+    CheckpointError naming the folder and the rank's error."""
+    shard = save_folder(saved) / "__0_0.distcp"
+    shard.write_bytes(bytes(shard.stat().st_size))
+    refused(saved, r"save-\w+: DCP could not read its shard files \(corrupt.*\): rank 0: UnpicklingError: Weights only")
+
+
 def test_dcp_metadata_of_another_model_is_refused_before_unpickling(saved: Path, tmp_path: Path) -> None:
     tiekit.save_sharded(nn.Linear(3, 3), tmp_path / "other")
     shutil.copy(save_folder(tmp_path / "other") / ".metadata", save_folder(saved) / ".metadata")

@@ -258,7 +258,7 @@ tiekit.dcp.loading.STAGING_BYTES = 1 << 20
 tiekit.checkpoint.streaming.STAGING_BYTES = 1 << 20
 tiekit.checkpoint.streaming._PIECES_COST = 4 << 20  # an embedding of 8 MB goes in pieces too
 if sys.argv[3] == "dcp":
-    tiekit.dcp.loading._device_rows = lambda *args: {}  # the control: every tensor through DCP's reader
+    tiekit.dcp.loading._device_rows = lambda *args: ({}, {})  # the control: every tensor through DCP's reader
 config = transformers.GPT2Config(**CONFIG)
 model = transformers.GPT2LMHeadModel(config)  # other values than the checkpoint's
 tiekit.move(model, "xla")

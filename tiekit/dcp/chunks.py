@@ -21,7 +21,7 @@ from typing import IO, Any, cast
 import torch
 
 from tiekit.errors import CheckpointError
-from tiekit.header import TensorEntry
+from tiekit.header import FileIdentity, TensorEntry, file_identity
 
 #: key -> its chunks in row order: (file name in the folder, offset, length, chunk shape).
 Rows = dict[str, list[tuple[str, int, int, tuple[int, ...]]]]
@@ -137,13 +137,17 @@ def _load_record(
 Located = dict[str, list[tuple[str, TensorEntry, int]]]
 
 
-def locate_rows(folder: Path, places: Rows, dtypes: Mapping[str, torch.dtype]) -> Located:
+def locate_rows(
+    folder: Path, places: Rows, dtypes: Mapping[str, torch.dtype]
+) -> tuple[Located, dict[str, FileIdentity]]:
     """Where the bytes of each chunk at ``places`` (from `row_chunks`) are in its shard file, without
     reading them, so a load can stream them to a device. Each record's small pickle is read under
     ``FakeTensorMode``, torch's way to load a checkpoint's tensors as metadata with their storage's
     offset in the file (``untyped_storage()._checkpoint_offset``). A key with a chunk stored
     other than as its rows, contiguous, is left out (DCP's reader takes it); a record that is not
-    the chunk the metadata describes is a `CheckpointError` naming the file and key. Local."""
+    the chunk the metadata describes is a `CheckpointError` naming the file and key. Also returns
+    the identity of each file read, taken now: the offsets hold only for these files, so a reader
+    of them later refuses a file replaced in between. Local."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     out: Located = {}
@@ -151,10 +155,11 @@ def locate_rows(folder: Path, places: Rows, dtypes: Mapping[str, torch.dtype]) -
     try:
         with FakeTensorMode():  # one mode for every record: making one costs as much as a load
             out = _locate(folder, places, dtypes, files)
+        identities = {os.fspath(folder / name): file_identity(os.fstat(file.fileno())) for name, file in files.items()}
     finally:
         for file in files.values():
             file.close()
-    return out
+    return out, identities
 
 
 def _locate(

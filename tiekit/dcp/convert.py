@@ -27,7 +27,7 @@ from tiekit.checkpoint.saving import _parse_size, declared_ties
 from tiekit.checkpoint.source import open_source
 from tiekit.dcp.chunks import read_rows, row_chunks
 from tiekit.dcp.layout import DCP_METADATA, MARKER_NAME, SAVE_PREFIX, read_marker, remove_stale, write_marker
-from tiekit.dcp.state import quiet_dcp
+from tiekit.dcp.state import running_dcp
 from tiekit.dcp.stream import Spec, Value, nbytes, write_dcp, write_safetensors
 from tiekit.errors import CheckpointError
 from tiekit.plan import TiePlan
@@ -149,7 +149,7 @@ def _dcp_read(folder: Path) -> Callable[[list[str]], dict]:
             # Then only `out` holds the tensors, each freed once written, with no gc.collect()
             # (a full pass took 0.3 s per batch in a process holding GPT-2 small and transformers).
             planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-            with quiet_dcp():
+            with running_dcp(folder, reading=True):
                 load(dict(out), storage_reader=FileSystemReader(folder), planner=planner, no_dist=True)
             planner.state_dict.clear()
             planner.original_state_dict.clear()

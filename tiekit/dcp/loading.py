@@ -32,9 +32,9 @@ from tiekit.checkpoint.streaming import STAGING_BYTES, RowPart, release_freed_me
 from tiekit.dcp.chunks import Located, locate_rows, row_chunks
 from tiekit.dcp.layout import Marker, check_files, read_marker
 from tiekit.dcp.saving import _raise_anywhere
-from tiekit.dcp.state import destination, parameters_by_name, quiet_dcp, unwrap, xla_spmd
+from tiekit.dcp.state import destination, parameters_by_name, running_dcp, unwrap, xla_spmd
 from tiekit.errors import CheckpointError
-from tiekit.header import TensorEntry, file_identity
+from tiekit.header import FileIdentity, TensorEntry
 from tiekit.plan import TiePlan
 from tiekit.retie import retie
 from tiekit.slots import assign, resolve, slot_table
@@ -90,7 +90,7 @@ def load_sharded(
     single = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     if side:
         planner = _spmd_planner() if xla_spmd(side.values()) else None
-        with quiet_dcp():
+        with running_dcp(marker.folder, reading=True):
             load(side, storage_reader=FileSystemReader(marker.folder), planner=planner, no_dist=single)
     restore: Callable[[], None] | None = None
     try:
@@ -99,19 +99,19 @@ def load_sharded(
             restore = stage_optimizer(optimizer, inner, staged, marker.record["optimizer"], side, marker.where)
         targets, fresh = _model_destinations(inner, staged, source)
         spmd = xla_spmd(targets.values())
-        streamed = {} if spmd else _device_rows(targets, marker.folder, metadata)
+        streamed, identities = ({}, {}) if spmd else _device_rows(targets, marker.folder, metadata)
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         error = exc
     _raise_anywhere(error, f"{root}: load")
     planner = _spmd_planner() if spmd else _weights_planner(targets.values())
     rest = {key: tensor for key, tensor in targets.items() if key not in streamed}
-    with quiet_dcp():  # every rank calls it, whatever it streams itself
+    with running_dcp(marker.folder, reading=True):  # every rank calls it, whatever it streams itself
         load(rest, storage_reader=FileSystemReader(marker.folder), planner=planner, no_dist=single)
     if streamed:
         parts = [
             RowPart(targets[key], path, entry, first) for key, rows in streamed.items() for path, entry, first in rows
         ]
-        stream_rows_in_place(parts, {path: file_identity(os.stat(path)) for path in {p.path for p in parts}})
+        stream_rows_in_place(parts, identities)  # a shard file replaced since it was located is refused
     devices.sync()  # XLA: the last tensors' copies, before the model is used
     _commit(inner, staged, fresh)
     if restore is not None:
@@ -152,7 +152,9 @@ def _weights_planner(targets: Iterable[torch.Tensor]) -> Any:
     return Syncing()
 
 
-def _device_rows(targets: Mapping[str, torch.Tensor], folder: Path, metadata: Any) -> Located:
+def _device_rows(
+    targets: Mapping[str, torch.Tensor], folder: Path, metadata: Any
+) -> tuple[Located, dict[str, FileIdentity]]:
     """Where the bytes of each whole tensor larger than a staging buffer bound for a device (a model
     on XLA, not SPMD-sharded) are in the shard files, for those stored as rows. Read through DCP,
     such a tensor would exist whole on the host, then in torch_xla's copy and as a new device
@@ -167,7 +169,7 @@ def _device_rows(targets: Mapping[str, torch.Tensor], folder: Path, metadata: An
         and tensor.numel() * tensor.element_size() > STAGING_BYTES  # smaller ones cost DCP little
     }
     if not wanted:
-        return {}
+        return {}, {}
     places = {key: rows for key, rows in row_chunks(metadata).items() if key in wanted}
     places = {
         key: rows

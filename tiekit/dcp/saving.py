@@ -30,7 +30,7 @@ from tiekit.checkpoint.handle import SaveHandle
 from tiekit.checkpoint.layout import PathLike
 from tiekit.collective import collective_gather
 from tiekit.dcp.layout import SAVE_PREFIX, remove_stale, write_marker
-from tiekit.dcp.state import SaveState, quiet_dcp, save_state, unwrap, xla_spmd
+from tiekit.dcp.state import SaveState, running_dcp, save_state, unwrap, xla_spmd
 from tiekit.errors import CheckpointError, TiekitError
 
 # Pending asynchronous saves of this process, by folder: a new save into the same folder waits
@@ -82,7 +82,7 @@ def save_sharded(
     if blocking:
         error = None
         try:
-            with quiet_dcp():
+            with running_dcp(folder, reading=False):
                 save(state.tensors, storage_writer=writer, planner=planner, no_dist=not distributed)
         except Exception as exc:  # noqa: BLE001 - reported on every rank below
             error = exc
@@ -97,7 +97,7 @@ def save_sharded(
     if spmd:
         future = _spmd_async_save(state, writer, planner, group, distributed)
     else:
-        with quiet_dcp():
+        with running_dcp(folder, reading=False):
             response = async_save(state.tensors, storage_writer=writer, process_group=group, no_dist=not distributed)
         # torch's AsyncSaveResponse (zero-overhead staging) holds the future of the upload
         future = response if isinstance(response, Future) else response.upload_completion
@@ -132,7 +132,7 @@ def _spmd_async_save(state: SaveState, writer: Any, planner: Any, group: Any, di
         _xla_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiekit-xla-save")
 
     def write() -> None:
-        with quiet_dcp():
+        with running_dcp(writer.path, reading=False):
             save(host, storage_writer=writer, planner=planner, process_group=group, no_dist=not distributed)
 
     return _xla_writer.submit(write)

@@ -20,6 +20,7 @@ from torch import nn
 
 from tiekit.analyze import dtype_name
 from tiekit.checkpoint.saving import encode_training_state
+from tiekit.errors import CheckpointError
 from tiekit.plan import TiePlan
 
 STATE_VERSION = 1
@@ -90,10 +91,27 @@ def parameters_by_name(model: nn.Module) -> Mapping[str, torch.Tensor]:
 
 
 @contextlib.contextmanager
-def quiet_dcp() -> Iterator[None]:
-    """DCP's warnings that say nothing to a tiekit user: single-process saves are intended here,
-    and its own use of TypedStorage is DCP's to change."""
+def running_dcp(where: object, reading: bool) -> Iterator[None]:
+    """Around a call of DCP's save (``reading=False``) or load: its warnings that say nothing to a
+    tiekit user hidden (single-process saves are intended here; its use of TypedStorage is DCP's
+    to change), and its failure, a ``CheckpointException`` (a ``BaseException`` DCP raises on
+    every rank alike, holding each failed rank's error), raised as a `CheckpointError` naming
+    ``where`` (the folder) and the first line of each failed rank's error."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
-        yield
+        try:
+            yield
+        except CheckpointException as exc:
+            what = "read its shard files (corrupt, or not written by DCP?)" if reading else "write its shard files"
+            raise CheckpointError(f"{where}: DCP could not {what}: {_failures(exc.failures)}") from exc
+
+
+def _failures(failures: Mapping[int, Any]) -> str:
+    told = []
+    for rank, failure in sorted(failures.items()):
+        error = failure[0] if isinstance(failure, tuple) else failure  # DCP keeps (error, traceback)
+        told.append(f"rank {rank}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+    return "; ".join(told)

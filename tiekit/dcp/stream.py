@@ -134,7 +134,7 @@ def write_dcp(folder: Path, specs: Sequence[Spec], read: Callable[[str], torch.T
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    from tiekit.dcp.state import quiet_dcp
+    from tiekit.dcp.state import running_dcp
 
     class Streaming(DefaultSavePlanner):
         """Plans with meta tensors; DCP's writer asks for each tensor once, just before writing it."""
@@ -143,5 +143,5 @@ def write_dcp(folder: Path, specs: Sequence[Spec], read: Callable[[str], torch.T
             return read(index.fqn)
 
     placeholders = {key: torch.empty(shape, dtype=dtype, device="meta") for key, shape, dtype in specs}
-    with quiet_dcp():
+    with running_dcp(folder, reading=False):
         save(placeholders, storage_writer=FileSystemWriter(folder), planner=Streaming(), no_dist=True)
