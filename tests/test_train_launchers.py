@@ -186,7 +186,7 @@ def test_two_torchrun_nodes_with_different_checkpoints_refuse_to_resume(tmp_path
         command += ["--rdzv-id=tiekit-test", str(script), str(out), json.dumps(options)]
         processes.append(_start(command, cwd=tmp_path / node))
     outputs = _wait(processes, timeout=150)
-    assert all(p.returncode == 0 for p in processes), "\n".join(o[-2000:] for o in outputs)
+    assert all(p.returncode == 0 for p in processes), "\n".join(o[-12000:] for o in outputs)
     records = _records(out)
     newest = {"nodeA": "step-00000010.safetensors", "nodeB": "step-00000005.safetensors"}
     chosen = newest[Path(records[0]["cwd"]).name]  # rank 0's newest
