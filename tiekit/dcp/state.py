@@ -113,5 +113,6 @@ def _failures(failures: Mapping[int, Any]) -> str:
     told = []
     for rank, failure in sorted(failures.items()):
         error = failure[0] if isinstance(failure, tuple) else failure  # DCP keeps (error, traceback)
-        told.append(f"rank {rank}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+        first_line = next(iter(str(error).splitlines()), "")  # the rest is torch's advice or a traceback
+        told.append(f"rank {rank}: {type(error).__name__}: {first_line}")
     return "; ".join(told)
