@@ -43,6 +43,22 @@ class ViewBuffers(nn.Module):
         return x @ self.wt + x @ self.w.t()
 
 
+class FunctionalHeadLM(nn.Module):
+    """Logits from the embedding matrix read in the root's own forward (``F.linear(h,
+    self.embed.weight)``), as hand-written language models often do: no output module owns it."""
+
+    def __init__(self, vocab: int = 101, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList([nn.Linear(dim, dim), nn.Linear(dim, dim)])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return nn.functional.linear(h, self.embed.weight)
+
+
 def gpt2(**overrides: object) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 

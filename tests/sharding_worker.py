@@ -96,6 +96,28 @@ def lm_split() -> dict[str, Any]:
     return out
 
 
+def read_in_root(traced: bool) -> dict[str, Any]:
+    """A model whose root reads the embedding matrix in its own forward, with the embedding asked
+    for as a unit: through a plan from find_ties(trace=True) tiekit.shard sends that unit back to the
+    root and it trains like one process; without the trace it is a unit of its own."""
+    torch.manual_seed(0)
+    reference = models.FunctionalHeadLM()
+    train(reference)
+    torch.manual_seed(0)
+    model = models.FunctionalHeadLM()
+    plan = tiekit.find_ties(model, trace=traced)
+    units = ["embed", "blocks.*"]
+    out: dict[str, Any] = {"units": [u.label for u in shard_units(model, units, plan=plan)]}
+    tiekit.shard(model, units=units, plan=plan)
+    try:
+        train(model, RANK, WORLD)
+    except Exception as exc:  # noqa: BLE001 - the failure is what the control shows
+        out["training_error"] = f"{type(exc).__name__}: {exc}"
+    else:
+        out["differences"] = differences(collective_full_state(model), reference)
+    return out
+
+
 def no_waiting() -> dict[str, Any]:
     """shard and check_sharding on rank 0 while rank 1 has not started: neither waits for it."""
     flag = OUT / "rank0-wrapped"
@@ -227,6 +249,8 @@ def main() -> None:
         ("lm_default", lambda: lm_through_shard(None)),
         ("lm_units", lambda: lm_through_shard(["embed", "head", "blocks.*"])),
         ("lm_split", lm_split),
+        ("read_in_root_traced", lambda: read_in_root(True)),
+        ("read_in_root_untraced", lambda: read_in_root(False)),
         ("errors", errors),
         ("gpt2", lambda: hf_model(lambda: models.gpt2(vocab_size=101))),
         (

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from launching import EXAMPLES, ROOT, base_env, describe, free_port, run_ok
-from models import ViewBuffers, gpt2, t5
+from models import FunctionalHeadLM, ViewBuffers, gpt2, t5
 from torch import nn
 
 import tiekit
@@ -68,6 +68,21 @@ def test_split_units_are_refused_by_check_sharding_and_train_wrong(ranks: list[d
             assert "training_error" not in split, split["training_error"]
             assert split["differences"]["embed.weight"] > 1e-2
             assert split["differences"]["head.weight"] > 1e-2
+
+
+def test_a_weight_the_root_reads_in_forward_goes_back_to_the_root_with_a_traced_plan(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """FunctionalHeadLM's root computes its logits from embed.weight. With the embedding a unit of
+    its own, FSDP2 gathers that weight only around the embedding's forward and the root's read
+    fails (the control, the plan without a trace); find_ties(trace=True) records the read and
+    tiekit.shard keeps the embedding with the root: trains like one process."""
+    for found in ranks:
+        traced, untraced = found["read_in_root_traced"], found["read_in_root_untraced"]
+        assert traced["units"] == ["blocks.0", "blocks.1", "<root>"]
+        assert max(traced["differences"].values()) < 1e-5, traced["differences"]
+        assert untraced["units"] == ["embed", "blocks.0", "blocks.1", "<root>"]
+        assert "mixed torch.Tensor and DTensor" in untraced["training_error"]
 
 
 def test_shard_and_check_sharding_do_not_wait_for_other_ranks(ranks: list[dict[str, Any]]) -> None:
@@ -191,6 +206,47 @@ def test_a_tie_held_by_the_root_itself_keeps_its_units_with_the_root() -> None:
             self.w = self.blocks[1].weight
 
     assert labels(RootTied()) == ["blocks.0", "blocks.2", "<root>"]
+
+
+class ReaderHead(nn.Module):
+    """Logits from an embedding it holds but does not register (torchtune's TiedLinear does so)."""
+
+    def __init__(self, embed: nn.Embedding) -> None:
+        super().__init__()
+        self.__dict__["embed"] = embed
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(h, self.embed.weight)
+
+
+class ReaderHeadLM(FunctionalHeadLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = ReaderHead(self.embed)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.blocks[1](self.blocks[0](self.embed(ids))))
+
+
+def test_traced_reads_of_a_weight_outside_its_module_join_the_reader_to_its_unit() -> None:
+    root_reads, module_reads = FunctionalHeadLM(), ReaderHeadLM()
+    units = ["embed", "blocks.*"]
+    for model in (root_reads, module_reads):
+        assert labels(model, units) == ["embed", "blocks.0", "blocks.1", "<root>"]  # no trace: no reads known
+    plan = tiekit.find_ties(root_reads, trace=True)
+    assert [(c.name, c.reader) for c in plan.cross_module] == [("embed.weight", "")]
+    assert [u.label for u in shard_units(root_reads, units, plan=plan)] == ["blocks.0", "blocks.1", "<root>"]
+    plan = tiekit.find_ties(module_reads, trace=True)
+    assert [(c.name, c.reader) for c in plan.cross_module] == [("embed.weight", "out")]
+    joined = ["embed + out", "blocks.0", "blocks.1", "<root>"]
+    assert [u.label for u in shard_units(module_reads, units, plan=plan)] == joined
+    # A reader in a unit nested inside the owner's runs while the owner's unit is gathered: it
+    # keeps its own unit.
+    nested = nn.Sequential(module_reads)
+    plan = tiekit.find_ties(nested, trace=True)
+    assert [u.label for u in shard_units(nested, ["0", "0.out"], plan=plan)] == ["0.out", "0", "<root>"]
+    with pytest.raises(tiekit.TiekitError, match=r"module 'out' reads 'embed\.weight', but FunctionalHeadLM has no"):
+        shard_units(root_reads, units, plan=tiekit.find_ties(module_reads, trace=True))
 
 
 class Crossed(nn.Module):

@@ -157,7 +157,10 @@ def shard_units(
     ``units`` as for `tiekit.shard` (None: the model's repeated blocks). A tie whose owners fall
     in different units joins those units into one (``fully_shard([a, b])``); an owner that
     belongs to no unit joins it with its own module, and a tie held by the root module itself
-    sends the units involved back to the root. `TieError` when the units cannot be ordered so
+    sends the units involved back to the root. A parameter a module reads outside its owner
+    (``plan.cross_module``, recorded by ``find_ties(model, trace=True)``) joins the reader to the
+    owner's unit the same way, unless the reader runs inside that unit already; a read by the
+    root's own forward sends the owner's unit back to the root. `TieError` when the units cannot be ordered so
     that every unit is wrapped before the units around it, or when a buffer is a view of a
     parameter (FSDP replaces the parameter, so the view would stop following it). Local: needs
     no process group.
@@ -166,8 +169,10 @@ def shard_units(
     plan = find_ties(model) if plan is None else plan
     chosen = {id(m): m for m in resolve_units(model, units, tree)}
     ties = _parameter_ties(model, plan)
-    _dissolve_root_ties(tree, chosen, ties)
-    sets = _merge(tree, chosen, ties)
+    reads = _parameter_reads(tree, plan)
+    _dissolve_root_ties(tree, chosen, ties + [r for r in reads if r[-1] == ""])
+    outside = [r for r in reads if r[-1] != "" and not _read_inside(tree, chosen, r)]
+    sets = _merge(tree, chosen, ties + outside)
     ordered = _order(tree, sets)
     result = [Unit(tuple(tree.path(m) for m in s), tuple(s)) for s in ordered]
     return [*result, Unit(("",), (model,))]
@@ -187,6 +192,46 @@ def _parameter_ties(model: nn.Module, plan: TiePlan) -> list[list[str]]:
         if len(names) > 1:
             ties.append([n.rpartition(".")[0] for n in names])
     return ties
+
+
+def _parameter_reads(tree: _Tree, plan: TiePlan) -> list[list[str]]:
+    """Per parameter a module reads in its own forward without owning it (``plan.cross_module``,
+    from ``find_ties(trace=True)``: ``F.linear(h, self.embed.weight)`` in the root), the owning
+    module paths followed by the reader's path ("" for the root). FSDP gathers a parameter only
+    around its own unit's forward, so the reader must run inside that unit."""
+    reads = []
+    for use in plan.cross_module:
+        if use.reader not in tree.at:
+            raise TiekitError(
+                f"the tie plan says module {use.reader!r} reads {use.name!r}, but {type(tree.model).__name__} "
+                "has no such module (a plan of another model?)"
+            )
+        group = plan.group_of(use.name)
+        names = [m.name for m in group.members if m.kind == "parameter"] if group is not None else [use.name]
+        names = [n for n in names if _is_parameter(tree.model, n)]  # buffers are not sharded
+        if names:
+            reads.append([*(n.rpartition(".")[0] for n in names), use.reader])
+    return reads
+
+
+def _is_parameter(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_parameter(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def _read_inside(tree: _Tree, chosen: dict[int, nn.Module], read: list[str]) -> bool:
+    """Whether the reader (last path) runs inside the unit of one of the owners (the others): the
+    root's unit, or one whose module contains the reader, is gathered while the reader runs."""
+    *owners, reader = read
+    at = tree.at[reader]
+    for path in owners:
+        unit = _unit_of(tree, chosen, path)
+        if unit is None or chosen[unit] is at or tree.strictly_inside(at, chosen[unit]):
+            return True
+    return False
 
 
 def _refuse_parameter_views(group: TieGroup) -> None:
