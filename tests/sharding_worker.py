@@ -109,6 +109,12 @@ def read_in_root(traced: bool) -> dict[str, Any]:
     units = ["embed", "blocks.*"]
     out: dict[str, Any] = {"units": [u.label for u in shard_units(model, units, plan=plan)]}
     tiekit.shard(model, units=units, plan=plan)
+    traced_plan = plan if traced else tiekit.find_ties(models.FunctionalHeadLM(), trace=True)
+    try:
+        tiekit.check_sharding(model, traced_plan)
+        out["check"] = None
+    except tiekit.TieError as exc:
+        out["check"] = str(exc)
     try:
         train(model, RANK, WORLD)
     except Exception as exc:  # noqa: BLE001 - the failure is what the control shows

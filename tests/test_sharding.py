@@ -83,6 +83,10 @@ def test_a_weight_the_root_reads_in_forward_goes_back_to_the_root_with_a_traced_
         assert max(traced["differences"].values()) < 1e-5, traced["differences"]
         assert untraced["units"] == ["embed", "blocks.0", "blocks.1", "<root>"]
         assert "mixed torch.Tensor and DTensor" in untraced["training_error"]
+        # check_sharding with a traced plan says so before the first step; the right units pass.
+        assert traced["check"] is None
+        assert "embed.weight (unit 'embed') is read by the forward of <root>, outside" in untraced["check"]
+        assert "plan=tiekit.find_ties(model, trace=True)" in untraced["check"]
 
 
 def test_shard_and_check_sharding_do_not_wait_for_other_ranks(ranks: list[dict[str, Any]]) -> None:

@@ -33,6 +33,7 @@ class Managed:
 
     unit: str
     param: Any
+    paths: tuple[str, ...] = ()  # the unit's module paths ("" for the root)
 
 
 def fsdp_assignment(model: nn.Module) -> dict[str, Managed]:
@@ -63,12 +64,13 @@ def fsdp_assignment(model: nn.Module) -> dict[str, Managed]:
         )
     out: dict[str, Managed] = {}
     for state in states.values():
-        label = " + ".join(p or "<root>" for p in (_first(paths, m) for m in _state_modules(state)))
+        unit_paths = tuple(_first(paths, m) for m in _state_modules(state))
+        label = " + ".join(p or "<root>" for p in unit_paths)
         for group in _param_groups(state):
             for fsdp_param in _fsdp_params(group):
                 for module, attr in _slots_of(fsdp_param):
                     for path in paths.get(id(module), ()):
-                        out[f"{path}.{attr}" if path else attr] = Managed(label, fsdp_param)
+                        out[f"{path}.{attr}" if path else attr] = Managed(label, fsdp_param, unit_paths)
     return out
 
 
@@ -129,8 +131,10 @@ def check_sharding(model: nn.Module, plan: TiePlan | None = None) -> None:
     no such id (2.9), sharded parameters of different units whose local shards hold identical,
     non-constant values (the state a split tie is in before the first step). Also reported: a
     tie of the plan that is two tensors inside one unit (broken before wrapping), and a buffer
-    that is a view of a sharded parameter (it no longer follows it). A model without FSDP2 units
-    passes. Local: each rank reads its own model and shards, nothing is communicated.
+    that is a view of a sharded parameter (it no longer follows it), and, with a plan from
+    ``find_ties(model, trace=True)``, a parameter read in the forward of a module outside its
+    unit (``F.linear(h, self.embed.weight)`` in the root while ``embed`` is a unit). A model
+    without FSDP2 units passes. Local: each rank reads its own model and shards, nothing is communicated.
     """
     assignment = fsdp_assignment(model)
     if not assignment:
@@ -150,6 +154,8 @@ def check_sharding(model: nn.Module, plan: TiePlan | None = None) -> None:
     if not exact:
         for names, how in _split_without_plan(assignment):
             problems.extend(_split(names, assignment, how))
+    for use in plan.cross_module:
+        problems.extend(_read_outside(plan, use.name, use.reader, assignment))
     if problems:
         raise TieError(_message(problems))
 
@@ -161,6 +167,8 @@ _ADVICE = {
     "broken": "Re-tie before wrapping: tiekit.preserve_ties around to_empty / load_state_dict(assign=True), "
     "tiekit.retie(model, plan), or tiekit.shard(model, plan=plan), which re-ties first.",
     "view": "Compute such views in forward (self.w.t()) instead of registering them as buffers.",
+    "read": "Put a module that reads another module's weight in that weight's unit, or leave the weight to "
+    "the root; tiekit.shard(model, plan=tiekit.find_ties(model, trace=True)) chooses such units.",
 }
 
 
@@ -168,7 +176,9 @@ def _message(problems: list[tuple[str, str]]) -> str:
     kinds = dict.fromkeys(kind for kind, _ in problems)
     return "\n".join(
         [
-            "tiekit: FSDP would shard and update tied weights as separate tensors:",
+            "tiekit: FSDP would shard and update tied weights as separate tensors:"
+            if set(kinds) != {"read"}
+            else "tiekit: FSDP would not gather a weight where it is read:",
             *(f"  {text}" for _, text in problems),
             *(_ADVICE[kind] for kind in kinds),
             "See docs/sharding.md.",
@@ -192,6 +202,24 @@ def _split(names: list[str], assignment: dict[str, Managed], how: str) -> list[t
             "wrapping (to_empty, load_state_dict(assign=True) or a move without tiekit)",
         )
     ]
+
+
+def _read_outside(plan: TiePlan, name: str, reader: str, assignment: dict[str, Managed]) -> list[tuple[str, str]]:
+    """A parameter read in the forward of a module outside its unit (``plan.cross_module``, from
+    ``find_ties(trace=True)``): FSDP gathers it only around its unit's forward."""
+    group = plan.group_of(name)
+    names = [m.name for m in group.members if m.kind == "parameter"] if group is not None else [name]
+    for managed in (assignment[n] for n in names if n in assignment):
+        if any(p == "" or reader == p or reader.startswith(p + ".") for p in managed.paths):
+            continue
+        return [
+            (
+                "read",
+                f"{name} (unit {managed.unit!r}) is read by the forward of {reader or '<root>'}, outside "
+                "that unit: FSDP gathers it only around the unit's own forward",
+            )
+        ]
+    return []
 
 
 def _stale_views(group: TieGroup, assignment: dict[str, Managed]) -> list[str]:
