@@ -107,11 +107,17 @@ def load_sharded(
     rest = {key: tensor for key, tensor in targets.items() if key not in streamed}
     with running_dcp(marker.folder, reading=True):  # every rank calls it, whatever it streams itself
         load(rest, storage_reader=FileSystemReader(marker.folder), planner=planner, no_dist=single)
-    if streamed:
-        parts = [
-            RowPart(targets[key], path, entry, first) for key, rows in streamed.items() for path, entry, first in rows
-        ]
-        stream_rows_in_place(parts, identities)  # a shard file replaced since it was located is refused
+    try:
+        if streamed:
+            parts = [
+                RowPart(targets[key], path, entry, first)
+                for key, rows in streamed.items()
+                for path, entry, first in rows
+            ]
+            stream_rows_in_place(parts, identities)  # a shard file replaced since it was located is refused
+    except Exception as exc:  # noqa: BLE001 - raised on every rank below
+        error = exc
+    _raise_anywhere(error, f"{root}: load")  # what one rank streams, others may not: all learn of a failure
     devices.sync()  # XLA: the last tensors' copies, before the model is used
     _commit(inner, staged, fresh)
     if restore is not None:
