@@ -27,6 +27,7 @@ def worker(rank: int, port: int, out: Path) -> None:
     torch.manual_seed(0)  # the same weights in every process
     try:
         save_patterns(TiedLM(), out)
+        dist.barrier()  # every rank done with the group before one leaves it (gloo may abort at exit)
     finally:
         dist.destroy_process_group()
 

@@ -109,6 +109,7 @@ def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     try:
         save_patterns(TiedLM(), out)
+        dist.barrier()  # every rank done with the group before one leaves it (gloo may abort at exit)
     finally:
         dist.destroy_process_group()
 

@@ -125,6 +125,7 @@ def worker(rank: int, port: int) -> None:
         else:
             difference = largest_difference(collective_full_state(split), reference)
             say(f"split units, torch {torch.__version__} trained them: largest difference {difference:.1e}")
+        dist.barrier()  # every rank done with the group before one leaves it (gloo may abort at exit)
     finally:
         dist.destroy_process_group()
 
