@@ -82,6 +82,28 @@ def test_a_shard_whose_records_are_corrupt_is_named_in_a_checkpoint_error(saved:
     refused(saved, r"save-\w+: DCP could not read its shard files \(corrupt.*\): rank 0: UnpicklingError: Weights only")
 
 
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
+def test_a_failed_dcp_write_is_a_checkpoint_error_and_keeps_the_previous_save(
+    saved: Path, monkeypatch: pytest.MonkeyPatch, blocking: bool
+) -> None:
+    """A write DCP fails (a full disk, injected into its writer) comes out as a CheckpointError
+    naming the save folder and the rank's error, not DCP's BaseException; the previous save is
+    still the one the marker names."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    before = json.loads((saved / MARKER_NAME).read_text())
+
+    def full_disk(self: FileSystemWriter, *args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", full_disk)
+    pattern = r"ck/save-\w+: DCP could not write its shard files: rank 0: OSError: \[Errno 28\] No space left"
+    with pytest.raises(tiekit.CheckpointError, match=pattern):
+        tiekit.save_sharded(Tied(), saved, blocking=blocking).wait(timeout=60)
+    assert json.loads((saved / MARKER_NAME).read_text()) == before
+    assert tiekit.load_sharded(Tied(), saved).save_id == before["save_id"]
+
+
 def test_dcp_metadata_of_another_model_is_refused_before_unpickling(saved: Path, tmp_path: Path) -> None:
     tiekit.save_sharded(nn.Linear(3, 3), tmp_path / "other")
     shutil.copy(save_folder(tmp_path / "other") / ".metadata", save_folder(saved) / ".metadata")

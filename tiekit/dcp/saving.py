@@ -30,7 +30,7 @@ from tiekit.checkpoint.handle import SaveHandle
 from tiekit.checkpoint.layout import PathLike
 from tiekit.collective import collective_gather
 from tiekit.dcp.layout import SAVE_PREFIX, remove_stale, write_marker
-from tiekit.dcp.state import SaveState, running_dcp, save_state, unwrap, xla_spmd
+from tiekit.dcp.state import SaveState, dcp_failure, running_dcp, save_state, unwrap, xla_spmd
 from tiekit.errors import CheckpointError, TiekitError
 
 # Pending asynchronous saves of this process, by folder: a new save into the same folder waits
@@ -100,12 +100,34 @@ def save_sharded(
         with running_dcp(folder, reading=False):
             response = async_save(state.tensors, storage_writer=writer, process_group=group, no_dist=not distributed)
         # torch's AsyncSaveResponse (zero-overhead staging) holds the future of the upload
-        future = response if isinstance(response, Future) else response.upload_completion
+        upload = response if isinstance(response, Future) else response.upload_completion
+        future = _with_checkpoint_errors(upload, folder)
     commit = functools.partial(_commit, root, save_id, state) if _rank() == 0 else None
     handle = SaveHandle(root, save_id, future, commit)
     with _pending_lock:
         _pending[key] = handle
     return handle
+
+
+def _with_checkpoint_errors(future: Future[Any], folder: Path) -> Future[Any]:
+    """``future``, its DCP failure (a ``CheckpointException``) as the `CheckpointError` a blocking
+    save raises rather than DCP's text of every rank's traceback."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    out: Future[Any] = Future()
+
+    def settle(done: Future[Any]) -> None:
+        try:
+            result = done.result()
+        except CheckpointException as exc:
+            out.set_exception(dcp_failure(exc, folder, reading=False))
+        except BaseException as exc:  # noqa: BLE001 - handed to the handle, which raises it in wait()
+            out.set_exception(exc)
+        else:
+            out.set_result(result)
+
+    future.add_done_callback(settle)
+    return out
 
 
 def _spmd_planner() -> Any:

@@ -105,8 +105,14 @@ def running_dcp(where: object, reading: bool) -> Iterator[None]:
         try:
             yield
         except CheckpointException as exc:
-            what = "read its shard files (corrupt, or not written by DCP?)" if reading else "write its shard files"
-            raise CheckpointError(f"{where}: DCP could not {what}: {_failures(exc.failures)}") from exc
+            raise dcp_failure(exc, where, reading) from exc
+
+
+def dcp_failure(exc: Any, where: object, reading: bool) -> CheckpointError:
+    """DCP's ``CheckpointException`` ``exc`` as a `CheckpointError` naming ``where`` and the first
+    line of each failed rank's error (see `running_dcp`)."""
+    what = "read its shard files (corrupt, or not written by DCP?)" if reading else "write its shard files"
+    return CheckpointError(f"{where}: DCP could not {what}: {_failures(exc.failures)}")
 
 
 def _failures(failures: Mapping[int, Any]) -> str:
