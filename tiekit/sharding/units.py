@@ -160,10 +160,10 @@ def shard_units(
     sends the units involved back to the root. A parameter a module reads outside its owner
     (``plan.cross_module``, recorded by ``find_ties(model, trace=True)``) joins the reader to the
     owner's unit the same way, unless the reader runs inside that unit already; a read by the
-    root's own forward sends the owner's unit back to the root. `TieError` when the units cannot be ordered so
-    that every unit is wrapped before the units around it, or when a buffer is a view of a
-    parameter (FSDP replaces the parameter, so the view would stop following it). Local: needs
-    no process group.
+    root's own forward sends the owner's unit back to the root. `TieError` when the units cannot
+    be ordered so that every unit is wrapped before the units around it, or when a buffer is a
+    view of a parameter (FSDP replaces the parameter, so the view would stop following it).
+    Local: needs no process group.
     """
     tree = _Tree(model)
     plan = find_ties(model) if plan is None else plan

@@ -38,7 +38,9 @@ def shard(
 
     ``plan``: the tie plan to keep (default ``tiekit.find_ties(model)``); its ties are applied
     before wrapping, so a plan made before ``to_empty`` or with ``declared=`` ties restores ties
-    the model lost. ``mesh`` and ``fully_shard_kwargs`` (``mp_policy=MixedPrecisionPolicy(...)``,
+    the model lost. A traced plan (``find_ties(model, trace=True)``) also keeps a weight read
+    outside its module (``F.linear(h, self.embed.weight)`` in the root) inside the reader's unit.
+    ``mesh`` and ``fully_shard_kwargs`` (``mp_policy=MixedPrecisionPolicy(...)``,
     ``reshard_after_forward``, ``offload_policy``...) go to every ``fully_shard`` call. Works on a
     model on the meta device (FSDP keeps meta parameters there; see docs/sharding.md for
     ``to_empty`` and initialization).
