@@ -213,7 +213,7 @@ def test_a_tie_held_by_the_root_itself_keeps_its_units_with_the_root() -> None:
 
 
 class ReaderHead(nn.Module):
-    """Logits from an embedding it holds but does not register (torchtune's TiedLinear does so)."""
+    """Logits from an embedding it holds but does not register as a submodule."""
 
     def __init__(self, embed: nn.Embedding) -> None:
         super().__init__()
