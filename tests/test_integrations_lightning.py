@@ -108,6 +108,34 @@ def test_keep_ties_check_names_a_tie_undone_after_the_move(tmp_path: Path) -> No
         trainer(tmp_path, callbacks=[KeepTies()]).fit(model, data())
 
 
+class UntiedInConfigureModel(TiedViews):
+    def configure_model(self) -> None:
+        self.head.weight = nn.Parameter(self.embed.weight.detach().clone())  # a copy: no longer tied
+
+
+def test_keep_ties_refuses_a_tie_configure_model_undid(tmp_path: Path) -> None:
+    # Planned after configure_model only, the broken tie would look intended (control: nothing notices).
+    plain = UntiedInConfigureModel()
+    trainer(tmp_path).fit(plain, data())
+    assert plain.head.weight is not plain.embed.weight
+
+    model = UntiedInConfigureModel()
+    before = model.embed.weight
+    with pytest.raises(
+        tiekit.TieError, match=r"configure_model .* undid ties .*: head\.weight is no longer embed\.weight\. "
+    ):
+        trainer(tmp_path, callbacks=[KeepTies()]).fit(model, data())
+    assert model.embed.weight is before  # refused before the cast and the move
+
+    model = UntiedInConfigureModel()
+    with pytest.warns(tiekit.TieWarning, match="head.weight is no longer embed.weight"):
+        trainer(tmp_path, callbacks=[KeepTies(on_error="warn")]).fit(model, data())
+    # A plan made before fit re-ties what configure_model undid, after the move.
+    model = UntiedInConfigureModel()
+    trainer(tmp_path, callbacks=[KeepTies(plan=tiekit.find_ties(model))]).fit(model, data())
+    assert model.head.weight is model.embed.weight
+
+
 def test_keep_ties_with_a_plan_made_before_fit_restores_a_view_the_module_lost(tmp_path: Path) -> None:
     # What ddp_spawn's CPU workers receive (tests/test_lightning_ddp.py): every buffer copied, so
     # the view buffer is a separate tensor before any callback runs.

@@ -5,7 +5,9 @@ move it (``model_to_device``) and build the optimizers, all inside ``strategy.se
 move it back to the CPU in ``strategy.teardown``; no callback hook runs between the move and
 the optimizers. So the callback wraps the strategy's ``setup`` (to plan before the cast) and
 ``model_to_device`` (to re-tie and verify right after the move, before any optimizer holds a
-parameter), re-ties again after teardown, and verifies at the start of every stage. Lightning's
+parameter), re-ties again after teardown, and verifies at the start of every stage. It also
+plans before ``configure_model``, where ``ModelParallelStrategy`` users shard the module with
+FSDP2, and refuses the ties that hook undid (units splitting a tie: `tiekit.check_sharding`). Lightning's
 own XLA strategies re-tie parameters with ``set_shared_parameters``; they keep neither buffers
 nor views, do not check counts, and do nothing after teardown's ``.cpu()``, which breaks
 parameter ties again.
@@ -17,9 +19,11 @@ entry as tensors plus JSON. Nothing is pickled unless ``allow_pickle=True``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -33,9 +37,12 @@ from tiekit.checkpoint.codec import Fallback, Reader
 from tiekit.checkpoint.loading import read_training_checkpoint
 from tiekit.checkpoint.saving import write_training_checkpoint
 from tiekit.devices import storage_key
-from tiekit.errors import CheckpointError
-from tiekit.plan import TiePlan
+from tiekit.errors import CheckpointError, TieError, TiekitError, TieWarning
+from tiekit.plan import TieGroup, TiePlan
 from tiekit.retie import OnError, retie, verify
+from tiekit.sharding.check import check_sharding
+from tiekit.sharding.wrap import fsdp2
+from tiekit.slots import resolve
 
 __all__ = ["KeepTies", "TiedCheckpointIO"]
 
@@ -71,14 +78,20 @@ class KeepTies(Callback):
         self._wrapped: tuple[Any, dict[str, Callable[..., Any]]] | None = None
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        """Wrap this run's strategy: plan when its setup starts, re-tie right after its move."""
+        """Wrap this run's strategy: plan when its setup starts, re-tie right after its move.
+
+        The ties the module holds now, before ``configure_model``, must survive that hook:
+        where it shards the module with FSDP2 (``ModelParallelStrategy``), units that split a
+        tie raise `tiekit.TieError` naming them (`tiekit.check_sharding`), before the first step."""
         self._unwrap()
         strategy = trainer.strategy
         originals = {"setup": strategy.setup, "model_to_device": strategy.model_to_device}
+        before = self._given if self._given is not None else find_ties(pl_module, declared=self.declared)
 
         def setup(trainer_: Any) -> None:
             # After configure_model, before the precision plugin casts and the strategy moves.
             self.plan = self._given if self._given is not None else find_ties(pl_module, declared=self.declared)
+            self._check_configured(pl_module, before)
             originals["setup"](trainer_)
 
         def model_to_device() -> None:
@@ -93,6 +106,27 @@ class KeepTies(Callback):
         if self.plan is not None:
             retie(pl_module, self.plan)
             verify(pl_module, self.plan, on_error=self.on_error)
+
+    def _check_configured(self, pl_module: nn.Module, before: TiePlan) -> None:
+        """Refuse ties that were one tensor before ``configure_model`` and are not after it."""
+        kept = _still_named(pl_module, before)  # configure_model may replace modules: those are new
+        if not kept.groups:
+            return
+        if _has_fsdp2_units(pl_module):
+            check_sharding(pl_module, kept)  # TieError naming the units that split a tie
+        if self._given is not None:
+            return  # the given plan re-ties after the move
+        assert self.plan is not None
+        lost = [f"{name} is no longer {g.source}" for g in kept.groups for name in _untied(self.plan, g)]
+        if lost:
+            message = (
+                "tiekit: configure_model (or the module's setup hook) undid ties the module held when the "
+                f"run's setup began: {'; '.join(lost)}. Tie them again there, or pass "
+                "KeepTies(plan=tiekit.find_ties(module)) made before fit to re-tie them after the move."
+            )
+            if self.on_error == "raise":
+                raise TieError(message)
+            warnings.warn(message, TieWarning, stacklevel=2)
 
     def _check(self, pl_module: nn.Module) -> None:
         if self.plan is not None:
@@ -127,6 +161,45 @@ class KeepTies(Callback):
             # The wrappers are instance attributes over the class's methods: removing them restores those.
             strategy.__dict__.pop(name, None)
         self._wrapped = None
+
+
+def _still_named(model: nn.Module, plan: TiePlan) -> TiePlan:
+    """``plan`` without the groups (and traced reads) naming a slot ``model`` no longer has."""
+
+    def present(names: Iterable[str]) -> bool:
+        try:
+            for name in names:
+                resolve(model, name, "tied name")
+        except TieError:
+            return False
+        return True
+
+    groups = tuple(g for g in plan.groups if present(g.names))
+    reads = tuple(u for u in plan.cross_module if present([u.name]) and _module_exists(model, u.reader))
+    return dataclasses.replace(plan, groups=groups, cross_module=reads)
+
+
+def _module_exists(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def _untied(plan: TiePlan, group: TieGroup) -> list[str]:
+    """The members of ``group`` that ``plan`` does not put in one group with its source."""
+    home = plan.group_of(group.source)
+    return [n for n in group.names[1:] if home is None or plan.group_of(n) is not home]
+
+
+def _has_fsdp2_units(model: nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied inside ``model`` (False where torch has no FSDP2)."""
+    try:
+        FSDPModule = fsdp2()[0]
+    except TiekitError:
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 # -- checkpoints ----------------------------------------------------------------------------
