@@ -12,6 +12,12 @@ batch 16 per device, per-step cost differenced between runs of ``--steps`` and 1
 contenders alternating in one process after a warm-up run each).
 
     PJRT_DEVICE=CPU .venv/bin/python benchmarks/bench_sharded_fit.py [--repeats 5] [--steps 40]
+
+``--same-process ROUNDS`` compares the fsdp pair inside the same 2 processes instead (fit joins
+their process group as it joins torchrun's), each run's in-loop rate, the order flipped every
+round: separate processes of the same code differ by a few percent on a small VM.
+
+    .venv/bin/python benchmarks/bench_sharded_fit.py --same-process 10 --steps 150
 """
 
 from __future__ import annotations
@@ -79,6 +85,52 @@ def _hand_fsdp_rank(rank: int, steps: int, port: int, out: str) -> None:
 
 def hand_fsdp(steps: int) -> dict[str, Any]:
     return dict(json.loads(spawn_two(_hand_fsdp_rank, steps)))
+
+
+def _hand_fsdp_rate(rank: int, steps: int) -> float:
+    """The hand FSDP2 loop on a model sharded like tiekit.shard's units, in this process's group."""
+    from torch.distributed.fsdp import fully_shard
+
+    from tiekit.sharding import shard_units
+
+    torch.manual_seed(0)
+    model = tied_lm.build()
+    for unit in shard_units(model)[:-1]:
+        fully_shard(unit.modules if len(unit.modules) > 1 else unit.modules[0])
+    fully_shard(model)
+    return hand_loop(model, rank, steps)
+
+
+def _same_process_rank(rank: int, steps: int, port: int, out: str) -> None:
+    """Both contenders in turn in the same 2 processes, the order flipped every round: fit joins
+    this process group as it joins torchrun's, so process start, memory layout and CPU placement
+    are the same for both."""
+    import torch.distributed as dist
+
+    import tiekit
+
+    rounds = int(os.environ["BENCH_ROUNDS"])
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    join_two(rank, port)
+    kw = {"strategy": "fsdp", "max_steps": steps, "batch_size": BATCH, "progress": False}
+    found: dict[str, list[float]] = {"fit_fsdp": [], "hand_fsdp": []}
+    for r in range(rounds + 1):  # round 0 warms both up and is not counted
+        for name in ("fit_fsdp", "hand_fsdp") if r % 2 else ("hand_fsdp", "fit_fsdp"):
+            if name == "fit_fsdp":
+                rate = tiekit.fit(tied_lm.build, tied_lm.corpus(), optimizer=adamw(), **kw).samples_per_second
+            else:
+                rate = _hand_fsdp_rate(rank, steps)
+            if r and rank == 0:  # fit's log, and so its rate, is rank 0's
+                found[name].append(1000 / rate)
+    if rank == 0:
+        Path(out).write_text(json.dumps({name: {"loop": v} for name, v in found.items()}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def same_process_costs(steps: int, rounds: int) -> dict[str, dict[str, list[float]]]:
+    os.environ["BENCH_ROUNDS"] = str(rounds)
+    return dict(json.loads(spawn_two(_same_process_rank, steps)))
 
 
 # -- XLA SPMD over 4 XLA:CPU devices -----------------------------------------------------------------
@@ -153,6 +205,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--only", choices=sorted(PAIRS), action="append", help="run only these comparisons")
+    parser.add_argument(
+        "--same-process",
+        type=int,
+        metavar="ROUNDS",
+        help="fsdp only: fit and the hand loop in turn inside the same 2 processes, in-loop rates",
+    )
     parser.add_argument("--run", choices=sorted(CONTENDERS), help=argparse.SUPPRESS)
     parser.add_argument("--pair", choices=sorted(PAIRS), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -161,6 +219,12 @@ def main() -> None:
         return
     if args.pair:
         print(json.dumps(per_step_costs(PAIRS[args.pair], args.steps, args.repeats, CONTENDERS)))
+        return
+    if args.same_process:
+        print(f"fit_fsdp vs hand_fsdp in the same 2 processes, {args.same_process} rounds of {args.steps} steps")
+        print(f"load average before: {os.getloadavg()[0]:.1f}")
+        print_costs("fit_fsdp", "hand_fsdp", same_process_costs(args.steps, args.same_process))
+        print(f"load average after: {os.getloadavg()[0]:.1f}")
         return
     print(f"tied LM of examples/tied_lm.py, batch {BATCH} per device; per-step cost from runs of {args.steps} - 10")
     print(f"steps, {args.repeats} alternating repeats; load average before: {os.getloadavg()[0]:.1f}")
