@@ -8,6 +8,7 @@ assert on them. Scenarios run in the same order on every rank, so their collecti
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -30,6 +31,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 import tiekit  # noqa: E402
 from tiekit.backends.torch_distributed import collective_close_process_group  # noqa: E402
+from tiekit.plan import CrossModuleUse  # noqa: E402
 from tiekit.sharding import shard_units  # noqa: E402
 from tiekit.slots import resolve  # noqa: E402
 
@@ -238,6 +240,9 @@ def errors() -> dict[str, Any]:
     wrapped = tiekit.shard(TiedLM())
     record("already_wrapped", lambda: tiekit.shard(wrapped))
     record("plan_of_another_model", lambda: tiekit.check_sharding(wrapped, tiekit.find_ties(models.gpt2())))
+    alien = CrossModuleUse(name="embed.weight", reader="decoder")
+    alien_plan = dataclasses.replace(tiekit.find_ties(TiedLM()), cross_module=(alien,))
+    record("reader_of_another_model", lambda: tiekit.check_sharding(wrapped, alien_plan))
     record("scalar_parameter", lambda: tiekit.shard(nn.Sequential(ScalarGain(), ScalarGain())))
     views = models.ViewBuffers()
     plan = tiekit.find_ties(views)

@@ -139,6 +139,9 @@ def test_errors_name_the_modules(ranks: list[dict[str, Any]]) -> None:
     assert "FSDP is already applied to <root>, blocks.0, blocks.1" in errors["already_wrapped"]["message"]
     assert errors["plan_of_another_model"]["type"] == "TieError"
     assert "'transformer.wte.weight': no module at 'transformer.wte'" in errors["plan_of_another_model"]["message"]
+    reader = errors["reader_of_another_model"]
+    assert reader["type"] == "TieError"
+    assert "tie plan reader 'decoder' of 'embed.weight': no such module in FSDPTiedLM" in reader["message"]
     scalar = errors["scalar_parameter"]  # torch's own error, with the unit it came from
     assert scalar["type"] == "ValueError" and "scalar" in scalar["message"]
     assert scalar["notes"] == ["tiekit.shard: while sharding the unit '0'"]

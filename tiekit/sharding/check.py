@@ -22,6 +22,7 @@ from torch import nn
 from tiekit.analyze import find_ties
 from tiekit.errors import TieError, TiekitError
 from tiekit.plan import TieGroup, TiePlan
+from tiekit.sharding.units import within
 from tiekit.slots import resolve
 
 NOT_SHARDED = "<not sharded by FSDP>"
@@ -155,6 +156,14 @@ def check_sharding(model: nn.Module, plan: TiePlan | None = None) -> None:
         for names, how in _split_without_plan(assignment):
             problems.extend(_split(names, assignment, how))
     for use in plan.cross_module:
+        resolve(model, use.name, "tie plan name")
+        try:
+            model.get_submodule(use.reader)
+        except AttributeError as exc:
+            raise TieError(
+                f"tie plan reader {use.reader!r} of {use.name!r}: no such module in {type(model).__name__} "
+                "(a plan of another model?)"
+            ) from exc
         problems.extend(_read_outside(plan, use.name, use.reader, assignment))
     if problems:
         raise TieError(_message(problems))
@@ -210,7 +219,7 @@ def _read_outside(plan: TiePlan, name: str, reader: str, assignment: dict[str, M
     group = plan.group_of(name)
     names = [m.name for m in group.members if m.kind == "parameter"] if group is not None else [name]
     for managed in (assignment[n] for n in names if n in assignment):
-        if any(p == "" or reader == p or reader.startswith(p + ".") for p in managed.paths):
+        if any(within(reader, p) for p in managed.paths):
             continue
         return [
             (

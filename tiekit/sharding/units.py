@@ -59,7 +59,12 @@ class _Tree:
 
 
 def _strict_prefix(outer: str, inner: str) -> bool:
-    return inner != outer and (outer == "" or inner.startswith(outer + "."))
+    return inner != outer and within(inner, outer)
+
+
+def within(inner: str, outer: str) -> bool:
+    """Whether module path ``inner`` is ``outer`` or inside it ("" is the root, around everything)."""
+    return outer == "" or inner == outer or inner.startswith(outer + ".")
 
 
 def _prefixes(path: str) -> Iterable[str]:
