@@ -177,7 +177,44 @@ def save_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
             tiekit.load_sharded(other, OUT / "fsdp")
         except tiekit.CheckpointError as exc:
             out["another_model"] = str(exc)
+        out["not_shared"] = not_shared(model)
         return out
+
+    def not_shared(model: nn.Module) -> dict[str, Any]:
+        """Rank 1's files land where rank 0 cannot see them (as on a host-local disk of another
+        host): the save is refused on every rank, blocking or not, and the previous one stays."""
+        import torch.distributed.checkpoint.filesystem as dcp_files
+
+        folder = OUT / "not-shared"
+        first = tiekit.save_sharded(model, folder).save_id
+        writer = dcp_files.FileSystemWriter
+        if RANK == 1:
+
+            class HostLocal(writer):  # type: ignore[misc, valid-type]
+                def __init__(self, path: Any, *args: Any, **kwargs: Any) -> None:
+                    super().__init__(OUT / "rank-1-local-disk" / Path(path).name, *args, **kwargs)
+
+            dcp_files.FileSystemWriter = HostLocal
+        found: dict[str, Any] = {}
+        try:
+            try:
+                tiekit.save_sharded(model, folder)
+            except tiekit.CheckpointError as exc:
+                found["blocking"] = str(exc)
+            try:
+                tiekit.save_sharded(model, folder, blocking=False).wait(timeout=120)
+                found["async"] = None
+            except tiekit.CheckpointError as exc:
+                found["async"] = str(exc)
+        finally:
+            dcp_files.FileSystemWriter = writer
+        dist.barrier()  # rank 0's background commit has run (its wait returned)
+        found["marker"] = json.loads((folder / tiekit.dcp.MARKER_NAME).read_text())["save_id"]
+        found["first"] = first
+        fresh = fsdp_model(seed=1)
+        tiekit.load_sharded(fresh, folder)
+        found["loads"] = torch.equal(full_state(fresh)["embed.weight"], full_state(model)["embed.weight"])
+        return found
 
     return [("fsdp", fsdp), ("ddp", ddp), ("async", asynchronous), ("errors", errors)]
 

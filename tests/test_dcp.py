@@ -136,6 +136,16 @@ def test_errors_are_raised_on_every_rank(runs: dict[str, Any]) -> None:
             in (errors["another_model"])
         )
         assert "failed on" not in errors["another_model"]  # the same error on both ranks: raised as it is
+    # Rank 1 wrote where rank 0 cannot see (another host's local disk): rank 0 refuses to commit.
+    refused = "the ranks' shard files are not all here: __1_0.distcp (missing; written by rank 1, holding "
+    for rank, found in enumerate(runs["save"]):
+        not_shared = found["errors"]["not_shared"]
+        assert refused in not_shared["blocking"] and "Nothing was committed" in not_shared["blocking"]
+        if rank == 1:  # rank 0's own error, named on the rank that wrote its part
+            assert "failed on 1 of 2 rank(s): rank 0: CheckpointError" in not_shared["blocking"]
+        # In the background only rank 0, which commits, finds out (rank 1's part is written).
+        assert (refused in not_shared["async"]) if rank == 0 else not_shared["async"] is None
+        assert not_shared["marker"] == not_shared["first"] and not_shared["loads"]
 
 
 # -- a single process, no process group ---------------------------------------------------------------

@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -72,6 +73,15 @@ def write_marker(root: Path, folder: Path, save_id: str, plan: TiePlan, record: 
             files[entry.name] = entry.stat().st_size
     if DCP_METADATA not in files:
         raise CheckpointError(f"{folder}: DCP wrote no {DCP_METADATA} file; the save did not finish")
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    absent = _not_here(files, file_ends(FileSystemReader(folder).read_metadata()))
+    if absent:
+        raise CheckpointError(
+            f"{folder}: the ranks' shard files are not all here: {'; '.join(absent)}. Every rank must "
+            "save into one folder all of them see (on several hosts: a shared filesystem). Nothing was "
+            "committed: the previous checkpoint stays the one loaded."
+        )
     _fsync(folder)
     body = {
         "format": FORMAT,
@@ -85,6 +95,31 @@ def write_marker(root: Path, folder: Path, save_id: str, plan: TiePlan, record: 
     }
     text = json.dumps(body, separators=(",", ":"))
     _commit_file(root / MARKER_NAME, lambda p: p.write_text(text, encoding="utf-8"), durable=True)
+
+
+def file_ends(metadata: Any) -> dict[str, list[tuple[str, int]]]:
+    """``{file name: [(key, end offset)]}``: where DCP's ``metadata`` says each chunk of each key is."""
+    ends: dict[str, list[tuple[str, int]]] = {}
+    for index, where in (metadata.storage_data or {}).items():
+        ends.setdefault(where.relative_path, []).append((index.fqn, where.offset + where.length))
+    return ends
+
+
+def _not_here(files: Mapping[str, int], ends: Mapping[str, list[tuple[str, int]]]) -> list[str]:
+    """The files DCP's metadata names that the folder lacks (or holds short), with their writer and keys."""
+    found = []
+    for name, chunks in sorted(ends.items()):
+        size = files.get(name)
+        if size is not None and size >= max(end for _, end in chunks):
+            continue
+        writer = re.match(r"__(\d+)_", name)  # FileSystemWriter's __<rank>_<n>.distcp
+        by = f"written by rank {writer.group(1)}, " if writer else ""
+        keys = sorted({key for key, _ in chunks})
+        state = "missing" if size is None else f"{size} bytes, short"
+        found.append(
+            f"{name} ({state}; {by}holding {', '.join(repr(k) for k in keys[:4])}{' ...' if len(keys) > 4 else ''})"
+        )
+    return found
 
 
 def remove_stale(root: Path, keep: str | None) -> None:

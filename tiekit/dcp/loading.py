@@ -30,7 +30,7 @@ from tiekit.checkpoint.source import Source
 from tiekit.checkpoint.staging import Staged, stage
 from tiekit.checkpoint.streaming import STAGING_BYTES, RowPart, release_freed_memory, stream_rows_in_place
 from tiekit.dcp.chunks import Located, locate_rows, row_chunks
-from tiekit.dcp.layout import Marker, check_files, read_marker
+from tiekit.dcp.layout import Marker, check_files, file_ends, read_marker
 from tiekit.dcp.saving import _raise_anywhere
 from tiekit.dcp.state import destination, parameters_by_name, running_dcp, unwrap, xla_spmd
 from tiekit.errors import CheckpointError
@@ -197,10 +197,7 @@ def _dcp_metadata(marker: Marker) -> Any:
         metadata = FileSystemReader(folder).read_metadata()
     except Exception as exc:
         raise CheckpointError(f"{folder / '.metadata'}: unreadable DCP metadata: {exc}") from exc
-    chunks: dict[str, list[tuple[str, int]]] = {}
-    for index, where in (metadata.storage_data or {}).items():
-        chunks.setdefault(where.relative_path, []).append((index.fqn, where.offset + where.length))
-    check_files(marker, chunks)
+    check_files(marker, file_ends(metadata))
     stored = metadata.state_dict_metadata
     for key, (shape, dtype) in marker.tensors.items():
         info = stored.get(key)
