@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from tiekit.checkpoint.direct import write_safetensors
 from tiekit.checkpoint.layout import INDEX_SUFFIX, PLAN_KEY, SAVE_ID_KEY, nbytes
 from tiekit.errors import CheckpointError
 from tiekit.header import read_json
@@ -39,7 +40,7 @@ def _host() -> str:
 
 def write_single(target: Path, state: dict[str, torch.Tensor], header: dict[str, str], durable: bool) -> None:
     _prepare_folder(target)
-    _commit_file(target, lambda tmp: _save_tensors(state, tmp, header), durable)
+    _commit_file(target, lambda tmp: _save_tensors(state, tmp, header, durable), durable)
     # A sharded save that this file now replaces: drop it, or a loader might still pick it.
     index = target.with_name(target.name + INDEX_SUFFIX)
     if index.exists():
@@ -66,7 +67,7 @@ def write_sharded(
         raise CheckpointError(f"{index_path}: cannot write: {exc.strerror or exc}") from exc
     try:
         for file, keys in zip(files, shards, strict=True):
-            _save_tensors({k: state[k] for k in keys}, work / file, shard_header)
+            _save_tensors({k: state[k] for k in keys}, work / file, shard_header, durable)
             if durable:
                 _fsync(work / file)
         backups = _protect_previous(index_path, old_files, set(files))
@@ -213,15 +214,11 @@ def _commit_file(target: Path, write: Callable[[Path], object], durable: bool = 
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _save_tensors(state: dict[str, torch.Tensor], path: Path, header: dict[str, str]) -> None:
-    from safetensors.torch import save_file
-
-    try:
-        save_file(state, os.fspath(path), metadata=header)
-    except (ValueError, RuntimeError, TypeError) as exc:
-        raise CheckpointError(f"{path}: safetensors refused the tensors: {exc}") from exc
-    # safetensors creates its files private (0600); a checkpoint is an ordinary file, readable as
-    # the umask allows (as torch.save's), so the other users of a shared folder can load it.
+def _save_tensors(state: dict[str, torch.Tensor], path: Path, header: dict[str, str], durable: bool) -> None:
+    # A durable save waits for the disk anyway: then past the page cache (tiekit.checkpoint.direct).
+    write_safetensors(state, path, header, direct=durable)
+    # A checkpoint is an ordinary file, readable as the umask allows (as torch.save's; safetensors
+    # makes its files private), so the other users of a shared folder can load it.
     os.chmod(path, 0o666 & ~_umask())
 
 

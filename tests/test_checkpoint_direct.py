@@ -1,0 +1,110 @@
+"""`tiekit.checkpoint.direct.write_safetensors`: the bytes safetensors writes, from the tensors' own
+memory, past the page cache where the file system allows (real files, read back by safetensors)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import tiekit
+from tiekit.checkpoint import direct
+from tiekit.checkpoint.direct import write_safetensors
+
+METADATA = {"tiekit.plan": '{"groups":[]}', "format": "pt", "long": "x" * 5000}
+
+
+def state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {
+        "embed.weight": torch.randn(3000, 700),  # 8.4 MB: more than one 8 MiB write
+        "optimizer/0/exp_avg": torch.randn(3000, 700).bfloat16(),
+        "half": torch.randn(7, 3).half(),
+        "int32": torch.arange(6, dtype=torch.int32),
+        "double": torch.randn(2, dtype=torch.float64),
+        "ids": torch.arange(11, dtype=torch.int64),
+        "mask": torch.tensor([True, False, True]),
+        "step": torch.tensor(3),
+        "bytes": torch.arange(5, dtype=torch.uint8),
+        "empty": torch.zeros(0, 4),
+        "strided": torch.arange(12.0).reshape(3, 4).t(),  # not contiguous
+    }
+
+
+def split(path: Path) -> tuple[int, Any, bytes]:
+    """(header length, header, data bytes) of a safetensors file. The header is compared parsed:
+    safetensors writes its metadata from a Rust HashMap, in an order that changes between runs."""
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + length])
+    order = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+    return length, (header, order), raw[8 + length :]
+
+
+@pytest.mark.parametrize("direct_io", [True, False], ids=["direct", "buffered"])
+def test_the_file_is_the_one_safetensors_writes(tmp_path: Path, direct_io: bool) -> None:
+    tensors = state()
+    ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
+    write_safetensors(tensors, ours, METADATA, direct=direct_io)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, theirs, metadata=METADATA)
+    assert split(ours) == split(theirs)
+    back = load_file(ours)
+    assert back.keys() == tensors.keys()
+    for name, value in tensors.items():
+        assert torch.equal(back[name], value) and back[name].dtype == value.dtype, name
+    with safe_open(ours, "pt") as f:
+        assert f.metadata() == METADATA
+
+
+def test_a_file_system_without_o_direct_gets_the_same_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform: every write is buffered")
+    opened = os.open
+    refused: list[str] = []
+
+    def no_direct(path: Any, flags: int, *args: Any) -> int:
+        if flags & os.O_DIRECT:  # as tmpfs and some network file systems answer
+            refused.append(os.fspath(path))
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return opened(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    tensors = state()
+    write_safetensors(tensors, tmp_path / "ours.safetensors", METADATA)
+    monkeypatch.undo()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp_path / "theirs.safetensors", metadata=METADATA)
+    assert refused == [os.fspath(tmp_path / "ours.safetensors")]
+    assert split(tmp_path / "ours.safetensors") == split(tmp_path / "theirs.safetensors")
+
+
+def test_what_safetensors_cannot_hold_is_a_checkpoint_error(tmp_path: Path) -> None:
+    path = tmp_path / "bad.safetensors"
+    w = torch.ones(2, 2)
+    cases = {
+        "complex": ({"z": torch.ones(2, dtype=torch.complex64)}, "tensor 'z' has dtype torch.complex64"),
+        "meta": ({"m": torch.empty(2, device="meta")}, "tensor 'm' is on meta, not on the CPU"),
+        "twice": ({"a": w, "b": w}, "tensors 'a' and 'b' share memory"),
+    }
+    for tensors, message in cases.values():
+        with pytest.raises(tiekit.CheckpointError, match=message):
+            write_safetensors(tensors, path, {})
+        assert not path.exists()  # refused before the file is opened
+
+
+def test_saves_use_it_and_load_back(tmp_path: Path) -> None:
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50, bias=False))
+    model[1].weight = model[0].weight
+    tiekit.save_model(model, tmp_path / "model.safetensors")
+    tiekit.save_model(model, tmp_path / "fast.safetensors", durable=False)
+    for name in ("model.safetensors", "fast.safetensors"):
+        fresh = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50, bias=False))
+        tiekit.load_model(fresh, tmp_path / name)
+        assert fresh[1].weight is fresh[0].weight and torch.equal(fresh[0].weight, model[0].weight)
+    assert direct.CHUNK % direct.BLOCK == 0
