@@ -20,6 +20,7 @@ import argparse
 import gc
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -61,10 +62,18 @@ def fsync(path: Path) -> None:
         os.close(fd)
 
 
-def synced_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def synced_times(
+    fns: dict[str, Callable[[], object]], repeats: int, cpu: dict[str, list[float]] | None = None
+) -> dict[str, list[float]]:
     """Wall times of interleaved repeats; every timed call starts with no dirty pages pending
     (``os.sync()`` before the clock starts), otherwise a writer pays for the previous one's
-    writeback. GC is paused while timing."""
+    writeback. GC is paused while timing. ``cpu`` receives each call's CPU seconds (this
+    process's, user + system: the kernel's page-cache work for its writes is billed here)."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     gc.collect()
     gc.disable()
@@ -72,9 +81,11 @@ def synced_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str
         for _ in range(repeats):
             for name, fn in fns.items():
                 os.sync()
-                start = time.perf_counter()
+                start, used = time.perf_counter(), _cpu_seconds()
                 fn()
                 times[name].append(time.perf_counter() - start)
+                if cpu is not None:
+                    cpu.setdefault(name, []).append(_cpu_seconds() - used)
     finally:
         gc.enable()
     return times
@@ -94,6 +105,7 @@ def time_save_and_load(folder: Path, repeats: int, small: bool) -> None:
         save_file(dedup, plain)
         fsync(plain)
 
+    cpu: dict[str, list[float]] = {}
     save = synced_times(
         {
             "safetensors.save_file (dedup)": lambda: save_file(dedup, plain),
@@ -102,6 +114,7 @@ def time_save_and_load(folder: Path, repeats: int, small: bool) -> None:
             "tiekit.save_model (durable)": lambda: tiekit.save_model(model, ours),
         },
         repeats,
+        cpu,
     )
     assert os.path.getsize(ours) - os.path.getsize(plain) < 64 * 1024, "tiekit's file should be the dedup size"
     print("  save (best / median of the runs; throughput = save_file's time / this time):")
@@ -115,6 +128,10 @@ def time_save_and_load(folder: Path, repeats: int, small: bool) -> None:
             f"  {name:38s} {best[name] * 1e3:6.0f} / {median[name] * 1e3:6.0f} ms  "
             f"{size / best[name] / 1e9:5.2f} GB/s  throughput vs save_file {vs_plain}, vs save_file + fsync {vs_synced}"
         )
+
+    print("  CPU seconds of this process per save (median; a background save takes them from training):")
+    for name, values in cpu.items():
+        print(f"  {name:38s} {statistics.median(values) * 1e3:6.0f} ms")
 
     fast = median[plain_name] / median["tiekit.save_model(durable=False)"]
     durable = median[synced_name] / median["tiekit.save_model (durable)"]
