@@ -50,6 +50,9 @@ _CODES = {
 _DTYPES = {getattr(torch, name): code for code, name in _CODES.items() if hasattr(torch, name)}
 _RANK = {code: rank for rank, code in enumerate(_CODES)}
 
+# What a file system without O_DIRECT answers (at open or at the first write).
+_REFUSED = {errno.EINVAL, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
+
 _buffers = threading.local()  # one aligned buffer per writing thread, reused by every save
 
 
@@ -68,7 +71,7 @@ def write_safetensors(
             _write_direct(path, _header(order, metadata), order)
             return
         except OSError as exc:
-            if exc.errno != errno.EINVAL:
+            if exc.errno not in _REFUSED:
                 raise
             # The file system refused O_DIRECT: written through the page cache below.
     from safetensors.torch import save_file
