@@ -50,7 +50,7 @@ _CODES = {
 _DTYPES = {getattr(torch, name): code for code, name in _CODES.items() if hasattr(torch, name)}
 _RANK = {code: rank for rank, code in enumerate(_CODES)}
 
-# What a file system without O_DIRECT (tmpfs before Linux 6.6, some FUSE and network ones) answers.
+# What a file system without O_DIRECT (tmpfs on older kernels, some FUSE and network ones) answers.
 _REFUSED = {errno.EINVAL, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
 
 _buffers = threading.local()  # one aligned buffer per writing thread, reused by every save
