@@ -1,4 +1,4 @@
-"""Write a safetensors file from the tensors' own memory, past the page cache where the system allows.
+"""Write a safetensors file past the page cache where the system allows.
 
 A write through the page cache costs the kernel's work of finding (on a VM, often growing into)
 and filling its pages: 40-150 ms of CPU for 100 MB with ``safetensors.torch.save_file`` on this
@@ -83,7 +83,7 @@ def write_safetensors(
 
 
 def _ordered(tensors: Mapping[str, torch.Tensor], path: Path) -> list[tuple[str, torch.Tensor]]:
-    """The tensors in safetensors' order (see `_ORDER`); refuses what safetensors cannot hold."""
+    """The tensors in safetensors' order (`_CODES`, then name); refuses what safetensors cannot hold."""
     seen: dict[tuple[int, int], str] = {}
     for name, t in tensors.items():
         if t.device.type != "cpu":
