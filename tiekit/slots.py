@@ -32,6 +32,15 @@ def resolve(model: nn.Module, name: str, what: str = "tensor") -> tuple[nn.Modul
     )
 
 
+def has_module(model: nn.Module, path: str) -> bool:
+    """Whether ``model`` has a submodule at the dotted ``path`` ("" is the model itself)."""
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
 def assign(module: nn.Module, attr: str, tensor: torch.Tensor, kind: MemberKind) -> None:
     """Point ``module.attr`` at ``tensor`` in the parameter or buffer table, as registered."""
     if kind == "parameter":

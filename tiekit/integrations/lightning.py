@@ -42,7 +42,7 @@ from tiekit.plan import TieGroup, TiePlan
 from tiekit.retie import OnError, retie, verify
 from tiekit.sharding.check import check_sharding
 from tiekit.sharding.wrap import fsdp2
-from tiekit.slots import resolve
+from tiekit.slots import has_module, resolve
 
 __all__ = ["KeepTies", "TiedCheckpointIO"]
 
@@ -175,16 +175,8 @@ def _still_named(model: nn.Module, plan: TiePlan) -> TiePlan:
         return True
 
     groups = tuple(g for g in plan.groups if present(g.names))
-    reads = tuple(u for u in plan.cross_module if present([u.name]) and _module_exists(model, u.reader))
+    reads = tuple(u for u in plan.cross_module if present([u.name]) and has_module(model, u.reader))
     return dataclasses.replace(plan, groups=groups, cross_module=reads)
-
-
-def _module_exists(model: nn.Module, path: str) -> bool:
-    try:
-        model.get_submodule(path)
-    except AttributeError:
-        return False
-    return True
 
 
 def _untied(plan: TiePlan, group: TieGroup) -> list[str]:

@@ -23,7 +23,7 @@ from tiekit.analyze import find_ties
 from tiekit.errors import TieError, TiekitError
 from tiekit.plan import TieGroup, TiePlan
 from tiekit.sharding.units import within
-from tiekit.slots import resolve
+from tiekit.slots import has_module, resolve
 
 NOT_SHARDED = "<not sharded by FSDP>"
 
@@ -157,13 +157,11 @@ def check_sharding(model: nn.Module, plan: TiePlan | None = None) -> None:
             problems.extend(_split(names, assignment, how))
     for use in plan.cross_module:
         resolve(model, use.name, "tie plan name")
-        try:
-            model.get_submodule(use.reader)
-        except AttributeError as exc:
+        if not has_module(model, use.reader):
             raise TieError(
                 f"tie plan reader {use.reader!r} of {use.name!r}: no such module in {type(model).__name__} "
                 "(a plan of another model?)"
-            ) from exc
+            )
         problems.extend(_read_outside(plan, use.name, use.reader, assignment))
     if problems:
         raise TieError(_message(problems))
