@@ -252,7 +252,9 @@ def test_traced_reads_of_a_weight_outside_its_module_join_the_reader_to_its_unit
     nested = nn.Sequential(module_reads)
     plan = tiekit.find_ties(nested, trace=True)
     assert [u.label for u in shard_units(nested, ["0", "0.out"], plan=plan)] == ["0.out", "0", "<root>"]
-    with pytest.raises(tiekit.TiekitError, match=r"module 'out' reads 'embed\.weight', but FunctionalHeadLM has no"):
+    with pytest.raises(
+        tiekit.TieError, match=r"tie plan reader 'out' of 'embed\.weight': no such module in FunctionalHeadLM"
+    ):
         shard_units(root_reads, units, plan=tiekit.find_ties(module_reads, trace=True))
 
 

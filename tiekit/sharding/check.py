@@ -22,8 +22,8 @@ from torch import nn
 from tiekit.analyze import find_ties
 from tiekit.errors import TieError, TiekitError
 from tiekit.plan import TieGroup, TiePlan
-from tiekit.sharding.units import within
-from tiekit.slots import has_module, resolve
+from tiekit.sharding.units import check_reads, within
+from tiekit.slots import resolve
 
 NOT_SHARDED = "<not sharded by FSDP>"
 
@@ -155,13 +155,8 @@ def check_sharding(model: nn.Module, plan: TiePlan | None = None) -> None:
     if not exact:
         for names, how in _split_without_plan(assignment):
             problems.extend(_split(names, assignment, how))
+    check_reads(model, plan)
     for use in plan.cross_module:
-        resolve(model, use.name, "tie plan name")
-        if not has_module(model, use.reader):
-            raise TieError(
-                f"tie plan reader {use.reader!r} of {use.name!r}: no such module in {type(model).__name__} "
-                "(a plan of another model?)"
-            )
         problems.extend(_read_outside(plan, use.name, use.reader, assignment))
     if problems:
         raise TieError(_message(problems))

@@ -17,7 +17,7 @@ from torch import nn
 from tiekit.analyze import find_ties
 from tiekit.errors import TieError, TiekitError
 from tiekit.plan import TieGroup, TiePlan
-from tiekit.slots import resolve
+from tiekit.slots import has_module, resolve
 
 #: One entry of ``units``: a dotted name pattern ("transformer.h.*"), a module class, or a module.
 UnitSpec = str | type[nn.Module] | nn.Module
@@ -204,19 +204,27 @@ def _parameter_reads(tree: _Tree, plan: TiePlan) -> list[list[str]]:
     from ``find_ties(trace=True)``: ``F.linear(h, self.embed.weight)`` in the root), the owning
     module paths followed by the reader's path ("" for the root). FSDP gathers a parameter only
     around its own unit's forward, so the reader must run inside that unit."""
+    check_reads(tree.model, plan)
     reads = []
     for use in plan.cross_module:
-        if use.reader not in tree.at:
-            raise TiekitError(
-                f"the tie plan says module {use.reader!r} reads {use.name!r}, but {type(tree.model).__name__} "
-                "has no such module (a plan of another model?)"
-            )
         group = plan.group_of(use.name)
         names = [m.name for m in group.members if m.kind == "parameter"] if group is not None else [use.name]
         names = [n for n in names if _is_parameter(tree.model, n)]  # buffers are not sharded
         if names:
             reads.append([*(n.rpartition(".")[0] for n in names), use.reader])
     return reads
+
+
+def check_reads(model: nn.Module, plan: TiePlan) -> None:
+    """`TieError` when a traced read of ``plan`` (``plan.cross_module``) names a weight or a reader
+    module ``model`` lacks: a plan of another model. Local."""
+    for use in plan.cross_module:
+        resolve(model, use.name, "tie plan name")
+        if not has_module(model, use.reader):
+            raise TieError(
+                f"tie plan reader {use.reader!r} of {use.name!r}: no such module in {type(model).__name__} "
+                "(a plan of another model?)"
+            )
 
 
 def _is_parameter(model: nn.Module, name: str) -> bool:
