@@ -183,7 +183,7 @@ def save_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
     def not_shared(model: nn.Module) -> dict[str, Any]:
         """Rank 1's files land where rank 0 cannot see them (as on a host-local disk of another
         host): the save is refused on every rank, blocking or not, and the previous one stays."""
-        import torch.distributed.checkpoint.filesystem as dcp_files
+        import tiekit.dcp.writer as dcp_files  # where save_sharded's writer is made
 
         folder = OUT / "not-shared"
         first = tiekit.save_sharded(model, folder).save_id

@@ -111,3 +111,74 @@ def test_saves_use_it_and_load_back(tmp_path: Path) -> None:
         tiekit.load_model(fresh, tmp_path / name)
         assert fresh[1].weight is fresh[0].weight and torch.equal(fresh[0].weight, model[0].weight)
     assert direct.CHUNK % direct.BLOCK == 0
+
+
+def test_a_direct_file_holds_exactly_the_bytes_written(tmp_path: Path) -> None:
+    rng = torch.Generator().manual_seed(1)
+    sizes = [3, 4093, direct.CHUNK - 5, 1, direct.CHUNK * 2 + 17, 0, 511, 4096]
+    pieces = [torch.randint(0, 256, (n,), generator=rng, dtype=torch.uint8).numpy().tobytes() for n in sizes]
+    path = tmp_path / "stream.bin"
+    written = b""
+    with direct.DirectFile(path) as out:
+        for i, piece in enumerate(pieces):
+            assert out.write(memoryview(piece)) == len(piece)
+            written += piece
+            assert out.tell() == len(written)
+            if i in (1, 3):  # fileno() puts every byte so far in the file, as DCP asks before fsync
+                os.fsync(out.fileno())
+                assert path.read_bytes() == written
+    assert path.read_bytes() == written
+
+
+def test_torch_save_into_a_direct_file_is_torch_save(tmp_path: Path) -> None:
+    import io
+
+    tensors = state()
+    expected = io.BytesIO()
+    torch.save(tensors, expected)
+    with direct.DirectFile(tmp_path / "t.pt") as out:
+        torch.save(tensors, out)
+    assert (tmp_path / "t.pt").read_bytes() == expected.getvalue()
+    back = torch.load(tmp_path / "t.pt", weights_only=True)
+    assert all(torch.equal(back[k], v) for k, v in tensors.items())
+
+
+def test_a_file_system_refusing_o_direct_writes_is_written_buffered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Some file systems accept O_DIRECT at open and answer EINVAL to the write."""
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform")
+    import fcntl
+
+    written = os.pwrite
+    refused: list[int] = []
+
+    def no_direct_writes(fd: int, data: Any, offset: int) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return written(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", no_direct_writes)
+    tensors = state()
+    write_safetensors(tensors, tmp_path / "ours.safetensors", METADATA)
+    monkeypatch.undo()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp_path / "theirs.safetensors", metadata=METADATA)
+    assert len(refused) == 1  # refused once, then the flag is off for the rest of the file
+    assert split(tmp_path / "ours.safetensors") == split(tmp_path / "theirs.safetensors")
+
+
+def test_a_failed_write_is_raised_and_the_descriptor_closed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(fd: int, data: Any, offset: int) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "pwrite", full)
+    opened: list[int] = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda *a: opened.append(real_open(*a)) or opened[-1])
+    with pytest.raises(OSError, match="No space left"):
+        write_safetensors(state(), tmp_path / "full.safetensors", METADATA)
+    monkeypatch.undo()
+    with pytest.raises(OSError):  # closed by the stream, not leaked
+        os.fstat(opened[0])

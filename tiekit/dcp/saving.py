@@ -64,8 +64,9 @@ def save_sharded(
     returned `SaveHandle` tells when it is done; a later save into the same folder waits for it.
     With ``blocking=True`` the handle is already done and the checkpoint committed on every rank.
     """
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import async_save, save
+
+    from tiekit.dcp.writer import durable_writer
 
     root = Path(os.path.abspath(os.fspath(path)))
     key = os.fspath(root)
@@ -75,7 +76,7 @@ def save_sharded(
         previous.wait()
     save_id, state = _prepare(unwrap(model), root, optimizer, extra)
     folder = root / f"{SAVE_PREFIX}{save_id}"
-    writer = FileSystemWriter(folder, sync_files=True)
+    writer = durable_writer(folder)
     distributed = _distributed()
     spmd = xla_spmd(state.tensors.values())
     planner = _spmd_planner() if spmd else None
