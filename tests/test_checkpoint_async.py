@@ -18,6 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from models import WeightSharingModule
+from safetensors import safe_open
+from torch import nn
 from torch.utils.data import TensorDataset
 
 import tiekit
@@ -77,7 +79,7 @@ def test_a_loop_saving_in_the_background_stages_every_checkpoint_into_the_same_m
 
     model, optimizer = trained()
     first_values = {k: v.clone() for k, v in model.state_dict().items()}
-    handle, staged = save_checkpoint_reusing(
+    handle, staged, _ = save_checkpoint_reusing(
         tmp_path / "a.safetensors", model=model, optimizer=optimizer, step=1, blocking=False
     )
     handle.wait(timeout=60)
@@ -87,13 +89,13 @@ def test_a_loop_saving_in_the_background_stages_every_checkpoint_into_the_same_m
         for p in model.parameters():
             p.add_(1.0)
     second_values = {k: v.clone() for k, v in model.state_dict().items()}
-    handle, again = save_checkpoint_reusing(
+    handle, again, _ = save_checkpoint_reusing(
         tmp_path / "b.safetensors", model=model, optimizer=optimizer, step=2, blocking=False, staging=staged
     )
     handle.wait(timeout=60)
     assert again.keys() == staged.keys()
     assert all(again[k].data_ptr() == staged[k].data_ptr() for k in again)  # the same buffers, refilled
-    handle, control = save_checkpoint_reusing(tmp_path / "c.safetensors", model=model, step=3, blocking=False)
+    handle, control, _ = save_checkpoint_reusing(tmp_path / "c.safetensors", model=model, step=3, blocking=False)
     handle.wait(timeout=60)
     assert not {t.data_ptr() for t in control.values()} & {t.data_ptr() for t in staged.values()}
 
@@ -175,3 +177,173 @@ def test_resume_from_a_folder_without_a_committed_checkpoint_names_it(tmp_path: 
     with pytest.raises(tiekit.TiekitError, match="step-00000004"):
         tiekit.fit(WeightSharingModule, data(), max_steps=2, resume=killed, **FIT)
     assert tiekit.dcp.is_sharded_checkpoint(killed) is False
+
+
+class NormNet(nn.Module):
+    """A tied model whose forward pass writes buffers (BatchNorm's running statistics)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer_1 = nn.Linear(32, 10, bias=False)
+        self.norm = nn.BatchNorm1d(10)
+        self.layer_2 = nn.Linear(10, 32, bias=False)
+        self.layer_3 = nn.Linear(32, 10, bias=False)
+        self.layer_3.weight = self.layer_1.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer_3(self.layer_2(self.norm(self.layer_1(x))))
+
+
+def trained_norm_net() -> tuple[NormNet, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = NormNet()
+    optimizer = ADAMW(model.parameters())
+    model(torch.randn(4, 32)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def saved_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    moments = {f"{n}/{k}": v.clone() for n, p in model.named_parameters() for k, v in optimizer.state[p].items()}
+    return {**{k: v.clone() for k, v in model.state_dict().items()}, **moments}
+
+
+def loaded_state(path: Path) -> dict[str, torch.Tensor]:
+    fresh = NormNet()
+    fresh_optimizer = ADAMW(fresh.parameters())
+    tiekit.load_checkpoint(path, model=fresh, optimizer=fresh_optimizer)
+    assert fresh.layer_3.weight is fresh.layer_1.weight
+    return saved_state(fresh, fresh_optimizer)
+
+
+def test_deferred_copies_are_made_by_the_writer_and_published_only_once_settled(tmp_path: Path) -> None:
+    """fit's background saves (``defer=True``): buffers are copied in the call (the next forward
+    pass writes them), parameters and optimizer state by the writer, before the next optimizer
+    step; the file appears only once the training thread has settled the copies."""
+    from tiekit.checkpoint.saving import save_checkpoint_reusing
+
+    model, optimizer = trained_norm_net()
+    expected = saved_state(model, optimizer)
+    path = tmp_path / "ckpt.safetensors"
+    with writer_held():
+        handle, _, copies = save_checkpoint_reusing(
+            path, model=model, optimizer=optimizer, step=1, blocking=False, defer=True
+        )
+        assert copies is not None
+        model(torch.randn(4, 32)).sum().backward()  # the next step's forward pass: running statistics change
+    assert not torch.equal(model.norm.running_mean, expected["norm.running_mean"])
+    with pytest.raises(tiekit.CheckpointError, match="not finished"):
+        handle.wait(timeout=1.0)  # copied and written by now, but not published: nobody settled
+    assert not path.exists()
+    copies.settle()
+    optimizer.step()  # parameters and moments change: the copies were made before
+    handle.wait(timeout=60)
+    got = loaded_state(path)
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+
+
+def test_a_parameter_written_before_the_copies_settle_fails_the_save_and_keeps_the_previous_file(
+    tmp_path: Path,
+) -> None:
+    from tiekit.checkpoint.saving import save_checkpoint_reusing
+
+    model, optimizer = trained_norm_net()
+    path = tmp_path / "ckpt.safetensors"
+    tiekit.save_checkpoint(path, model=model, optimizer=optimizer, step=0)
+    with writer_held():
+        handle, _, copies = save_checkpoint_reusing(
+            path, model=model, optimizer=optimizer, step=1, blocking=False, defer=True
+        )
+        assert copies is not None
+        with torch.no_grad():
+            model.layer_2.weight.mul_(2.0)  # a forward pass that writes its own parameter
+    copies.settle()
+    with pytest.raises(tiekit.CheckpointError, match=r"'layer_2\.weight'.*checkpoint_async=False"):
+        handle.wait(timeout=60)
+    assert tiekit.load_checkpoint(path, model=NormNet())["step"] == 0
+
+    handle, _, copies = save_checkpoint_reusing(  # the control: nothing written in between
+        path, model=model, optimizer=optimizer, step=2, blocking=False, defer=True
+    )
+    assert copies is not None
+    copies.settle()
+    handle.wait(timeout=60)
+    assert tiekit.load_checkpoint(path, model=NormNet())["step"] == 2
+
+
+def test_a_save_whose_thread_ends_without_settling_is_not_written(tmp_path: Path) -> None:
+    from tiekit.checkpoint.saving import save_checkpoint_reusing
+
+    model, optimizer = trained_norm_net()
+    path = tmp_path / "ckpt.safetensors"
+    made: list[Any] = []
+    thread = threading.Thread(
+        target=lambda: made.append(
+            save_checkpoint_reusing(path, model=model, optimizer=optimizer, step=1, blocking=False, defer=True)
+        )
+    )
+    thread.start()
+    thread.join()
+    handle, _, copies = made[0]
+    assert copies is not None
+    with pytest.raises(tiekit.CheckpointError, match="ended before its copy could be checked"):
+        handle.wait(timeout=60)
+    assert not path.exists()
+
+
+def norm_data() -> TensorDataset:
+    generator = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(48, 32, generator=generator), torch.randn(48, 10, generator=generator))
+
+
+def test_fit_background_checkpoints_hold_what_blocking_ones_hold(tmp_path: Path) -> None:
+    """Every checkpoint of a run saving in the background (parameters and moments copied beside
+    the next step) equals the blocking run's, tensor for tensor, running statistics included."""
+    runs = {}
+    for background in (True, False):
+        folder = tmp_path / ("async" if background else "blocking")
+        tiekit.fit(
+            NormNet,
+            norm_data(),
+            max_steps=7,
+            checkpoint_dir=folder,
+            checkpoint_every=2,
+            checkpoint_async=background,
+            **FIT,
+        )
+        runs[background] = folder
+    names = sorted(p.name for p in runs[False].iterdir())
+    assert names == sorted(p.name for p in runs[True].iterdir()) and len(names) == 4
+    for name in names:
+        with safe_open(str(runs[True] / name), "pt") as a, safe_open(str(runs[False] / name), "pt") as b:
+            assert set(a.keys()) == set(b.keys())
+            for key in a.keys():  # noqa: SIM118 - safe_open is not a mapping
+                assert torch.equal(a.get_tensor(key), b.get_tensor(key)), (name, key)
+
+
+class WritesItsWeightInForward(NormNet):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.layer_2.weight.clamp_(-0.5, 0.5)  # a constraint applied in place, outside the optimizer
+        return super().forward(x)
+
+
+def test_fit_refuses_a_background_checkpoint_of_a_weight_its_forward_writes(tmp_path: Path) -> None:
+    with pytest.raises(tiekit.CheckpointError, match=r"'layer_2\.weight'.*checkpoint_async=False"):
+        tiekit.fit(
+            WritesItsWeightInForward, norm_data(), max_steps=4, checkpoint_dir=tmp_path, checkpoint_every=2, **FIT
+        )
+    result = tiekit.fit(  # the control: copied in the step, the checkpoint holds the step's weights
+        WritesItsWeightInForward,
+        norm_data(),
+        max_steps=4,
+        checkpoint_dir=tmp_path / "blocking",
+        checkpoint_every=2,
+        checkpoint_async=False,
+        **FIT,
+    )
+    fresh = WritesItsWeightInForward()
+    assert tiekit.load_checkpoint(tmp_path / "blocking" / "step-00000004.safetensors", model=fresh)["step"] == 4
+    assert torch.equal(fresh.layer_2.weight, result.model.layer_2.weight)

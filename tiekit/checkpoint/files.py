@@ -38,9 +38,18 @@ def _host() -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "localhost"
 
 
-def write_single(target: Path, state: dict[str, torch.Tensor], header: dict[str, str], durable: bool) -> None:
+def write_single(
+    target: Path,
+    state: dict[str, torch.Tensor],
+    header: dict[str, str],
+    durable: bool,
+    before_publish: Callable[[], None] | None = None,
+) -> None:
+    """Write ``state`` as the safetensors file ``target``, atomically; ``before_publish`` runs once
+    the file is written (and synced) and before it replaces ``target``: its exception leaves the
+    previous file in place."""
     _prepare_folder(target)
-    _commit_file(target, lambda tmp: _save_tensors(state, tmp, header, durable), durable)
+    _commit_file(target, lambda tmp: _save_tensors(state, tmp, header, durable), durable, before_publish)
     # A sharded save that this file now replaces: drop it, or a loader might still pick it.
     index = target.with_name(target.name + INDEX_SUFFIX)
     if index.exists():
@@ -194,7 +203,12 @@ def _work_folder(target: Path) -> Path:
     return work
 
 
-def _commit_file(target: Path, write: Callable[[Path], object], durable: bool = True) -> None:
+def _commit_file(
+    target: Path,
+    write: Callable[[Path], object],
+    durable: bool = True,
+    before_publish: Callable[[], None] | None = None,
+) -> None:
     """Write in a work folder, fsync (if ``durable``), rename over ``target``, fsync the folder."""
     try:
         work = _work_folder(target)
@@ -205,6 +219,8 @@ def _commit_file(target: Path, write: Callable[[Path], object], durable: bool = 
         write(tmp)
         if durable:
             _fsync(tmp)
+        if before_publish is not None:
+            before_publish()
         os.replace(tmp, target)
         if durable:
             _fsync(target.parent)

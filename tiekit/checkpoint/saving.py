@@ -17,6 +17,7 @@ from torch import nn
 from tiekit import devices
 from tiekit.analyze import find_ties
 from tiekit.checkpoint.codec import Fallback, encode
+from tiekit.checkpoint.deferred import DeferredCopies
 from tiekit.checkpoint.files import write_sharded, write_single
 from tiekit.checkpoint.handle import SaveHandle
 from tiekit.checkpoint.layout import (
@@ -109,19 +110,40 @@ def save_checkpoint_reusing(
     durable: bool = True,
     blocking: bool = True,
     staging: Mapping[str, torch.Tensor] | None = None,
-) -> tuple[SaveHandle, dict[str, torch.Tensor]]:
-    """`save_checkpoint`, and the host tensors it wrote. With ``blocking=False``, ``staging`` (what
-    an earlier call returned, its write finished) is copied into where a name's shape and dtype
-    match instead of new memory: a training loop that saves in the background then stages every
-    checkpoint into the same buffers (fresh memory costs page faults in the step; measured 28 ms
-    per 95 MB here). Local."""
-    target, state, header = stage_training_checkpoint(
-        path, model=model, optimizer=optimizer, step=step, extra=extra, copy=not blocking, staging=staging
+    defer: bool = False,
+) -> tuple[SaveHandle, dict[str, torch.Tensor], DeferredCopies | None]:
+    """`save_checkpoint`, the host tensors it wrote, and the copies it left to its writer. With
+    ``blocking=False``, ``staging`` (what an earlier call returned, its write finished) is copied
+    into where a name's shape and dtype match instead of new memory: a training loop that saves in
+    the background then stages every checkpoint into the same buffers (fresh memory costs page
+    faults in the step; measured 28 ms per 95 MB here).
+
+    ``defer`` (with ``blocking=False``): the host copies of the parameters and the optimizer
+    state that live in host memory are made by the writing thread, not here; the caller must call
+    the returned `DeferredCopies`' ``settle()`` before anything changes them (its next optimizer
+    step), and the file is published only after that (`tiekit.checkpoint.deferred`). Local."""
+    deferred = _deferrable(model, optimizer) if defer and not blocking else None
+    target, state, header, copies = stage_training_checkpoint(
+        path,
+        model=model,
+        optimizer=optimizer,
+        step=step,
+        extra=extra,
+        copy=not blocking,
+        staging=staging,
+        defer=deferred,
     )
     if blocking:
         write_single(target, state, header, durable)
-        return SaveHandle(target, "", None), state
-    return SaveHandle(target, "", _background().submit(write_single, target, state, header, durable)), state
+        return SaveHandle(target, "", None), state, None
+    if copies is None:
+        return SaveHandle(target, "", _background().submit(write_single, target, state, header, durable)), state, None
+
+    def copy_and_write() -> None:
+        copies.copy()
+        write_single(target, state, header, durable, functools.partial(copies.confirmed, target))
+
+    return SaveHandle(target, "", _background().submit(copy_and_write)), state, copies
 
 
 def write_training_checkpoint(
@@ -136,7 +158,7 @@ def write_training_checkpoint(
 ) -> None:
     """`save_checkpoint`, with the codec's ``fallback`` for values it cannot store (the Lightning
     integration's opt-in pickling)."""
-    target, state, header = stage_training_checkpoint(
+    target, state, header, _ = stage_training_checkpoint(
         path, model=model, optimizer=optimizer, step=step, extra=extra, fallback=fallback
     )
     write_single(target, state, header, durable)
@@ -152,10 +174,13 @@ def stage_training_checkpoint(
     fallback: Fallback | None = None,
     copy: bool = False,
     staging: Mapping[str, torch.Tensor] | None = None,
-) -> tuple[Path, dict[str, torch.Tensor], dict[str, str]]:
-    """Where a training checkpoint goes, its host tensors and its header. ``copy``: every tensor
-    is a host copy of its own (never the model's or optimizer's memory), for a later write, made
-    in ``staging``'s tensor of the same name where its shape and dtype match."""
+    defer: set[int] | None = None,
+) -> tuple[Path, dict[str, torch.Tensor], dict[str, str], DeferredCopies | None]:
+    """Where a training checkpoint goes, its host tensors, its header, and the copies left to
+    make. ``copy``: every tensor is a host copy of its own (never the model's or optimizer's
+    memory), for a later write, made in ``staging``'s tensor of the same name where its shape and
+    dtype match. ``defer``: the storages (data pointers) whose copies are not made here but
+    returned as `DeferredCopies`, their destinations already in the host tensors."""
     target = target_path(path, CHECKPOINT_NAME)
     values = {"step": (step, "extra/step"), "extra": (extra, "extra/value")}
     plan, state, encoded = encode_training_state(model, optimizer, values, fallback)
@@ -164,19 +189,35 @@ def stage_training_checkpoint(
     originals = list(state.values())
     hosts = _host_tensors(originals)
     keys = list(state)
+    later: list[tuple[str, torch.Tensor, torch.Tensor]] = []
     if copy:
-        hosts = [
-            _copy(h, (staging or {}).get(key)) if _shares_memory(h, t) else h
-            for key, h, t in zip(keys, hosts, originals, strict=True)
-        ]
-    return target, dict(zip(keys, hosts, strict=True)), header
+        for i, (key, host, original) in enumerate(zip(keys, hosts, originals, strict=True)):
+            if not _shares_memory(host, original):
+                continue  # already a copy of its own (moved from a device, made contiguous)
+            buffer = _buffer(host, (staging or {}).get(key))
+            if defer is not None and host.untyped_storage().data_ptr() in defer:
+                later.append((key, host, buffer))
+            else:
+                buffer.copy_(host)
+            hosts[i] = buffer
+    return target, dict(zip(keys, hosts, strict=True)), header, DeferredCopies(later) if later else None
 
 
-def _copy(host: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
-    """A copy of ``host`` in ``buffer`` when it fits exactly, else in new memory."""
+def _buffer(host: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
+    """Where a copy of ``host`` goes: ``buffer`` when it fits exactly, else new memory."""
     if buffer is None or buffer.shape != host.shape or buffer.dtype != host.dtype or not buffer.is_contiguous():
-        return host.clone()
-    return buffer.copy_(host)
+        return torch.empty(host.shape, dtype=host.dtype)
+    return buffer
+
+
+def _deferrable(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> set[int]:
+    """The storages that only an optimizer step changes: the parameters and the optimizer's
+    per-parameter state (buffers are not among them: a forward pass updates running statistics)."""
+    tensors: list[torch.Tensor] = list(model.parameters())
+    if optimizer is not None:
+        states = optimizer.state.values()
+        tensors += [v for per_param in states for v in per_param.values() if isinstance(v, torch.Tensor)]
+    return {t.untyped_storage().data_ptr() for t in tensors if t.device.type == "cpu"}
 
 
 def encode_training_state(

@@ -29,6 +29,7 @@ from torch import nn
 
 import tiekit
 from tiekit.backends.base import Backend
+from tiekit.checkpoint.deferred import DeferredCopies
 from tiekit.checkpoint.saving import save_checkpoint_reusing
 from tiekit.collective import Ranks, abort_thread_collectives, collective_gather, collective_save_checkpoint
 from tiekit.dcp import MARKER_NAME, SaveHandle
@@ -65,6 +66,7 @@ class Coordinator:
     # The host tensors of the last background single-file save, copied into by the next one
     # once that save is written (one save in flight at a time).
     staging: dict[str, torch.Tensor] | None = None
+    copying: DeferredCopies | None = None
     pending_path: Path | None = None  # where the save in flight (on any rank) goes
     written: list[Path] = field(default_factory=list)  # this run's complete checkpoints, oldest first
 
@@ -129,8 +131,10 @@ class Coordinator:
             contents = state.contents(model, optimizer, at, backend.devices_in_run, backend.device)
             if not blocking:
                 if self.ranks.is_writer:
-                    self.pending, self.staging = save_checkpoint_reusing(
-                        path, blocking=False, staging=self.staging, **contents
+                    # The parameters and optimizer state are copied beside the next step's forward and
+                    # backward passes (they change only in its optimizer step): see `weights_copied`.
+                    self.pending, self.staging, self.copying = save_checkpoint_reusing(
+                        path, blocking=False, staging=self.staging, defer=True, **contents
                     )
             elif self.ranks.world > 1:
                 collective_save_checkpoint(path, **contents)
@@ -142,10 +146,19 @@ class Coordinator:
         else:
             self.pending_path = path
 
+    def weights_copied(self) -> None:
+        """Local: return once a background save's copy of the parameters and optimizer state is
+        made (and checked: nothing wrote them since the save). The training loop calls it before
+        each optimizer step, which changes them; at once when no copy is under way."""
+        if self.copying is not None:
+            copying, self.copying = self.copying, None
+            copying.settle()
+
     def finish_saves(self, cfg: FitConfig) -> None:
         """Collective (in a run that saves in the background): wait until this rank's background
         save, if any, is written; raise any rank's failure on every rank (`tiekit.CheckpointError`
         naming the ranks)."""
+        self.weights_copied()
         if cfg.checkpoint_dir is None or not cfg.checkpoint_async:
             return  # the same on every rank: nothing was saved in the background
         handle, self.pending = self.pending, None

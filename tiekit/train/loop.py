@@ -41,11 +41,14 @@ def train_step(
     backend: Backend,
     precision: Precision,
     loss_fn: LossFn | None,
+    before_update: Callable[[], None] = lambda: None,
 ) -> torch.Tensor:
-    """One optimisation step, from a batch on the device to updated weights; returns the loss."""
+    """One optimisation step, from a batch on the device to updated weights; returns the loss.
+    ``before_update`` runs just before the optimizer changes the weights."""
     with precision.autocast(backend.device, cache=backend.autocast_cache):
         loss = compute_loss(model, precision.cast_batch(batch), loss_fn)
     loss.backward()  # type: ignore[no-untyped-call]
+    before_update()  # fit: a background checkpoint's copy of the weights is made by now
     backend.optimizer_step(optimizer)  # "xla": gradients averaged over the replicas, in the graph
     optimizer.zero_grad(set_to_none=True)
     backend.end_step()  # XLA: the step's graph is compiled once, then launched every step
@@ -145,7 +148,9 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
             done = skip
             for batch in backend.batches(train.epoch(epoch, skip)):
                 before = backend.host_transfers() if watch_transfers else 0
-                loss = train_step(step_model, optimizer, batch, backend, precision, cfg.loss_fn)
+                loss = train_step(
+                    step_model, optimizer, batch, backend, precision, cfg.loss_fn, coordinator.weights_copied
+                )
                 after = backend.host_transfers() if watch_transfers else 0
                 step, done = step + 1, done + 1
                 log.step(step, epoch, loss, after - before)
@@ -168,6 +173,7 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
                 coordinator.save(cfg, model, optimizer, state.Position(epoch, done, step), backend)
         coordinator.finish_saves(cfg)  # the last checkpoint complete before fit returns
     finally:
+        coordinator.weights_copied()  # a failed run's last background save is still written, if it can be
         log.close()
     backend.wait()
     counters_at_end = backend.counters()

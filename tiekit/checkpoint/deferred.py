@@ -1,0 +1,80 @@
+"""Host copies a background save makes while training goes on (`tiekit.fit`'s checkpoints).
+
+A training checkpoint's parameters and optimizer state change only in the optimizer step, so
+the copy of them that a background save needs can be made beside the next step's forward and
+backward passes instead of inside the training loop: the loop then stalls only for the tensors
+that may change earlier (buffers, which a forward pass updates). The copy must be done before
+the next optimizer step (`DeferredCopies.settle`, called by the training thread) and the file is
+published only once it is (`DeferredCopies.confirmed`, called by the writer).
+
+Every in-place write bumps a tensor's version counter. The counters are read when the save is
+made and again in `settle`: a tensor written in between (a forward pass that changes a parameter
+in place) makes that save fail with a `CheckpointError` naming it, never write a torn checkpoint.
+A write through ``.data`` bypasses the counter and is not seen.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+
+from tiekit.errors import CheckpointError
+
+#: How often the writer looks whether the training thread it waits for still exists.
+_OWNER_POLL_SECONDS = 0.5
+
+
+class DeferredCopies:
+    """Copies of ``(name, source, destination)`` made by the writing thread (`copy`), checked by
+    the training thread (`settle`) before it changes any source."""
+
+    def __init__(self, pairs: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+        self._pairs = pairs
+        self._versions = [source._version for _, source, _ in pairs]
+        self._owner = threading.current_thread()
+        self._copied = threading.Event()
+        self._settled = threading.Event()
+        self._problem: str | None = None
+
+    def copy(self) -> None:
+        """Writing thread: copy every source into its destination (torch's copy releases the GIL)."""
+        try:
+            for _, source, destination in self._pairs:
+                destination.copy_(source)
+        except BaseException as exc:
+            self._problem = f"the copy of the state to host memory failed: {type(exc).__name__}: {exc}"
+            raise
+        finally:
+            self._copied.set()
+
+    def settle(self) -> None:
+        """Training thread, before anything may change the sources (the next optimizer step):
+        wait until they are copied, and check that none was written since the save was made.
+        Returns at once when already settled."""
+        if self._settled.is_set():
+            return
+        self._copied.wait()
+        pairs = zip(self._pairs, self._versions, strict=True)
+        changed = [name for (name, source, _), seen in pairs if source._version != seen]
+        if changed and self._problem is None:
+            more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+            self._problem = (
+                f"{changed[0]!r}{more} was written in place after the save was made and before the next "
+                "optimizer step (by the forward or backward pass?), so its copy may mix old and new values; "
+                "nothing was written. Save with the copy made in the step (fit: checkpoint_async=False)"
+            )
+        self._settled.set()
+
+    def confirmed(self, where: Path) -> None:
+        """Writing thread, before publishing the file: wait for `settle`; a `CheckpointError` if the
+        copy does not hold the values of the save, or if the training thread ended without settling."""
+        while not self._settled.wait(_OWNER_POLL_SECONDS):
+            if not self._owner.is_alive():
+                raise CheckpointError(
+                    f"{where}: the thread that made this save ended before its copy could be checked; "
+                    "nothing was written"
+                )
+        if self._problem is not None:
+            raise CheckpointError(f"{where}: {self._problem}")
