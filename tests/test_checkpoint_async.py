@@ -347,3 +347,34 @@ def test_fit_refuses_a_background_checkpoint_of_a_weight_its_forward_writes(tmp_
     fresh = WritesItsWeightInForward()
     assert tiekit.load_checkpoint(tmp_path / "blocking" / "step-00000004.safetensors", model=fresh)["step"] == 4
     assert torch.equal(fresh.layer_2.weight, result.model.layer_2.weight)
+
+
+def test_sharded_background_saves_with_one_stager_refill_its_host_copies(tmp_path: Path) -> None:
+    """fit's sharded background saves (`host_stager`): the second save copies into the host
+    storages the first one made (DCP's stager cache: as many as the state has, not twice as
+    many), and each checkpoint holds the values of its own call."""
+    from tiekit.dcp.saving import host_stager, save_sharded_staged
+
+    model, optimizer = trained_norm_net()
+    stager = host_stager()
+    cache = stager._state_dict_stager._cached_storage_mapping  # DCP's own cache of host copies
+    first = saved_state(model, optimizer)
+    save_sharded_staged(model, tmp_path / "a", optimizer=optimizer, blocking=False, stager=stager).wait(timeout=60)
+    copies = len(cache)
+    assert copies > 0
+    model(torch.randn(4, 32)).sum().backward()
+    optimizer.step()
+    second = saved_state(model, optimizer)
+    handle = save_sharded_staged(model, tmp_path / "b", optimizer=optimizer, blocking=False, stager=stager)
+    with torch.no_grad():  # training goes on: the save holds the values of its call
+        for p in model.parameters():
+            p.add_(1.0)
+    handle.wait(timeout=60)
+    assert len(cache) == copies  # refilled, not grown
+    for folder, expected in ((tmp_path / "a", first), (tmp_path / "b", second)):
+        fresh = NormNet()
+        fresh_optimizer = ADAMW(fresh.parameters())
+        tiekit.load_sharded(fresh, folder, optimizer=fresh_optimizer)
+        got = saved_state(fresh, fresh_optimizer)
+        for name, value in expected.items():
+            assert torch.equal(got[name], value), (folder.name, name)

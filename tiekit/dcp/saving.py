@@ -64,6 +64,36 @@ def save_sharded(
     returned `SaveHandle` tells when it is done; a later save into the same folder waits for it.
     With ``blocking=True`` the handle is already done and the checkpoint committed on every rank.
     """
+    return save_sharded_staged(model, path, optimizer=optimizer, extra=extra, blocking=blocking)
+
+
+def host_stager() -> Any:
+    """DCP's stager for background saves, synchronous and without pinned or shared memory (this
+    may run on machines without CUDA), which keeps its host copies for the next save of the same
+    tensors: a loop that saves in the background copies each checkpoint into the memory of the
+    previous one instead of new memory (page faults inside the step). Use one per series of saves
+    of which at most one is in flight."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=False, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
+        )
+    )
+
+
+def save_sharded_staged(
+    model: nn.Module,
+    path: PathLike,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: Any = None,
+    blocking: bool = True,
+    stager: Any = None,
+) -> SaveHandle:
+    """Collective: `save_sharded`; with ``blocking=False``, the host copy is made by ``stager``
+    (`host_stager`: reused by the next save it is given, once this one is written; None: DCP's
+    default, new memory every save)."""
     from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
     from tiekit.dcp.writer import durable_writer
@@ -99,7 +129,9 @@ def save_sharded(
         future = _spmd_async_save(state, writer, planner, group, distributed)
     else:
         with running_dcp(folder, reading=False):
-            response = async_save(state.tensors, storage_writer=writer, process_group=group, no_dist=not distributed)
+            response = async_save(
+                state.tensors, storage_writer=writer, process_group=group, no_dist=not distributed, async_stager=stager
+            )
         # torch's AsyncSaveResponse (zero-overhead staging) holds the future of the upload
         upload = response if isinstance(response, Future) else response.upload_completion
         future = _with_checkpoint_errors(upload, folder)
