@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -39,9 +39,10 @@ def writer_held() -> Iterator[None]:
         release.set()
 
 
-def trained() -> tuple[WeightSharingModule, torch.optim.Optimizer]:
+def trained(make: Callable[[], Any] = WeightSharingModule) -> tuple[Any, torch.optim.Optimizer]:
+    """A fresh model after one AdamW step (so the optimizer has state)."""
     torch.manual_seed(0)
-    model = WeightSharingModule()
+    model = make()
     optimizer = ADAMW(model.parameters())
     model(torch.randn(4, 32)).sum().backward()
     optimizer.step()
@@ -194,15 +195,6 @@ class NormNet(nn.Module):
         return self.layer_3(self.layer_2(self.norm(self.layer_1(x))))
 
 
-def trained_norm_net() -> tuple[NormNet, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = NormNet()
-    optimizer = ADAMW(model.parameters())
-    model(torch.randn(4, 32)).sum().backward()
-    optimizer.step()
-    return model, optimizer
-
-
 def saved_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     moments = {f"{n}/{k}": v.clone() for n, p in model.named_parameters() for k, v in optimizer.state[p].items()}
     return {**{k: v.clone() for k, v in model.state_dict().items()}, **moments}
@@ -222,7 +214,7 @@ def test_deferred_copies_are_made_by_the_writer_and_published_only_once_settled(
     step; the file appears only once the training thread has settled the copies."""
     from tiekit.checkpoint.saving import save_checkpoint_reusing
 
-    model, optimizer = trained_norm_net()
+    model, optimizer = trained(NormNet)
     expected = saved_state(model, optimizer)
     path = tmp_path / "ckpt.safetensors"
     with writer_held():
@@ -249,7 +241,7 @@ def test_a_parameter_written_before_the_copies_settle_fails_the_save_and_keeps_t
 ) -> None:
     from tiekit.checkpoint.saving import save_checkpoint_reusing
 
-    model, optimizer = trained_norm_net()
+    model, optimizer = trained(NormNet)
     path = tmp_path / "ckpt.safetensors"
     tiekit.save_checkpoint(path, model=model, optimizer=optimizer, step=0)
     with writer_held():
@@ -276,7 +268,7 @@ def test_a_parameter_written_before_the_copies_settle_fails_the_save_and_keeps_t
 def test_a_save_whose_thread_ends_without_settling_is_not_written(tmp_path: Path) -> None:
     from tiekit.checkpoint.saving import save_checkpoint_reusing
 
-    model, optimizer = trained_norm_net()
+    model, optimizer = trained(NormNet)
     path = tmp_path / "ckpt.safetensors"
     made: list[Any] = []
     thread = threading.Thread(
@@ -355,7 +347,7 @@ def test_sharded_background_saves_with_one_stager_refill_its_host_copies(tmp_pat
     many), and each checkpoint holds the values of its own call."""
     from tiekit.dcp.saving import host_stager, save_sharded_staged
 
-    model, optimizer = trained_norm_net()
+    model, optimizer = trained(NormNet)
     stager = host_stager()
     cache = stager._state_dict_stager._cached_storage_mapping  # DCP's own cache of host copies
     first = saved_state(model, optimizer)

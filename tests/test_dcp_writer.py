@@ -93,3 +93,53 @@ def test_shard_files_are_written_past_the_page_cache(tmp_path: Path) -> None:
     moments = [optimizer.state[p]["exp_avg"] for p in model.parameters()]
     for p, m in zip(fresh.parameters(), moments, strict=True):
         assert torch.equal(fresh_optimizer.state[p]["exp_avg"], m)
+
+
+def record_checksums(folder: Path) -> list[int]:
+    """The CRC32 fields of every tensor record in ``folder``'s shard files (each record is a
+    ``torch.save`` zip archive at the offset DCP's metadata gives)."""
+    import io
+    import zipfile
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    storage = FileSystemReader(folder).read_metadata().storage_data
+    found = []
+    for info in storage.values():
+        with (folder / info.relative_path).open("rb") as f:
+            f.seek(info.offset)
+            record = f.read(info.length)
+        with zipfile.ZipFile(io.BytesIO(record)) as archive:
+            found += [m.CRC for m in archive.infolist() if "/data/" in m.filename and m.file_size]
+    return found
+
+
+def test_shard_records_are_written_without_the_checksum_torch_load_never_reads(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    model = TiedLM()
+    before = torch.serialization.get_crc32_options()
+    tiekit.save_sharded(model, tmp_path / "ours")
+    assert torch.serialization.get_crc32_options() == before  # set back after the write
+    dcp.save(model.state_dict(), checkpoint_id=tmp_path / "plain")  # DCP's own: the control
+    ours = record_checksums(next((tmp_path / "ours").glob("save-*")))
+    plain = record_checksums(tmp_path / "plain")
+    assert ours and all(crc == 0 for crc in ours)
+    assert plain and all(crc != 0 for crc in plain)
+    fresh = TiedLM()
+    tiekit.load_sharded(fresh, tmp_path / "ours")
+    assert fresh.head.weight is fresh.embed.weight
+    for name, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], value), name
+
+
+def test_a_torch_save_of_another_thread_during_a_save_loads(tmp_path: Path) -> None:
+    """The checksum option is process-wide: a torch.save made while shards are written has no
+    checksums, and torch.load reads it."""
+    from tiekit.dcp.writer import records_without_checksums
+
+    value = torch.randn(1000)
+    with records_without_checksums():
+        torch.save(value, tmp_path / "during.pt")
+    assert torch.equal(torch.load(tmp_path / "during.pt", weights_only=True), value)
