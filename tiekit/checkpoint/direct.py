@@ -57,7 +57,11 @@ _RANK = {code: rank for rank, code in enumerate(_CODES)}
 # What a file system without O_DIRECT (tmpfs on older kernels, some FUSE and network ones) answers.
 _REFUSED = {errno.EINVAL, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
 
-_buffers = threading.local()  # one aligned buffer per writing thread, reused by every save
+# Aligned buffers free for the next file, shared by every writing thread of the process (DCP
+# writes each background save from a thread of its own): a new one is 2,048 page faults.
+_free_buffers: list[mmap.mmap] = []
+_free_lock = threading.Lock()
+_KEPT_BUFFERS = 2  # at most this many stay mapped while no file is written
 
 
 def write_safetensors(
@@ -209,15 +213,17 @@ def _pieces(head: bytes, order: list[tuple[str, torch.Tensor]]) -> Iterator[np.n
 
 
 def _take_buffer() -> mmap.mmap:
-    """A page-aligned write buffer (anonymous memory is aligned to a page): this thread's own,
-    reused by its saves, unless a file it has open holds it."""
-    free: list[mmap.mmap] = _buffers.__dict__.setdefault("free", [])
-    return free.pop() if free else mmap.mmap(-1, CHUNK)
+    """A page-aligned write buffer (anonymous memory is aligned to a page), reused from an
+    earlier file where one is free."""
+    with _free_lock:
+        if _free_buffers:
+            return _free_buffers.pop()
+    return mmap.mmap(-1, CHUNK)
 
 
 def _give_back(buffer: mmap.mmap) -> None:
-    free: list[mmap.mmap] = _buffers.__dict__.setdefault("free", [])
-    if not free:
-        free.append(buffer)
-    else:
-        buffer.close()
+    with _free_lock:
+        if len(_free_buffers) < _KEPT_BUFFERS:
+            _free_buffers.append(buffer)
+            return
+    buffer.close()
