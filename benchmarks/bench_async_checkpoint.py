@@ -19,13 +19,23 @@ free, as an accelerator host has cores to spare while the step runs on the devic
 ``--keep N`` passes ``checkpoint_keep=N`` to fit: each new file is then written into the page
 cache of the one deleted before it, not into memory the kernel has to grow into.
 
+Two measures of the loss per checkpoint. *Across runs*: the loop time of a run with saves minus
+that of the same run without, over the saves; it carries the whole run-to-run spread of this
+machine (0.5-1 s over 5 saves), as much as the effect measured. *Within a run*: every step's
+duration is recorded (the master's step clock); a save's loss is the time the ``--window``
+steps after it took beyond the run's typical step (the median of the steps outside those
+windows), so a run is compared only with itself. The write of a background save must finish
+inside its window (the script prints the steps outside the windows against those of the runs
+without checkpoints, so a write spilling past its window shows).
+
     .venv/bin/python benchmarks/bench_async_checkpoint.py [--strategy single|fsdp] [--repeats 5] [--threads N]
-        [--keep N]
+        [--keep N] [--steps 43 --every 8 --window 4]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shutil
 import statistics
@@ -75,6 +85,37 @@ def corpus(count: int = 4096) -> TensorDataset:
 STALLS: list[float] = []
 
 
+#: Where the master writes the end time of every step of a run (set per run by `loop_seconds`;
+#: spawned processes inherit it).
+STEP_TIMES_FILE = "TIEKIT_BENCH_STEP_TIMES"
+
+
+def _timed_steps() -> None:
+    """Record when each of fit's steps ended on the master, and write the times out when the run
+    closes its log. Patched at import, so the processes fit spawns (which import this script) do
+    it too."""
+    from tiekit.train.log import TrainLog
+
+    step, close = TrainLog.step, TrainLog.close
+
+    def timed_step(self: TrainLog, *args: Any, **kwargs: Any) -> None:
+        if self.enabled:
+            self.__dict__.setdefault("bench_times", []).append(time.perf_counter())
+        step(self, *args, **kwargs)
+
+    def timed_close(self: TrainLog) -> None:
+        close(self)
+        target = os.environ.get(STEP_TIMES_FILE)
+        if self.enabled and target:
+            Path(target).write_text("\n".join(repr(t) for t in self.__dict__.get("bench_times", [])))
+
+    TrainLog.step = timed_step  # type: ignore[method-assign]
+    TrainLog.close = timed_close  # type: ignore[method-assign]
+
+
+_timed_steps()
+
+
 def _timed_saves() -> None:
     from tiekit.train.coordinate import Coordinator
 
@@ -90,15 +131,44 @@ def _timed_saves() -> None:
     Coordinator.save = timed  # type: ignore[method-assign]
 
 
-def loop_seconds(strategy: str, steps: int, every: int, mode: str, folder: Path, keep: int | None = None) -> float:
-    """Seconds of fit's training loop after the warm-up steps, saves in the loop included."""
+def loop_seconds(
+    strategy: str, steps: int, every: int, mode: str, folder: Path, keep: int | None = None
+) -> tuple[float, list[float]]:
+    """Seconds of fit's training loop after the warm-up steps, saves in the loop included, and the
+    duration of every step after the first (step ``i``'s entry runs from the end of step ``i``
+    to the end of step ``i + 1``, so it holds a save made after step ``i``)."""
     kw: dict[str, Any] = {"loss_fn": lm_loss, "max_steps": steps, "batch_size": BATCH, "progress": False}
     kw |= {"strategy": "fsdp", "devices": 2} if strategy == "fsdp" else {"devices": "cpu"}
     if mode != "none":
         kw |= {"checkpoint_dir": folder, "checkpoint_every": every, "checkpoint_async": mode == "async"}
         kw["checkpoint_keep"] = keep
-    result = tiekit.fit(build, corpus(), **kw)
-    return (steps - WARMUP) * BATCH * result.world_size / result.samples_per_second
+    times_file = folder.parent / f"{folder.name}.steps"
+    os.environ[STEP_TIMES_FILE] = os.fspath(times_file)
+    try:
+        result = tiekit.fit(build, corpus(), **kw)
+    finally:
+        del os.environ[STEP_TIMES_FILE]
+    ends = [float(line) for line in times_file.read_text().split()]
+    times_file.unlink()
+    if len(ends) != steps:
+        raise RuntimeError(f"recorded {len(ends)} step times for {steps} steps")
+    durations = [b - a for a, b in itertools.pairwise(ends)]
+    return (steps - WARMUP) * BATCH * result.world_size / result.samples_per_second, durations
+
+
+def windows(steps: int, every: int, window: int) -> set[int]:
+    """Indexes into `loop_seconds`' durations that follow an in-loop save by at most ``window``
+    steps (duration ``i`` ends at step ``i + 2``)."""
+    saves = range(every, steps, every)  # the last step's save is not in the loop
+    return {s - 1 + k for s in saves for k in range(window) if s - 1 + k < steps - 1}
+
+
+def lost_within(durations: list[float], inside: set[int]) -> tuple[float, float]:
+    """(time the steps inside the windows took beyond the run's typical step, that typical step):
+    the typical step is the median of the steps outside the windows and after the warm-up."""
+    outside = [d for i, d in enumerate(durations) if i not in inside and i >= WARMUP]
+    typical = statistics.median(outside)
+    return sum(durations[i] - typical for i in inside), typical
 
 
 def main() -> None:
@@ -109,19 +179,29 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=8)
     parser.add_argument("--threads", type=int, default=0, help="torch threads of the single-process run")
     parser.add_argument("--keep", type=int, default=None, help="fit's checkpoint_keep (default: keep all)")
+    parser.add_argument("--window", type=int, default=4, help="steps after a save that count its loss (within a run)")
     args = parser.parse_args()
+    if args.window >= args.every:
+        parser.error("--window must be smaller than --every: the typical step is measured between the windows")
     if args.threads:
         torch.set_num_threads(args.threads)
     _timed_saves()
     stalls: dict[str, list[float]] = {"blocking": [], "async": []}
     saves = len(range(args.every, args.steps + 1, args.every))
     seconds: dict[str, list[float]] = {"none": [], "blocking": [], "async": []}
+    inside = windows(args.steps, args.every, args.window)
+    within: dict[str, list[float]] = {"none": [], "blocking": [], "async": []}  # ms lost per save, per run
+    typical: dict[str, list[float]] = {"none": [], "blocking": [], "async": []}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats + 1):  # the first round warms up and is dropped
             for mode in seconds:
                 folder = Path(tmp) / f"{mode}-{repeat}"
                 STALLS.clear()
-                value = loop_seconds(args.strategy, args.steps, args.every, mode, folder, args.keep)
+                value, durations = loop_seconds(args.strategy, args.steps, args.every, mode, folder, args.keep)
+                if repeat:
+                    lost, step = lost_within(durations, inside)
+                    within[mode].append(lost / saves * 1e3)
+                    typical[mode].append(step * 1e3)
                 if repeat and mode in stalls:
                     stalls[mode].extend(STALLS[:saves])  # the in-loop saves (not the final one)
                 # Freed page cache is what the next run writes into. On this VM, page cache grown
@@ -140,6 +220,19 @@ def main() -> None:
         print(f"  loop seconds {mode:8s}: median {median[mode]:.3f}  ({', '.join(f'{v:.3f}' for v in values)})")
     print(f"  lost per checkpoint: blocking {lost['blocking'] * 1e3:.1f} ms, background {lost['async'] * 1e3:.1f} ms")
     print(f"  background / blocking: {lost['async'] / lost['blocking']:.3f}x (target at most 0.20x)")
+    print(f"  within each run ({args.window} steps after each save against the run's typical step):")
+    for mode, values in within.items():
+        steps_ms = ", ".join(f"{v:.1f}" for v in typical[mode])
+        print(
+            f"    {mode:8s}: lost per checkpoint median {statistics.median(values):.1f} ms "
+            f"({', '.join(f'{v:.1f}' for v in values)}); typical step {steps_ms} ms"
+        )
+    paired = [a / b for a, b in zip(within["async"], within["blocking"], strict=True)]
+    ratio = statistics.median(within["async"]) / statistics.median(within["blocking"])
+    print(
+        f"  within runs, background / blocking: {ratio:.3f}x of the medians; per round "
+        f"{', '.join(f'{r:.3f}' for r in paired)} (target at most 0.20x)"
+    )
     if args.strategy == "single":  # fsdp saves in the spawned processes, out of this one's sight
         stall = {mode: statistics.median(values) for mode, values in stalls.items()}
         print(
