@@ -11,10 +11,15 @@ minus that of the same run without checkpoints, over the number of saves. Runs a
 between the three modes; medians over ``--repeats``. ``--strategy fsdp`` runs on 2 CPU
 processes (gloo) with sharded `tiekit.save_sharded` folders.
 
-``--threads N`` gives the single-process run N torch threads. By default it uses every core, so
+``--threads N`` gives the training N torch threads (under ``fsdp``: each rank; fit otherwise
+gives a rank its share of the cores). By default it uses every core, so
 on a small machine the background writer competes with training for CPU (the kernel's work of
 writing 95 MB to the page cache is 25-290 ms of CPU here); ``--threads 1`` on 2 cores leaves one
 free, as an accelerator host has cores to spare while the step runs on the device.
+
+``--ranks N`` sets the number of ``fsdp`` processes (2 by default): with ``--ranks 1 --threads 1``
+the one rank leaves a core free for its background writer, as the single-process run with
+``--threads 1`` does (on this 2-core machine two ranks take both cores).
 
 ``--keep N`` passes ``checkpoint_keep=N`` to fit: each new file is then written into the page
 cache of the one deleted before it, not into memory the kernel has to grow into.
@@ -28,8 +33,8 @@ windows), so a run is compared only with itself. The write of a background save 
 inside its window (the script prints the steps outside the windows against those of the runs
 without checkpoints, so a write spilling past its window shows).
 
-    .venv/bin/python benchmarks/bench_async_checkpoint.py [--strategy single|fsdp] [--repeats 5] [--threads N]
-        [--keep N] [--steps 43 --every 8 --window 4]
+    .venv/bin/python benchmarks/bench_async_checkpoint.py [--strategy single|fsdp] [--ranks 2] [--repeats 5]
+        [--threads N] [--keep N] [--steps 43 --every 8 --window 4]
 """
 
 from __future__ import annotations
@@ -115,6 +120,28 @@ def _timed_steps() -> None:
 
 _timed_steps()
 
+#: The torch threads of every training process (set by ``--threads``; spawned ranks inherit it).
+THREADS = "TIEKIT_BENCH_THREADS"
+
+
+def _rank_threads() -> None:
+    """Spawned ranks take ``$TIEKIT_BENCH_THREADS`` torch threads once fit has given them their
+    share of the cores (it does so when they join the process group)."""
+    from tiekit.train import launch
+
+    join = launch.join_process_group
+
+    def joined(*args: Any, **kwargs: Any) -> torch.device:
+        device = join(*args, **kwargs)
+        if os.environ.get(THREADS):
+            torch.set_num_threads(int(os.environ[THREADS]))
+        return device
+
+    launch.join_process_group = joined
+
+
+_rank_threads()
+
 
 def _timed_saves() -> None:
     from tiekit.train.coordinate import Coordinator
@@ -132,13 +159,13 @@ def _timed_saves() -> None:
 
 
 def loop_seconds(
-    strategy: str, steps: int, every: int, mode: str, folder: Path, keep: int | None = None
+    strategy: str, steps: int, every: int, mode: str, folder: Path, keep: int | None = None, ranks: int = 2
 ) -> tuple[float, list[float]]:
     """Seconds of fit's training loop after the warm-up steps, saves in the loop included, and the
     duration of every step after the first (step ``i``'s entry runs from the end of step ``i``
     to the end of step ``i + 1``, so it holds a save made after step ``i``)."""
     kw: dict[str, Any] = {"loss_fn": lm_loss, "max_steps": steps, "batch_size": BATCH, "progress": False}
-    kw |= {"strategy": "fsdp", "devices": 2} if strategy == "fsdp" else {"devices": "cpu"}
+    kw |= {"strategy": "fsdp", "devices": ranks} if strategy == "fsdp" else {"devices": "cpu"}
     if mode != "none":
         kw |= {"checkpoint_dir": folder, "checkpoint_every": every, "checkpoint_async": mode == "async"}
         kw["checkpoint_keep"] = keep
@@ -177,7 +204,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=43)
     parser.add_argument("--every", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads of the single-process run")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads of the training (each rank's)")
+    parser.add_argument("--ranks", type=int, default=2, help="fsdp processes")
     parser.add_argument("--keep", type=int, default=None, help="fit's checkpoint_keep (default: keep all)")
     parser.add_argument("--window", type=int, default=4, help="steps after a save that count its loss (within a run)")
     args = parser.parse_args()
@@ -185,6 +213,7 @@ def main() -> None:
         parser.error("--window must be smaller than --every: the typical step is measured between the windows")
     if args.threads:
         torch.set_num_threads(args.threads)
+        os.environ[THREADS] = str(args.threads)
     _timed_saves()
     stalls: dict[str, list[float]] = {"blocking": [], "async": []}
     saves = len(range(args.every, args.steps + 1, args.every))
@@ -197,7 +226,9 @@ def main() -> None:
             for mode in seconds:
                 folder = Path(tmp) / f"{mode}-{repeat}"
                 STALLS.clear()
-                value, durations = loop_seconds(args.strategy, args.steps, args.every, mode, folder, args.keep)
+                value, durations = loop_seconds(
+                    args.strategy, args.steps, args.every, mode, folder, args.keep, args.ranks
+                )
                 if repeat:
                     lost, step = lost_within(durations, inside)
                     within[mode].append(lost / saves * 1e3)
@@ -215,6 +246,7 @@ def main() -> None:
     print(
         f"strategy={args.strategy}: {args.steps} steps, {saves} saves, repeats {args.repeats}, "
         f"torch threads {torch.get_num_threads()} of {os.cpu_count()} cores, checkpoint_keep {args.keep}"
+        + (f", {args.ranks} rank(s)" if args.strategy == "fsdp" else "")
     )
     for mode, values in seconds.items():
         print(f"  loop seconds {mode:8s}: median {median[mode]:.3f}  ({', '.join(f'{v:.3f}' for v in values)})")

@@ -136,14 +136,15 @@ def save_checkpoint_reusing(
     if blocking:
         write_single(target, state, header, durable)
         return SaveHandle(target, "", None), state, None
-    if copies is None:
-        return SaveHandle(target, "", _background().submit(write_single, target, state, header, durable)), state, None
 
-    def copy_and_write() -> None:
+    def write() -> None:
+        if copies is None:
+            write_single(target, state, header, durable)
+            return
         copies.copy()
         write_single(target, state, header, durable, functools.partial(copies.confirmed, target))
 
-    return SaveHandle(target, "", _background().submit(copy_and_write)), state, copies
+    return SaveHandle(target, "", _background().submit(write)), state, copies
 
 
 def write_training_checkpoint(
