@@ -55,7 +55,7 @@ import sys
 sys.path.insert(0, sys.argv[1])
 import lightning.pytorch as pl
 import torch
-from launch_lightning import TiedLM, data
+from launch_lightning import TiedLM, data  # which also closes the gloo group at exit (see there)
 
 from tiekit.integrations.lightning import KeepTies, TiedCheckpointIO
 
