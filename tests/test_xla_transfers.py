@@ -303,8 +303,10 @@ def test_a_sharded_load_streams_a_dominant_tensor_into_a_model_on_xla_in_place(t
     it in: the 66 MB embedding briefly exists several times beside the model."""
     streamed = sharded_load_growth(_IN_PLACE, "stream", tmp_path)
     through_dcp = sharded_load_growth(_IN_PLACE, "dcp", tmp_path)
-    assert streamed <= 0.5, f"peak RSS grew by {streamed:.2f}x the checkpoint"  # 0.18-0.21x measured
-    assert through_dcp >= 0.9, f"the control grew by {through_dcp:.2f}x only"  # 1.27-1.98x measured
+    assert streamed <= 0.5, f"peak RSS grew by {streamed:.2f}x the checkpoint"  # 0.11-0.23x measured
+    # The control fails that bound: 0.84-1.98x measured (0.90x in one CI run, 0.91-1.72x with the
+    # code of 8712ed3 on 2026-11-25: how much DCP's copies overlap XLA:CPU's varies by run).
+    assert through_dcp > 0.5, f"the control grew by {through_dcp:.2f}x only: the test cannot tell the two apart"
 
 
 @pytest.mark.slow
