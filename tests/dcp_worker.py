@@ -164,6 +164,50 @@ def save_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
             "folders": sorted(p.name for p in (OUT / "async").glob("save-*")),
         }
 
+    def deferred() -> dict[str, Any]:
+        """fit's background saves (``defer=True``: parameters and moments copied by the writer,
+        beside the next step). A parameter rank 1 writes before its copies settle fails the save on
+        both ranks, none left waiting, and the previous save stays; a clean save then holds the
+        values of its call although the optimizer step ran before it was written."""
+        from tiekit.dcp.saving import save_sharded_staged
+
+        model = fsdp_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        step(model, optimizer, 0, RANK, WORLD)
+        folder = OUT / "deferred"
+        found: dict[str, Any] = {"first": tiekit.save_sharded(model, folder, optimizer=optimizer).save_id}
+        handle, staging, copies = save_sharded_staged(model, folder, optimizer=optimizer, blocking=False, defer=True)
+        assert copies is not None
+        if RANK == 1:
+            with torch.no_grad():
+                model.embed.weight.mul_(2.0)  # a forward pass writing its own (sharded) parameter
+        copies.settle()
+        try:
+            handle.wait(timeout=120)
+            found["torn"] = None
+        except tiekit.CheckpointError as exc:
+            found["torn"] = str(exc)
+        dist.barrier()
+        found["marker_after_torn"] = json.loads((folder / tiekit.dcp.MARKER_NAME).read_text())["save_id"]
+        saved = full_state(model)
+        handle, _, copies = save_sharded_staged(
+            model, folder, optimizer=optimizer, blocking=False, staging=staging, defer=True
+        )
+        assert copies is not None
+        ids = batch(5).chunk(WORLD)[RANK]
+        F.cross_entropy(model(ids[:, :-1]).reshape(-1, VOCAB), ids[:, 1:].reshape(-1)).backward()
+        copies.settle()  # fit's train_step: before the optimizer step
+        optimizer.step()
+        handle.wait(timeout=120)
+        dist.barrier()  # rank 0 committed
+        found["second"] = handle.save_id
+        found["marker"] = json.loads((folder / tiekit.dcp.MARKER_NAME).read_text())["save_id"]
+        fresh = fsdp_model(seed=1)
+        tiekit.load_sharded(fresh, folder)
+        found["holds_call_values"] = torch.equal(full_state(fresh)["embed.weight"], saved["embed.weight"])
+        found["changed_since"] = not torch.equal(full_state(model)["embed.weight"], saved["embed.weight"])
+        return found
+
     def errors() -> dict[str, Any]:
         """Failures raised on every rank, none left waiting."""
         out: dict[str, Any] = {}
@@ -183,18 +227,18 @@ def save_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
     def not_shared(model: nn.Module) -> dict[str, Any]:
         """Rank 1's files land where rank 0 cannot see them (as on a host-local disk of another
         host): the save is refused on every rank, blocking or not, and the previous one stays."""
-        import tiekit.dcp.writer as dcp_files  # where save_sharded's writer is made
+        import tiekit.dcp.saving as saving  # where save_sharded makes its writer
 
         folder = OUT / "not-shared"
         first = tiekit.save_sharded(model, folder).save_id
-        writer = dcp_files.FileSystemWriter
+        writer = saving.DurableWriter
         if RANK == 1:
 
             class HostLocal(writer):  # type: ignore[misc, valid-type]
                 def __init__(self, path: Any, *args: Any, **kwargs: Any) -> None:
                     super().__init__(OUT / "rank-1-local-disk" / Path(path).name, *args, **kwargs)
 
-            dcp_files.FileSystemWriter = HostLocal
+            saving.DurableWriter = HostLocal
         found: dict[str, Any] = {}
         try:
             try:
@@ -207,7 +251,7 @@ def save_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
             except tiekit.CheckpointError as exc:
                 found["async"] = str(exc)
         finally:
-            dcp_files.FileSystemWriter = writer
+            saving.DurableWriter = writer
         dist.barrier()  # rank 0's background commit has run (its wait returned)
         found["marker"] = json.loads((folder / tiekit.dcp.MARKER_NAME).read_text())["save_id"]
         found["first"] = first
@@ -216,7 +260,7 @@ def save_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
         found["loads"] = torch.equal(full_state(fresh)["embed.weight"], full_state(model)["embed.weight"])
         return found
 
-    return [("fsdp", fsdp), ("ddp", ddp), ("async", asynchronous), ("errors", errors)]
+    return [("fsdp", fsdp), ("ddp", ddp), ("async", asynchronous), ("deferred", deferred), ("errors", errors)]
 
 
 def load_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:

@@ -8,6 +8,7 @@ so "training changed the model while the file was written" happens every run, no
 from __future__ import annotations
 
 import functools
+import json
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -290,13 +291,13 @@ def norm_data() -> TensorDataset:
     return TensorDataset(torch.randn(48, 32, generator=generator), torch.randn(48, 10, generator=generator))
 
 
-@pytest.mark.parametrize("processes", [1, 2], ids=["one-process", "ddp-2-gloo-processes"])
-def test_fit_background_checkpoints_hold_what_blocking_ones_hold(tmp_path: Path, processes: int) -> None:
+@pytest.mark.parametrize("strategy", ["single", "ddp", "fsdp"], ids=["one-process", "ddp-2-gloo", "fsdp-2-gloo"])
+def test_fit_background_checkpoints_hold_what_blocking_ones_hold(tmp_path: Path, strategy: str) -> None:
     """Every checkpoint of a run saving in the background (parameters and moments copied beside
     the next step) equals the blocking run's, tensor for tensor, running statistics included; in
-    one process and from the master of two DDP processes."""
+    one process, from the master of two DDP processes, and as two FSDP2 ranks' sharded folders."""
     runs = {}
-    where: dict[str, Any] = {"devices": "cpu"} if processes == 1 else {"strategy": "ddp", "devices": processes}
+    where: dict[str, Any] = {"devices": "cpu"} if strategy == "single" else {"strategy": strategy, "devices": 2}
     for background in (True, False):
         folder = tmp_path / ("async" if background else "blocking")
         kw: dict[str, Any] = {"checkpoint_dir": folder, "checkpoint_every": 2, "checkpoint_async": background}
@@ -305,6 +306,12 @@ def test_fit_background_checkpoints_hold_what_blocking_ones_hold(tmp_path: Path,
     names = sorted(p.name for p in runs[False].iterdir())
     assert names == sorted(p.name for p in runs[True].iterdir()) and len(names) == 4
     for name in names:
+        if strategy == "fsdp":  # sharded folders: the weights, buffers and moments they load
+            background, blocking = sharded_state(runs[True] / name), sharded_state(runs[False] / name)
+            assert background.keys() == blocking.keys()
+            for key, value in blocking.items():
+                assert torch.equal(background[key], value), (name, key)
+            continue
         with safe_open(str(runs[True] / name), "pt") as a, safe_open(str(runs[False] / name), "pt") as b:
             assert set(a.keys()) == set(b.keys())
             for key in a.keys():  # noqa: SIM118 - safe_open is not a mapping
@@ -339,32 +346,88 @@ def test_fit_refuses_a_background_checkpoint_of_a_weight_its_forward_writes(tmp_
     assert torch.equal(fresh.layer_2.weight, result.model.layer_2.weight)
 
 
-def test_sharded_background_saves_with_one_stager_refill_its_host_copies(tmp_path: Path) -> None:
-    """fit's sharded background saves (`host_stager`): the second save copies into the host
-    storages the first one made (DCP's stager cache: as many as the state has, not twice as
-    many), and each checkpoint holds the values of its own call."""
-    from tiekit.dcp.saving import host_stager, save_sharded_staged
+def test_sharded_background_saves_refill_the_host_copies_of_the_last_one(tmp_path: Path) -> None:
+    """fit's sharded background saves: the second save copies into the host tensors the first one
+    made (``staging``), and each checkpoint holds the values of its own call."""
+    from tiekit.dcp.saving import save_sharded_staged
 
     model, optimizer = trained(NormNet)
-    stager = host_stager()
-    cache = stager._state_dict_stager._cached_storage_mapping  # DCP's own cache of host copies
     first = saved_state(model, optimizer)
-    save_sharded_staged(model, tmp_path / "a", optimizer=optimizer, blocking=False, stager=stager).wait(timeout=60)
-    copies = len(cache)
-    assert copies > 0
+    handle, staging, _ = save_sharded_staged(model, tmp_path / "a", optimizer=optimizer, blocking=False)
+    handle.wait(timeout=60)
+    assert staging
     model(torch.randn(4, 32)).sum().backward()
     optimizer.step()
     second = saved_state(model, optimizer)
-    handle = save_sharded_staged(model, tmp_path / "b", optimizer=optimizer, blocking=False, stager=stager)
+    handle, again, _ = save_sharded_staged(model, tmp_path / "b", optimizer=optimizer, blocking=False, staging=staging)
     with torch.no_grad():  # training goes on: the save holds the values of its call
         for p in model.parameters():
             p.add_(1.0)
     handle.wait(timeout=60)
-    assert len(cache) == copies  # refilled, not grown
+    assert again.keys() == staging.keys()
+    assert all(again[k].data_ptr() == staging[k].data_ptr() for k in staging)  # refilled, not new memory
     for folder, expected in ((tmp_path / "a", first), (tmp_path / "b", second)):
-        fresh = NormNet()
-        fresh_optimizer = ADAMW(fresh.parameters())
-        tiekit.load_sharded(fresh, folder, optimizer=fresh_optimizer)
-        got = saved_state(fresh, fresh_optimizer)
-        for name, value in expected.items():
-            assert torch.equal(got[name], value), (folder.name, name)
+        got = sharded_state(folder)
+        assert got.keys() == expected.keys()
+        for name, value in got.items():
+            assert torch.equal(value, expected[name]), (folder.name, name)
+
+
+def sharded_state(folder: Path) -> dict[str, torch.Tensor]:
+    fresh = NormNet()
+    fresh_optimizer = ADAMW(fresh.parameters())
+    tiekit.load_sharded(fresh, folder, optimizer=fresh_optimizer)
+    assert fresh.layer_3.weight is fresh.layer_1.weight
+    return saved_state(fresh, fresh_optimizer)
+
+
+def test_sharded_deferred_copies_are_made_by_the_writer_before_the_next_optimizer_step(tmp_path: Path) -> None:
+    """``defer=True`` (fit): buffers copied in the call, parameters and moments by the writer
+    beside the next forward and backward passes; nothing is committed before the training thread
+    settles the copies."""
+    from tiekit.dcp.saving import save_sharded_staged
+
+    model, optimizer = trained(NormNet)
+    expected = saved_state(model, optimizer)
+    folder = tmp_path / "sharded"
+    handle, _, copies = save_sharded_staged(model, folder, optimizer=optimizer, blocking=False, defer=True)
+    assert copies is not None
+    model(torch.randn(4, 32)).sum().backward()  # the next step's forward pass: running statistics change
+    assert not torch.equal(model.norm.running_mean, expected["norm.running_mean"])
+    with pytest.raises(tiekit.CheckpointError, match="not finished"):
+        handle.wait(timeout=1.0)  # DCP's planning waits until the copies are settled
+    assert not (folder / tiekit.dcp.MARKER_NAME).exists()
+    copies.settle()
+    optimizer.step()  # parameters and moments change: their copies were made before
+    handle.wait(timeout=60)
+    got = sharded_state(folder)
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+
+
+def test_a_sharded_save_whose_parameter_is_written_before_settling_fails_and_keeps_the_previous_one(
+    tmp_path: Path,
+) -> None:
+    from tiekit.dcp.saving import save_sharded_staged
+
+    model, optimizer = trained(NormNet)
+    folder = tmp_path / "sharded"
+    first = tiekit.save_sharded(model, folder, optimizer=optimizer).save_id
+    handle, _, copies = save_sharded_staged(model, folder, optimizer=optimizer, blocking=False, defer=True)
+    assert copies is not None
+    with torch.no_grad():
+        model.layer_2.weight.mul_(2.0)  # a forward pass that writes its own parameter
+    copies.settle()
+    with pytest.raises(tiekit.CheckpointError, match=r"'layer_2\.weight'.*checkpoint_async=False"):
+        handle.wait(timeout=60)
+    assert json.loads((folder / tiekit.dcp.MARKER_NAME).read_text())["save_id"] == first
+    sharded_state(folder)  # the previous save still loads
+
+    handle, _, copies = save_sharded_staged(  # the control: nothing written in between
+        model, folder, optimizer=optimizer, blocking=False, defer=True
+    )
+    assert copies is not None
+    copies.settle()
+    handle.wait(timeout=60)
+    assert json.loads((folder / tiekit.dcp.MARKER_NAME).read_text())["save_id"] == handle.save_id

@@ -125,6 +125,19 @@ def test_async_save_commits_when_written_and_training_continues(runs: dict[str, 
             assert found["async"]["tied"] and found["async"]["difference"] == 0.0  # the state when it was called
 
 
+def test_a_deferred_copy_torn_on_one_rank_fails_the_save_on_every_rank(runs: dict[str, Any]) -> None:
+    """fit's background saves copy parameters and moments beside the next step: rank 1 wrote a
+    parameter before its copies settled, so DCP's planning failed on both ranks (neither hung),
+    the previous save stayed, and the next clean save holds the values of its call."""
+    for found in runs["save"]:
+        run = found["deferred"]
+        assert run["torn"] is not None and "rank 1: CheckpointError" in run["torn"], run
+        assert "'embed.weight' was written in place" in run["torn"] and "rank 0" not in run["torn"], run
+        assert run["marker_after_torn"] == run["first"]
+        assert run["marker"] == run["second"] != run["first"]
+        assert run["holds_call_values"] and run["changed_since"]
+
+
 def test_errors_are_raised_on_every_rank(runs: dict[str, Any]) -> None:
     for found in runs["save"]:
         errors = found["errors"]

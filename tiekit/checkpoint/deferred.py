@@ -10,7 +10,9 @@ published only once it is (`DeferredCopies.confirmed`, called by the writer).
 Every in-place write bumps a tensor's version counter. The counters are read when the save is
 made and again in `settle`: a tensor written in between (a forward pass that changes a parameter
 in place) makes that save fail with a `CheckpointError` naming it, never write a torn checkpoint.
-A write through ``.data`` bypasses the counter and is not seen.
+A write through ``.data`` bypasses the counter and is not seen. For FSDP2's DTensors the
+counter that moves is the DTensor's (its local tensor's stays), so that is the one watched
+while the local tensors are copied.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import threading
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from tiekit.errors import CheckpointError
 
@@ -26,13 +29,36 @@ from tiekit.errors import CheckpointError
 _OWNER_POLL_SECONDS = 0.5
 
 
-class DeferredCopies:
-    """Copies of ``(name, source, destination)`` made by the writing thread (`copy`), checked by
-    the training thread (`settle`) before it changes any source."""
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding ``t``'s values in this process: a DTensor's local shard, else ``t``."""
+    if type(t).__name__ != "DTensor":
+        return t
+    with torch.no_grad():  # the shard itself, not a view recorded for autograd
+        return t.to_local()  # type: ignore[attr-defined,no-any-return]
 
-    def __init__(self, pairs: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
-        self._pairs = pairs
-        self._versions = [source._version for _, source, _ in pairs]
+
+def deferrable_storages(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> set[int]:
+    """The host storages (data pointers; DTensors: of their local shards) that only an optimizer
+    step changes: the parameters and the optimizer's per-parameter state. Buffers are not among
+    them: a forward pass updates running statistics."""
+    tensors: list[torch.Tensor] = list(model.parameters())
+    if optimizer is not None:
+        states = optimizer.state.values()
+        tensors += [v for per_param in states for v in per_param.values() if isinstance(v, torch.Tensor)]
+    locals_ = [local_part(t) for t in tensors]
+    return {t.untyped_storage().data_ptr() for t in locals_ if t.device.type == "cpu"}
+
+
+class DeferredCopies:
+    """Copies made by the writing thread (`copy`), checked by the training thread (`settle`)
+    before it changes any source. Each entry is ``(name, watched, source, destination)``:
+    ``source`` is copied into ``destination``, and ``watched`` (``source`` itself, or the
+    DTensor whose local shard it is) must not be written in the meantime."""
+
+    def __init__(self, entries: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        self._pairs = [(name, source, destination) for name, _, source, destination in entries]
+        self._watched = [watched for _, watched, _, _ in entries]
+        self._versions = [watched._version for watched in self._watched]
         self._owner = threading.current_thread()
         self._copied = threading.Event()
         self._settled = threading.Event()
@@ -41,8 +67,9 @@ class DeferredCopies:
     def copy(self) -> None:
         """Writing thread: copy every source into its destination (torch's copy releases the GIL)."""
         try:
-            for _, source, destination in self._pairs:
-                destination.copy_(source)
+            with torch.no_grad():
+                for _, source, destination in self._pairs:
+                    destination.copy_(source)
         except BaseException as exc:
             self._problem = f"the copy of the state to host memory failed: {type(exc).__name__}: {exc}"
             raise
@@ -56,8 +83,8 @@ class DeferredCopies:
         if self._settled.is_set():
             return
         self._copied.wait()
-        pairs = zip(self._pairs, self._versions, strict=True)
-        changed = [name for (name, source, _), seen in pairs if source._version != seen]
+        seen = zip(self._pairs, self._watched, self._versions, strict=True)
+        changed = [name for (name, _, _), watched, version in seen if watched._version != version]
         if changed and self._problem is None:
             more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
             self._problem = (

@@ -51,6 +51,11 @@ class SaveHandle:
         """True once the save finished (committed on rank 0), successfully or not. Never waits."""
         return self._finished.is_set()
 
+    def join(self) -> None:
+        """Block until the save finished, successfully or not; its failure stays for `wait` to
+        raise. Local."""
+        self._finished.wait()
+
     def wait(self, timeout: float | None = None) -> None:
         """Block until the save finished; `CheckpointError` if it failed or ``timeout`` seconds passed.
         Local: waits for this rank's own writing (and rank 0's commit on rank 0)."""

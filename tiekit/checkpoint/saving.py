@@ -17,7 +17,7 @@ from torch import nn
 from tiekit import devices
 from tiekit.analyze import find_ties
 from tiekit.checkpoint.codec import Fallback, encode
-from tiekit.checkpoint.deferred import DeferredCopies
+from tiekit.checkpoint.deferred import DeferredCopies, deferrable_storages
 from tiekit.checkpoint.files import write_sharded, write_single
 from tiekit.checkpoint.handle import SaveHandle
 from tiekit.checkpoint.layout import (
@@ -122,7 +122,7 @@ def save_checkpoint_reusing(
     state that live in host memory are made by the writing thread, not here; the caller must call
     the returned `DeferredCopies`' ``settle()`` before anything changes them (its next optimizer
     step), and the file is published only after that (`tiekit.checkpoint.deferred`). Local."""
-    deferred = _deferrable(model, optimizer) if defer and not blocking else None
+    deferred = deferrable_storages(model, optimizer) if defer and not blocking else None
     target, state, header, copies = stage_training_checkpoint(
         path,
         model=model,
@@ -190,14 +190,14 @@ def stage_training_checkpoint(
     originals = list(state.values())
     hosts = _host_tensors(originals)
     keys = list(state)
-    later: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    later: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = []
     if copy:
         for i, (key, host, original) in enumerate(zip(keys, hosts, originals, strict=True)):
             if not _shares_memory(host, original):
                 continue  # already a copy of its own (moved from a device, made contiguous)
             buffer = _buffer(host, (staging or {}).get(key))
             if defer is not None and host.untyped_storage().data_ptr() in defer:
-                later.append((key, host, buffer))
+                later.append((key, host, host, buffer))
             else:
                 buffer.copy_(host)
             hosts[i] = buffer
@@ -209,16 +209,6 @@ def _buffer(host: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
     if buffer is None or buffer.shape != host.shape or buffer.dtype != host.dtype or not buffer.is_contiguous():
         return torch.empty(host.shape, dtype=host.dtype)
     return buffer
-
-
-def _deferrable(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> set[int]:
-    """The storages that only an optimizer step changes: the parameters and the optimizer's
-    per-parameter state (buffers are not among them: a forward pass updates running statistics)."""
-    tensors: list[torch.Tensor] = list(model.parameters())
-    if optimizer is not None:
-        states = optimizer.state.values()
-        tensors += [v for per_param in states for v in per_param.values() if isinstance(v, torch.Tensor)]
-    return {t.untyped_storage().data_ptr() for t in tensors if t.device.type == "cpu"}
 
 
 def encode_training_state(

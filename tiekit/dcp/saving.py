@@ -19,18 +19,22 @@ import functools
 import os
 import threading
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from tiekit.checkpoint.deferred import DeferredCopies, deferrable_storages
 from tiekit.checkpoint.handle import SaveHandle
 from tiekit.checkpoint.layout import PathLike
 from tiekit.collective import collective_gather
 from tiekit.dcp.layout import SAVE_PREFIX, remove_stale, write_marker
-from tiekit.dcp.state import SaveState, dcp_failure, running_dcp, save_state, unwrap, xla_spmd
+from tiekit.dcp.staging import host_copies
+from tiekit.dcp.state import SaveState, running_dcp, save_state, unwrap, xla_spmd
+from tiekit.dcp.writer import DurableWriter
 from tiekit.errors import CheckpointError, TiekitError
 
 # Pending asynchronous saves of this process, by folder: a new save into the same folder waits
@@ -58,28 +62,13 @@ def save_sharded(
     name; ``extra`` may hold tensors, numbers, strings, None and lists/dicts of them (no pickle).
     Works in a single process without a process group.
 
-    ``blocking=False`` copies the state to host memory, then writes in a background thread (DCP's
-    ``async_save``, on a separate gloo group; XLA SPMD: each device's shard, written by one
-    background thread) and returns at once: training may continue. The
+    ``blocking=False`` copies the state to host memory (XLA SPMD: each device's shard), then
+    returns at once: training may continue while one background thread of the process writes the
+    copy with DCP, its collectives on a separate gloo group (as DCP's ``async_save`` does). The
     returned `SaveHandle` tells when it is done; a later save into the same folder waits for it.
     With ``blocking=True`` the handle is already done and the checkpoint committed on every rank.
     """
-    return save_sharded_staged(model, path, optimizer=optimizer, extra=extra, blocking=blocking)
-
-
-def host_stager() -> Any:
-    """DCP's stager for background saves, synchronous and without pinned or shared memory (this
-    may run on machines without CUDA), which keeps its host copies for the next save of the same
-    tensors: a loop that saves in the background copies each checkpoint into the memory of the
-    previous one instead of new memory (page faults inside the step). Use one per series of saves
-    of which at most one is in flight."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    return DefaultStager(
-        StagingOptions(
-            use_pinned_memory=False, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
-        )
-    )
+    return save_sharded_staged(model, path, optimizer=optimizer, extra=extra, blocking=blocking)[0]
 
 
 def save_sharded_staged(
@@ -89,24 +78,30 @@ def save_sharded_staged(
     optimizer: torch.optim.Optimizer | None = None,
     extra: Any = None,
     blocking: bool = True,
-    stager: Any = None,
-) -> SaveHandle:
-    """Collective: `save_sharded`; with ``blocking=False``, the host copy is made by ``stager``
-    (`host_stager`: reused by the next save it is given, once this one is written; None: DCP's
-    default, new memory every save)."""
-    from torch.distributed.checkpoint.state_dict_saver import async_save, save
+    staging: Mapping[str, torch.Tensor] | None = None,
+    defer: bool = False,
+) -> tuple[SaveHandle, dict[str, torch.Tensor], DeferredCopies | None]:
+    """Collective: `save_sharded`, the host copies a background save writes, and the copies it
+    left to its writer.
 
-    from tiekit.dcp.writer import durable_writer
+    With ``blocking=False``, ``staging`` (what an earlier call returned, its write finished) is
+    copied into where a name's layout matches instead of new memory. ``defer``: the copies of the
+    parameters and the optimizer state are made by the writing thread, beside training; the
+    caller must call the returned `DeferredCopies`' ``settle()`` before anything changes them (its
+    next optimizer step). A tensor written in between fails the save on every rank, in DCP's
+    planning step, before anything is written (`tiekit.checkpoint.deferred`)."""
+    from torch.distributed.checkpoint.state_dict_saver import save
 
     root = Path(os.path.abspath(os.fspath(path)))
     key = os.fspath(root)
     with _pending_lock:
         previous = _pending.pop(key, None)
     if previous is not None:
-        previous.wait()
+        # Its failure is its own handle's to raise: raising it here, on the ranks where it failed,
+        # would leave the others waiting in this save's collectives.
+        previous.join()
     save_id, state = _prepare(unwrap(model), root, optimizer, extra)
     folder = root / f"{SAVE_PREFIX}{save_id}"
-    writer = durable_writer(folder)
     distributed = _distributed()
     spmd = xla_spmd(state.tensors.values())
     planner = _spmd_planner() if spmd else None
@@ -114,7 +109,7 @@ def save_sharded_staged(
         error = None
         try:
             with running_dcp(folder, reading=False):
-                save(state.tensors, storage_writer=writer, planner=planner, no_dist=not distributed)
+                save(state.tensors, storage_writer=DurableWriter(folder), planner=planner, no_dist=not distributed)
         except Exception as exc:  # noqa: BLE001 - reported on every rank below
             error = exc
         if _rank() == 0 and error is None:
@@ -123,44 +118,35 @@ def save_sharded_staged(
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
                 error = exc
         _raise_anywhere(error, f"{root}: save {save_id}")
-        return SaveHandle(root, save_id, None)
+        return SaveHandle(root, save_id, None), {}, None
     group = _async_group() if distributed else None
+    copies: DeferredCopies | None = None
     if spmd:
-        future = _spmd_async_save(state, writer, planner, group, distributed)
+        from tiekit.backends.xla_spmd import spmd_host_copy
+
+        hosts = spmd_host_copy(state.tensors)  # each device's shard (a copy of the whole would not fit)
     else:
+        deferrable = deferrable_storages(unwrap(model), optimizer) if defer else None
+        hosts, copies = host_copies(state.tensors, staging, deferrable)
+    writer = DurableWriter(folder, None if copies is None else functools.partial(_copy_and_check, copies, folder))
+
+    def write() -> None:
         with running_dcp(folder, reading=False):
-            response = async_save(
-                state.tensors, storage_writer=writer, process_group=group, no_dist=not distributed, async_stager=stager
-            )
-        # torch's AsyncSaveResponse (zero-overhead staging) holds the future of the upload
-        upload = response if isinstance(response, Future) else response.upload_completion
-        future = _with_checkpoint_errors(upload, folder)
+            save(hosts, storage_writer=writer, planner=planner, process_group=group, no_dist=not distributed)
+
+    future = _background_writer().submit(write)
     commit = functools.partial(_commit, root, save_id, state) if _rank() == 0 else None
     handle = SaveHandle(root, save_id, future, commit)
     with _pending_lock:
         _pending[key] = handle
-    return handle
+    return handle, hosts, copies
 
 
-def _with_checkpoint_errors(future: Future[Any], folder: Path) -> Future[Any]:
-    """``future``, its DCP failure (a ``CheckpointException``) as the `CheckpointError` a blocking
-    save raises rather than DCP's text of every rank's traceback."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    out: Future[Any] = Future()
-
-    def settle(done: Future[Any]) -> None:
-        try:
-            result = done.result()
-        except CheckpointException as exc:
-            out.set_exception(dcp_failure(exc, folder, reading=False))
-        except BaseException as exc:  # noqa: BLE001 - handed to the handle, which raises it in wait()
-            out.set_exception(exc)
-        else:
-            out.set_result(result)
-
-    future.add_done_callback(settle)
-    return out
+def _copy_and_check(copies: DeferredCopies, folder: Path) -> None:
+    """In DCP's local planning step (`DurableWriter`'s ``ready``): a failed or torn copy then fails
+    the save on every rank before any of them writes."""
+    copies.copy()
+    copies.confirmed(folder)
 
 
 def _spmd_planner() -> Any:
@@ -169,28 +155,16 @@ def _spmd_planner() -> Any:
     return spmd_save_planner()
 
 
-_xla_writer: ThreadPoolExecutor | None = None
+_writer: ThreadPoolExecutor | None = None
 
 
-def _spmd_async_save(state: SaveState, writer: Any, planner: Any, group: Any, distributed: bool) -> Future[Any]:
-    """XLA SPMD state saved in the background: each device's shard is copied to host memory now
-    (DCP's async_save would stage a sharded tensor whole), then DCP writes the copy from one
-    background thread, as torch_xla's CheckpointManager.save_async does. One thread: saves of
-    this process are written in the order they were made."""
-    from torch.distributed.checkpoint.state_dict_saver import save
-
-    from tiekit.backends.xla_spmd import spmd_host_copy
-
-    global _xla_writer
-    host = spmd_host_copy(state.tensors)
-    if _xla_writer is None:
-        _xla_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiekit-xla-save")
-
-    def write() -> None:
-        with running_dcp(writer.path, reading=False):
-            save(host, storage_writer=writer, planner=planner, process_group=group, no_dist=not distributed)
-
-    return _xla_writer.submit(write)
+def _background_writer() -> ThreadPoolExecutor:
+    """The thread that writes this process's background saves, in the order they were made (DCP's
+    own ``async_save`` would write each from a new thread, from a copy it makes in the call)."""
+    global _writer
+    if _writer is None:
+        _writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiekit-dcp-save")
+    return _writer
 
 
 def _prepare(model: nn.Module, root: Path, optimizer: Any, extra: Any) -> tuple[str, SaveState]:

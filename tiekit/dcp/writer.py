@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -75,9 +75,20 @@ class DirectFileSystem(FileSystem):
                 yield stream
 
 
-def durable_writer(folder: Path) -> FileSystemWriter:
+class DurableWriter(FileSystemWriter):
     """A ``FileSystemWriter`` into ``folder`` that fsyncs every file and writes its shard files
-    past the page cache where the file system allows, without record checksums."""
-    writer = FileSystemWriter(folder, sync_files=True)
-    writer.fs = DirectFileSystem()
-    return writer
+    past the page cache where the file system allows, without record checksums.
+
+    ``ready`` (optional) runs in DCP's local planning step, before this rank's plan is sent: it
+    may wait (for the copies a background save makes beside training) or raise, and DCP then
+    fails the save on every rank alike, before any rank writes a byte or waits for this one."""
+
+    def __init__(self, folder: Path, ready: Callable[[], None] | None = None) -> None:
+        super().__init__(folder, sync_files=True)
+        self.fs = DirectFileSystem()
+        self._ready = ready
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        if self._ready is not None:
+            self._ready()
+        return super().prepare_local_plan(plan)

@@ -33,7 +33,7 @@ from tiekit.checkpoint.deferred import DeferredCopies
 from tiekit.checkpoint.saving import save_checkpoint_reusing
 from tiekit.collective import Ranks, abort_thread_collectives, collective_gather, collective_save_checkpoint
 from tiekit.dcp import MARKER_NAME, SaveHandle
-from tiekit.dcp.saving import host_stager, save_sharded_staged
+from tiekit.dcp.saving import save_sharded_staged
 from tiekit.errors import CheckpointError, TiekitError
 from tiekit.train import state
 from tiekit.train.config import FitConfig, Job
@@ -64,11 +64,10 @@ class Coordinator:
     run_id: str
     last_saved: Path | None = None
     pending: SaveHandle | None = None  # this rank's background save, if one is under way
-    # The host tensors of the last background single-file save, copied into by the next one
-    # once that save is written (one save in flight at a time).
+    # The host tensors of the last background save, copied into by the next one once that save
+    # is written (one save in flight at a time).
     staging: dict[str, torch.Tensor] | None = None
     copying: DeferredCopies | None = None
-    stager: Any = None  # sharded runs: DCP's stager, its host copies reused by every background save
     pending_path: Path | None = None  # where the save in flight (on any rank) goes
     written: list[Path] = field(default_factory=list)  # this run's complete checkpoints, oldest first
 
@@ -128,9 +127,10 @@ class Coordinator:
         blocking = not cfg.checkpoint_async
         if backend.sharded_checkpoints:
             sharded = state.sharded_contents(model, optimizer, at, backend.devices_in_run, backend.device)
-            if not blocking and self.stager is None:
-                self.stager = host_stager()  # the host copies of every background save of the run
-            self.pending = save_sharded_staged(path=path, blocking=blocking, stager=self.stager, **sharded)
+            # As below: the parameters and optimizer state are copied beside the next step.
+            self.pending, self.staging, self.copying = save_sharded_staged(
+                path=path, blocking=blocking, staging=self.staging, defer=True, **sharded
+            )
         else:
             contents = state.contents(model, optimizer, at, backend.devices_in_run, backend.device)
             if not blocking:
