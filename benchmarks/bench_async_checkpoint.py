@@ -9,7 +9,8 @@ per checkpoint is the training-loop time (fit's own throughput clock, which runs
 to the last step, so it holds every in-loop save and not the final wait for the last write)
 minus that of the same run without checkpoints, over the number of saves. Runs alternate
 between the three modes; medians over ``--repeats``. ``--strategy fsdp`` runs on 2 CPU
-processes (gloo) with sharded `tiekit.save_sharded` folders.
+processes (gloo) with sharded `tiekit.save_sharded` folders; ``--strategy xla`` on one XLA device
+(run with ``PJRT_DEVICE=CPU``: XLA:CPU), its weights copied from the device in the save call.
 
 ``--threads N`` gives the training N torch threads (under ``fsdp``: each rank; fit otherwise
 gives a rank its share of the cores). By default it uses every core, so
@@ -33,7 +34,7 @@ windows), so a run is compared only with itself. The write of a background save 
 inside its window (the script prints the steps outside the windows against those of the runs
 without checkpoints, so a write spilling past its window shows).
 
-    .venv/bin/python benchmarks/bench_async_checkpoint.py [--strategy single|fsdp] [--ranks 2] [--repeats 5]
+    .venv/bin/python benchmarks/bench_async_checkpoint.py [--strategy single|fsdp|xla] [--ranks 2] [--repeats 5]
         [--threads N] [--keep N] [--steps 43 --every 8 --window 4]
 """
 
@@ -165,7 +166,12 @@ def loop_seconds(
     duration of every step after the first (step ``i``'s entry runs from the end of step ``i``
     to the end of step ``i + 1``, so it holds a save made after step ``i``)."""
     kw: dict[str, Any] = {"loss_fn": lm_loss, "max_steps": steps, "batch_size": BATCH, "progress": False}
-    kw |= {"strategy": "fsdp", "devices": ranks} if strategy == "fsdp" else {"devices": "cpu"}
+    if strategy == "fsdp":
+        kw |= {"strategy": "fsdp", "devices": ranks}
+    elif strategy == "xla":
+        kw |= {"strategy": "xla", "devices": 1}  # one XLA device (PJRT_DEVICE=CPU: XLA:CPU)
+    else:
+        kw |= {"devices": "cpu"}
     if mode != "none":
         kw |= {"checkpoint_dir": folder, "checkpoint_every": every, "checkpoint_async": mode == "async"}
         kw["checkpoint_keep"] = keep
@@ -200,7 +206,7 @@ def lost_within(durations: list[float], inside: set[int]) -> tuple[float, float]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--strategy", choices=["single", "fsdp"], default="single")
+    parser.add_argument("--strategy", choices=["single", "fsdp", "xla"], default="single")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=43)
     parser.add_argument("--every", type=int, default=8)
@@ -265,7 +271,7 @@ def main() -> None:
         f"  within runs, background / blocking: {ratio:.3f}x of the medians; per round "
         f"{', '.join(f'{r:.3f}' for r in paired)} (target at most 0.20x)"
     )
-    if args.strategy == "single":  # fsdp saves in the spawned processes, out of this one's sight
+    if args.strategy != "fsdp":  # fsdp saves in the spawned processes, out of this one's sight
         stall = {mode: statistics.median(values) for mode, values in stalls.items()}
         print(
             f"  loop stalled inside a save (median): blocking {stall['blocking'] * 1e3:.1f} ms, "
