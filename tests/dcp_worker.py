@@ -227,18 +227,18 @@ def save_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
     def not_shared(model: nn.Module) -> dict[str, Any]:
         """Rank 1's files land where rank 0 cannot see them (as on a host-local disk of another
         host): the save is refused on every rank, blocking or not, and the previous one stays."""
-        import tiekit.dcp.saving as saving  # where save_sharded makes its writer
+        import tiekit.dcp.writer as files  # where save_sharded finds its writer
 
         folder = OUT / "not-shared"
         first = tiekit.save_sharded(model, folder).save_id
-        writer = saving.DurableWriter
+        writer = files.DurableWriter
         if RANK == 1:
 
             class HostLocal(writer):  # type: ignore[misc, valid-type]
                 def __init__(self, path: Any, *args: Any, **kwargs: Any) -> None:
                     super().__init__(OUT / "rank-1-local-disk" / Path(path).name, *args, **kwargs)
 
-            saving.DurableWriter = HostLocal
+            files.DurableWriter = HostLocal
         found: dict[str, Any] = {}
         try:
             try:
@@ -251,7 +251,7 @@ def save_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
             except tiekit.CheckpointError as exc:
                 found["async"] = str(exc)
         finally:
-            saving.DurableWriter = writer
+            files.DurableWriter = writer
         dist.barrier()  # rank 0's background commit has run (its wait returned)
         found["marker"] = json.loads((folder / tiekit.dcp.MARKER_NAME).read_text())["save_id"]
         found["first"] = first

@@ -8,7 +8,6 @@ so "training changed the model while the file was written" happens every run, no
 from __future__ import annotations
 
 import functools
-import json
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -30,10 +29,12 @@ ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
 
 
 @contextmanager
-def writer_held() -> Iterator[None]:
-    """The background writer busy until the block ends."""
+def writer_held(kind: str = "file") -> Iterator[None]:
+    """The background writer of single-file (or sharded) saves busy until the block ends."""
+    from tiekit.dcp.saving import _background_writer
+
     release = threading.Event()
-    _background().submit(release.wait, 60)
+    (_background() if kind == "file" else _background_writer()).submit(release.wait, 60)
     try:
         yield
     finally:
@@ -201,89 +202,116 @@ def saved_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
     return {**{k: v.clone() for k, v in model.state_dict().items()}, **moments}
 
 
-def loaded_state(path: Path) -> dict[str, torch.Tensor]:
+KINDS = ["file", "sharded"]
+
+
+def deferred_save(kind: str, where: Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> Any:
+    """fit's background save (``defer=True``) into a file or a sharded folder: (handle, copies)."""
+    from tiekit.checkpoint.saving import save_checkpoint_reusing
+    from tiekit.dcp.saving import save_sharded_staged
+
+    if kind == "file":
+        handle, _, copies = save_checkpoint_reusing(
+            where, model=model, optimizer=optimizer, step=step, blocking=False, defer=True
+        )
+    else:
+        extra = {"step": step}
+        handle, _, copies = save_sharded_staged(
+            model, where, optimizer=optimizer, extra=extra, blocking=False, defer=True
+        )
+    assert copies is not None
+    return handle, copies
+
+
+def blocking_save(kind: str, where: Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    if kind == "file":
+        tiekit.save_checkpoint(where, model=model, optimizer=optimizer, step=step)
+    else:
+        tiekit.save_sharded(model, where, optimizer=optimizer, extra={"step": step})
+
+
+def committed(kind: str, where: Path) -> bool:
+    return where.exists() if kind == "file" else (where / tiekit.dcp.MARKER_NAME).exists()
+
+
+def saved_step(kind: str, where: Path) -> int:
+    if kind == "file":
+        return int(tiekit.load_checkpoint(where, model=NormNet())["step"])
+    return int(tiekit.load_sharded(NormNet(), where).extra["step"])
+
+
+def stored_state(kind: str, where: Path) -> dict[str, torch.Tensor]:
+    """Everything the checkpoint at ``where`` holds, loaded into a fresh NormNet and AdamW."""
     fresh = NormNet()
     fresh_optimizer = ADAMW(fresh.parameters())
-    tiekit.load_checkpoint(path, model=fresh, optimizer=fresh_optimizer)
+    if kind == "file":
+        tiekit.load_checkpoint(where, model=fresh, optimizer=fresh_optimizer)
+    else:
+        tiekit.load_sharded(fresh, where, optimizer=fresh_optimizer)
     assert fresh.layer_3.weight is fresh.layer_1.weight
     return saved_state(fresh, fresh_optimizer)
 
 
-def test_deferred_copies_are_made_by_the_writer_and_published_only_once_settled(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_deferred_copies_are_made_by_the_writer_and_committed_only_once_settled(tmp_path: Path, kind: str) -> None:
     """fit's background saves (``defer=True``): buffers are copied in the call (the next forward
     pass writes them), parameters and optimizer state by the writer, before the next optimizer
-    step; the file appears only once the training thread has settled the copies."""
-    from tiekit.checkpoint.saving import save_checkpoint_reusing
-
+    step; the checkpoint appears only once the training thread has settled the copies (a sharded
+    save waits for that in DCP's planning step)."""
     model, optimizer = trained(NormNet)
     expected = saved_state(model, optimizer)
-    path = tmp_path / "ckpt.safetensors"
-    with writer_held():
-        handle, _, copies = save_checkpoint_reusing(
-            path, model=model, optimizer=optimizer, step=1, blocking=False, defer=True
-        )
-        assert copies is not None
+    where = tmp_path / ("ckpt.safetensors" if kind == "file" else "ckpt")
+    with writer_held(kind):
+        handle, copies = deferred_save(kind, where, model, optimizer, step=1)
         model(torch.randn(4, 32)).sum().backward()  # the next step's forward pass: running statistics change
     assert not torch.equal(model.norm.running_mean, expected["norm.running_mean"])
     with pytest.raises(tiekit.CheckpointError, match="not finished"):
-        handle.wait(timeout=1.0)  # copied and written by now, but not published: nobody settled
-    assert not path.exists()
+        handle.wait(timeout=1.0)  # nobody settled the copies yet
+    assert not committed(kind, where)
     copies.settle()
     optimizer.step()  # parameters and moments change: the copies were made before
     handle.wait(timeout=60)
-    got = loaded_state(path)
+    got = stored_state(kind, where)
     assert got.keys() == expected.keys()
     for name, value in expected.items():
         assert torch.equal(got[name], value), name
 
 
-def test_a_parameter_written_before_the_copies_settle_fails_the_save_and_keeps_the_previous_file(
-    tmp_path: Path,
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_parameter_written_before_the_copies_settle_fails_the_save_and_keeps_the_previous_one(
+    tmp_path: Path, kind: str
 ) -> None:
-    from tiekit.checkpoint.saving import save_checkpoint_reusing
-
     model, optimizer = trained(NormNet)
-    path = tmp_path / "ckpt.safetensors"
-    tiekit.save_checkpoint(path, model=model, optimizer=optimizer, step=0)
-    with writer_held():
-        handle, _, copies = save_checkpoint_reusing(
-            path, model=model, optimizer=optimizer, step=1, blocking=False, defer=True
-        )
-        assert copies is not None
+    where = tmp_path / ("ckpt.safetensors" if kind == "file" else "ckpt")
+    blocking_save(kind, where, model, optimizer, step=0)
+    with writer_held(kind):
+        handle, copies = deferred_save(kind, where, model, optimizer, step=1)
         with torch.no_grad():
             model.layer_2.weight.mul_(2.0)  # a forward pass that writes its own parameter
     copies.settle()
     with pytest.raises(tiekit.CheckpointError, match=r"'layer_2\.weight'.*checkpoint_async=False"):
         handle.wait(timeout=60)
-    assert tiekit.load_checkpoint(path, model=NormNet())["step"] == 0
+    assert saved_step(kind, where) == 0
 
-    handle, _, copies = save_checkpoint_reusing(  # the control: nothing written in between
-        path, model=model, optimizer=optimizer, step=2, blocking=False, defer=True
-    )
-    assert copies is not None
+    # The control: nothing written in between (and a sharded save after a failed one is not refused).
+    handle, copies = deferred_save(kind, where, model, optimizer, step=2)
     copies.settle()
     handle.wait(timeout=60)
-    assert tiekit.load_checkpoint(path, model=NormNet())["step"] == 2
+    assert saved_step(kind, where) == 2
 
 
-def test_a_save_whose_thread_ends_without_settling_is_not_written(tmp_path: Path) -> None:
-    from tiekit.checkpoint.saving import save_checkpoint_reusing
-
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_save_whose_thread_ends_without_settling_is_not_written(tmp_path: Path, kind: str) -> None:
     model, optimizer = trained(NormNet)
-    path = tmp_path / "ckpt.safetensors"
+    where = tmp_path / ("ckpt.safetensors" if kind == "file" else "ckpt")
     made: list[Any] = []
-    thread = threading.Thread(
-        target=lambda: made.append(
-            save_checkpoint_reusing(path, model=model, optimizer=optimizer, step=1, blocking=False, defer=True)
-        )
-    )
+    thread = threading.Thread(target=lambda: made.append(deferred_save(kind, where, model, optimizer, step=1)))
     thread.start()
     thread.join()
-    handle, _, copies = made[0]
-    assert copies is not None
+    handle, _ = made[0]
     with pytest.raises(tiekit.CheckpointError, match="ended before its copy could be checked"):
         handle.wait(timeout=60)
-    assert not path.exists()
+    assert not committed(kind, where)
 
 
 def norm_data() -> TensorDataset:
@@ -307,7 +335,10 @@ def test_fit_background_checkpoints_hold_what_blocking_ones_hold(tmp_path: Path,
     assert names == sorted(p.name for p in runs[True].iterdir()) and len(names) == 4
     for name in names:
         if strategy == "fsdp":  # sharded folders: the weights, buffers and moments they load
-            background, blocking = sharded_state(runs[True] / name), sharded_state(runs[False] / name)
+            background, blocking = (
+                stored_state("sharded", runs[True] / name),
+                stored_state("sharded", runs[False] / name),
+            )
             assert background.keys() == blocking.keys()
             for key, value in blocking.items():
                 assert torch.equal(background[key], value), (name, key)
@@ -367,67 +398,7 @@ def test_sharded_background_saves_refill_the_host_copies_of_the_last_one(tmp_pat
     assert again.keys() == staging.keys()
     assert all(again[k].data_ptr() == staging[k].data_ptr() for k in staging)  # refilled, not new memory
     for folder, expected in ((tmp_path / "a", first), (tmp_path / "b", second)):
-        got = sharded_state(folder)
+        got = stored_state("sharded", folder)
         assert got.keys() == expected.keys()
         for name, value in got.items():
             assert torch.equal(value, expected[name]), (folder.name, name)
-
-
-def sharded_state(folder: Path) -> dict[str, torch.Tensor]:
-    fresh = NormNet()
-    fresh_optimizer = ADAMW(fresh.parameters())
-    tiekit.load_sharded(fresh, folder, optimizer=fresh_optimizer)
-    assert fresh.layer_3.weight is fresh.layer_1.weight
-    return saved_state(fresh, fresh_optimizer)
-
-
-def test_sharded_deferred_copies_are_made_by_the_writer_before_the_next_optimizer_step(tmp_path: Path) -> None:
-    """``defer=True`` (fit): buffers copied in the call, parameters and moments by the writer
-    beside the next forward and backward passes; nothing is committed before the training thread
-    settles the copies."""
-    from tiekit.dcp.saving import save_sharded_staged
-
-    model, optimizer = trained(NormNet)
-    expected = saved_state(model, optimizer)
-    folder = tmp_path / "sharded"
-    handle, _, copies = save_sharded_staged(model, folder, optimizer=optimizer, blocking=False, defer=True)
-    assert copies is not None
-    model(torch.randn(4, 32)).sum().backward()  # the next step's forward pass: running statistics change
-    assert not torch.equal(model.norm.running_mean, expected["norm.running_mean"])
-    with pytest.raises(tiekit.CheckpointError, match="not finished"):
-        handle.wait(timeout=1.0)  # DCP's planning waits until the copies are settled
-    assert not (folder / tiekit.dcp.MARKER_NAME).exists()
-    copies.settle()
-    optimizer.step()  # parameters and moments change: their copies were made before
-    handle.wait(timeout=60)
-    got = sharded_state(folder)
-    assert got.keys() == expected.keys()
-    for name, value in expected.items():
-        assert torch.equal(got[name], value), name
-
-
-def test_a_sharded_save_whose_parameter_is_written_before_settling_fails_and_keeps_the_previous_one(
-    tmp_path: Path,
-) -> None:
-    from tiekit.dcp.saving import save_sharded_staged
-
-    model, optimizer = trained(NormNet)
-    folder = tmp_path / "sharded"
-    first = tiekit.save_sharded(model, folder, optimizer=optimizer).save_id
-    handle, _, copies = save_sharded_staged(model, folder, optimizer=optimizer, blocking=False, defer=True)
-    assert copies is not None
-    with torch.no_grad():
-        model.layer_2.weight.mul_(2.0)  # a forward pass that writes its own parameter
-    copies.settle()
-    with pytest.raises(tiekit.CheckpointError, match=r"'layer_2\.weight'.*checkpoint_async=False"):
-        handle.wait(timeout=60)
-    assert json.loads((folder / tiekit.dcp.MARKER_NAME).read_text())["save_id"] == first
-    sharded_state(folder)  # the previous save still loads
-
-    handle, _, copies = save_sharded_staged(  # the control: nothing written in between
-        model, folder, optimizer=optimizer, blocking=False, defer=True
-    )
-    assert copies is not None
-    copies.settle()
-    handle.wait(timeout=60)
-    assert json.loads((folder / tiekit.dcp.MARKER_NAME).read_text())["save_id"] == handle.save_id

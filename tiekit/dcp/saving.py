@@ -34,7 +34,6 @@ from tiekit.collective import collective_gather
 from tiekit.dcp.layout import SAVE_PREFIX, remove_stale, write_marker
 from tiekit.dcp.staging import host_copies
 from tiekit.dcp.state import SaveState, running_dcp, save_state, unwrap, xla_spmd
-from tiekit.dcp.writer import DurableWriter
 from tiekit.errors import CheckpointError, TiekitError
 
 # Pending asynchronous saves of this process, by folder: a new save into the same folder waits
@@ -91,6 +90,8 @@ def save_sharded_staged(
     next optimizer step). A tensor written in between fails the save on every rank, in DCP's
     planning step, before anything is written (`tiekit.checkpoint.deferred`)."""
     from torch.distributed.checkpoint.state_dict_saver import save
+
+    from tiekit.dcp.writer import DurableWriter  # DCP's file system: loaded by the first save, not by import
 
     root = Path(os.path.abspath(os.fspath(path)))
     key = os.fspath(root)
