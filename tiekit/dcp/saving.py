@@ -101,7 +101,8 @@ def save_sharded_staged(
         # Its failure is its own handle's to raise: raising it here, on the ranks where it failed,
         # would leave the others waiting in this save's collectives.
         previous.join()
-    save_id, state = _prepare(unwrap(model), root, optimizer, extra)
+    inner = unwrap(model)
+    save_id, state = _prepare(inner, root, optimizer, extra)
     folder = root / f"{SAVE_PREFIX}{save_id}"
     distributed = _distributed()
     spmd = xla_spmd(state.tensors.values())
@@ -127,7 +128,7 @@ def save_sharded_staged(
 
         hosts = spmd_host_copy(state.tensors)  # each device's shard (a copy of the whole would not fit)
     else:
-        deferrable = deferrable_storages(unwrap(model), optimizer) if defer else None
+        deferrable = deferrable_storages(inner, optimizer) if defer else None
         hosts, copies = host_copies(state.tensors, staging, deferrable)
     writer = DurableWriter(folder, None if copies is None else functools.partial(_copy_and_check, copies, folder))
 
