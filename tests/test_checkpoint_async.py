@@ -223,6 +223,11 @@ def deferred_save(kind: str, where: Path, model: nn.Module, optimizer: torch.opt
     return handle, copies
 
 
+def checkpoint_in(folder: Path, kind: str) -> Path:
+    """Where a test's checkpoint of ``kind`` goes: a file, or a sharded save's folder."""
+    return folder / ("ckpt.safetensors" if kind == "file" else "ckpt")
+
+
 def blocking_save(kind: str, where: Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
     if kind == "file":
         tiekit.save_checkpoint(where, model=model, optimizer=optimizer, step=step)
@@ -260,7 +265,7 @@ def test_deferred_copies_are_made_by_the_writer_and_committed_only_once_settled(
     save waits for that in DCP's planning step)."""
     model, optimizer = trained(NormNet)
     expected = saved_state(model, optimizer)
-    where = tmp_path / ("ckpt.safetensors" if kind == "file" else "ckpt")
+    where = checkpoint_in(tmp_path, kind)
     with writer_held(kind):
         handle, copies = deferred_save(kind, where, model, optimizer, step=1)
         model(torch.randn(4, 32)).sum().backward()  # the next step's forward pass: running statistics change
@@ -282,7 +287,7 @@ def test_a_parameter_written_before_the_copies_settle_fails_the_save_and_keeps_t
     tmp_path: Path, kind: str
 ) -> None:
     model, optimizer = trained(NormNet)
-    where = tmp_path / ("ckpt.safetensors" if kind == "file" else "ckpt")
+    where = checkpoint_in(tmp_path, kind)
     blocking_save(kind, where, model, optimizer, step=0)
     with writer_held(kind):
         handle, copies = deferred_save(kind, where, model, optimizer, step=1)
@@ -303,7 +308,7 @@ def test_a_parameter_written_before_the_copies_settle_fails_the_save_and_keeps_t
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_save_whose_thread_ends_without_settling_is_not_written(tmp_path: Path, kind: str) -> None:
     model, optimizer = trained(NormNet)
-    where = tmp_path / ("ckpt.safetensors" if kind == "file" else "ckpt")
+    where = checkpoint_in(tmp_path, kind)
     made: list[Any] = []
     thread = threading.Thread(target=lambda: made.append(deferred_save(kind, where, model, optimizer, step=1)))
     thread.start()
