@@ -76,8 +76,9 @@ def test_a_background_save_holds_the_state_of_its_call_not_of_its_write(tmp_path
 
 
 def test_a_loop_saving_in_the_background_stages_every_checkpoint_into_the_same_memory(tmp_path: Path) -> None:
-    """fit's way (save_checkpoint_reusing): the second save copies into the first one's host
-    tensors once that is written; without them every save takes new memory (the control)."""
+    """fit's way (save_checkpoint_reusing): the second save copies into the first one's file
+    image once that is written; without it every save takes new memory (the control)."""
+    from tiekit.checkpoint.direct import FileImage
     from tiekit.checkpoint.saving import save_checkpoint_reusing
 
     model, optimizer = trained()
@@ -86,31 +87,67 @@ def test_a_loop_saving_in_the_background_stages_every_checkpoint_into_the_same_m
         tmp_path / "a.safetensors", model=model, optimizer=optimizer, step=1, blocking=False
     )
     handle.wait(timeout=60)
+    assert isinstance(staged, FileImage)
     own = {p.data_ptr() for p in model.parameters()}
-    assert not own & {t.data_ptr() for t in staged.values()}  # copies, never the model's memory
+    assert not own & {t.data_ptr() for t in staged.tensors.values()}  # copies, never the model's memory
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
     second_values = {k: v.clone() for k, v in model.state_dict().items()}
-    handle, again, _ = save_checkpoint_reusing(
-        tmp_path / "b.safetensors", model=model, optimizer=optimizer, step=2, blocking=False, staging=staged
+    handle, again, _ = save_checkpoint_reusing(  # a longer step number: a longer header, same tensors
+        tmp_path / "b.safetensors", model=model, optimizer=optimizer, step=2**40, blocking=False, staging=staged
     )
     handle.wait(timeout=60)
-    assert again.keys() == staged.keys()
-    assert all(again[k].data_ptr() == staged[k].data_ptr() for k in again)  # the same buffers, refilled
+    assert again is staged  # the same memory, refilled
     handle, control, _ = save_checkpoint_reusing(tmp_path / "c.safetensors", model=model, step=3, blocking=False)
     handle.wait(timeout=60)
-    assert not {t.data_ptr() for t in control.values()} & {t.data_ptr() for t in staged.values()}
+    assert isinstance(control, FileImage)
+    assert not {t.data_ptr() for t in control.tensors.values()} & {t.data_ptr() for t in staged.tensors.values()}
 
     for path, values, step in (
         (tmp_path / "a.safetensors", first_values, 1),
-        (tmp_path / "b.safetensors", second_values, 2),
+        (tmp_path / "b.safetensors", second_values, 2**40),
     ):
         fresh = WeightSharingModule()
         assert tiekit.load_checkpoint(path, model=fresh)["step"] == step
         assert fresh.layer_3.weight is fresh.layer_1.weight
         for name, value in fresh.state_dict().items():
             assert torch.equal(value, values[name]), (path.name, name)
+
+
+class Transposed(nn.Module):
+    """Weights stored transposed (not contiguous): a save writes host copies of its own of them,
+    as it does for weights moved from an accelerator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(64, 128).t())
+        self.bias = nn.Parameter(torch.zeros(64))
+
+
+def test_a_background_save_of_mostly_private_host_copies_writes_them_where_they_are(tmp_path: Path) -> None:
+    """When the host copies a save made anyway (transfers from a device, here transposed weights
+    made contiguous) are most of its bytes, they are written from where they are, without a
+    file image holding the state a second time; training goes on changing the rest meanwhile."""
+    from tiekit.checkpoint.saving import save_checkpoint_reusing
+
+    model = Transposed()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    with writer_held():
+        handle, staged, _ = save_checkpoint_reusing(tmp_path / "t.safetensors", model=model, step=5, blocking=False)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    handle.wait(timeout=60)
+    assert staged is None
+    fresh = Transposed()
+    assert tiekit.load_checkpoint(tmp_path / "t.safetensors", model=fresh)["step"] == 5
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+    model.weight = nn.Parameter(model.weight.detach().contiguous())  # the control: now shared memory
+    handle, staged, _ = save_checkpoint_reusing(tmp_path / "c.safetensors", model=model, step=6, blocking=False)
+    handle.wait(timeout=60)
+    assert staged is not None
 
 
 def test_the_previous_checkpoint_stays_until_the_new_one_is_written(tmp_path: Path) -> None:

@@ -202,3 +202,94 @@ def test_write_buffers_are_reused_by_the_next_file_of_any_thread(tmp_path: Path)
         thread.join()
     assert used[0] is used[1]
     assert (tmp_path / "b").read_bytes() == b"x" * 10
+
+
+def filled_image(tensors: dict[str, torch.Tensor], path: Path, reuse: Any = None) -> direct.FileImage:
+    image = direct.image_for(tensors, path, METADATA, reuse=reuse)
+    for name, value in tensors.items():
+        image.tensors[name].copy_(value)
+    return image
+
+
+def direct_capable(folder: Path) -> bool:
+    try:
+        os.close(os.open(folder / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600))
+    except (AttributeError, OSError):
+        return False
+    return True
+
+
+@pytest.mark.parametrize("direct_io", [True, False], ids=["direct", "buffered"])
+def test_a_file_image_is_written_as_the_file_safetensors_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct_io: bool
+) -> None:
+    """The same tensors and header as save_file's, the header padded with spaces so the data
+    starts on a block; the direct write goes straight from the image (page-aligned), so the
+    file system never refuses it for alignment and no write buffer is taken."""
+    tensors = state()
+    ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
+    image = filled_image(tensors, ours)
+    assert image.memory.data_ptr() % direct.BLOCK == 0 and image.head % direct.BLOCK == 0
+    import fcntl
+
+    written = os.pwrite
+    flags: list[bool] = []
+
+    def pwrite(fd: int, data: Any, offset: int) -> int:
+        flags.append(bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT))
+        return written(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    buffers = list(direct._free_buffers)
+    direct.write_image(image, ours, METADATA, direct=direct_io)
+    monkeypatch.undo()
+    assert direct._free_buffers == buffers  # no aligned write buffer taken: written from the image
+    assert flags and all(f == (direct_io and direct_capable(tmp_path)) for f in flags)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, theirs, metadata=METADATA)
+    length, header, data = split(ours)
+    assert (8 + length) % direct.BLOCK == 0 and (header, data) == split(theirs)[1:]
+    assert ours.stat().st_size == image.size == 8 + length + len(data)
+    back = load_file(ours)
+    assert all(torch.equal(back[k], v) and back[k].dtype == v.dtype for k, v in tensors.items())
+    with safe_open(ours, "pt") as f:
+        assert f.metadata() == METADATA
+
+
+def test_a_file_image_refused_o_direct_writes_the_same_bytes_buffered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform")
+    opened = os.open
+
+    def no_direct(path: Any, flags: int, *args: Any) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return opened(path, flags, *args)
+
+    tensors = state()
+    image = filled_image(tensors, tmp_path / "a.safetensors")
+    monkeypatch.setattr(os, "open", no_direct)
+    direct.write_image(image, tmp_path / "a.safetensors", METADATA)
+    monkeypatch.undo()
+    direct.write_image(image, tmp_path / "b.safetensors", METADATA)
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+
+
+def test_a_file_image_is_reused_only_for_the_same_layout_with_room_for_the_header(tmp_path: Path) -> None:
+    tensors = state()
+    path = tmp_path / "x.safetensors"
+    image = direct.image_for(tensors, path, METADATA)
+    assert direct.image_for(tensors, path, {**METADATA, "step": "123456"}, reuse=image) is image
+    reshaped = {**tensors, "half": torch.zeros(3, 7).half()}
+    retyped = {**tensors, "ids": tensors["ids"].int()}
+    renamed = {**tensors, "more": torch.ones(1)}
+    longer = {**METADATA, "long": "x" * (image.head + 1)}
+    for other, metadata in ((reshaped, METADATA), (retyped, METADATA), (renamed, METADATA), (tensors, longer)):
+        fresh = direct.image_for(other, path, metadata, reuse=image)
+        assert fresh is not image and fresh.memory.data_ptr() != image.memory.data_ptr()
+    with pytest.raises(tiekit.CheckpointError, match="room for"):
+        direct.write_image(image, path, longer)  # never a header cut short
+    assert not path.exists()
+    with pytest.raises(tiekit.CheckpointError, match=r"tensor 'z' has dtype torch\.complex64"):
+        direct.image_for({"z": torch.ones(2, dtype=torch.complex64)}, path, {})

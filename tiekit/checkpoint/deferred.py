@@ -18,6 +18,7 @@ while the local tensors are copied.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -53,15 +54,17 @@ class DeferredCopies:
     """Copies made by the writing thread (`copy`), checked by the training thread (`settle`)
     before it changes any source. Each entry is ``(name, watched, source, destination)``:
     ``source`` is copied into ``destination``, and ``watched`` (``source`` itself, or the
-    DTensor whose local shard it is) must not be written in the meantime."""
+    DTensor whose local shard it is) must not be written in the meantime; None for a source
+    nothing else holds (a host copy made for this save), which needs no settling."""
 
-    def __init__(self, entries: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(self, entries: Sequence[tuple[str, torch.Tensor | None, torch.Tensor, torch.Tensor]]) -> None:
         self._pairs = [(name, source, destination) for name, _, source, destination in entries]
-        self._watched = [watched for _, watched, _, _ in entries]
-        self._versions = [watched._version for watched in self._watched]
+        self._watched = [(name, watched, watched._version) for name, watched, _, _ in entries if watched is not None]
         self._owner = threading.current_thread()
         self._copied = threading.Event()
         self._settled = threading.Event()
+        if not self._watched:
+            self._settled.set()
         self._problem: str | None = None
 
     def copy(self) -> None:
@@ -70,6 +73,7 @@ class DeferredCopies:
             with torch.no_grad():
                 for _, source, destination in self._pairs:
                     destination.copy_(source)
+            self._pairs = []  # a source made for this save is freed once copied
         except BaseException as exc:
             self._problem = f"the copy of the state to host memory failed: {type(exc).__name__}: {exc}"
             raise
@@ -83,8 +87,7 @@ class DeferredCopies:
         if self._settled.is_set():
             return
         self._copied.wait()
-        seen = zip(self._pairs, self._watched, self._versions, strict=True)
-        changed = [name for (name, _, _), watched, version in seen if watched._version != version]
+        changed = [name for name, watched, version in self._watched if watched._version != version]
         if changed and self._problem is None:
             more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
             self._problem = (

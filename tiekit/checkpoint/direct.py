@@ -10,6 +10,12 @@ buffer: 11-12 ms of CPU for the same 100 MB. `write_safetensors` writes through 
 safetensors' own), and sharded saves give it to torch.distributed.checkpoint as the stream of
 each shard file (`tiekit.dcp.writer`). Where ``O_DIRECT`` is refused, the same bytes go through
 the page cache; saves that do not wait for the disk use ``save_file`` itself.
+
+A background save has to copy the state to host memory anyway (training changes it meanwhile).
+`FileImage` lays that copy out as the file's bytes in one page-aligned block, so `write_image`
+sends it to the file straight from there, without the copy through the write buffer: 3-6 ms of
+CPU for 100 MB instead of 20-28 ms on the test machine, CPU that a background save takes from
+training when every core computes.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import mmap
 import os
 import threading
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +38,7 @@ from tiekit.errors import CheckpointError
 
 BLOCK = 4096  # O_DIRECT wants buffer, offset and length aligned to the device's block (512 or 4096)
 CHUNK = 8 << 20  # bytes per write
+_MAX_WRITE = 1 << 30  # Linux writes at most 2 GiB - 4 KiB per call
 
 # safetensors' dtype codes and torch's names, in its writer's order (its Rust enum, compared in
 # reverse): a file's tensors are sorted by this, then by name, which keeps each one aligned.
@@ -62,6 +70,8 @@ _REFUSED = {errno.EINVAL, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPN
 _free_buffers: list[mmap.mmap] = []
 _free_lock = threading.Lock()
 _KEPT_BUFFERS = 2  # at most this many stay mapped while no file is written
+# Room a FileImage leaves its header to grow by between saves (the step's digits, RNG states).
+_HEADER_SLACK = 1024
 
 
 def write_safetensors(
@@ -85,6 +95,71 @@ def write_safetensors(
         raise CheckpointError(f"{path}: safetensors refused the tensors: {exc}") from exc
 
 
+@dataclass(frozen=True)
+class FileImage:
+    """A safetensors file's bytes in one page-aligned block of host memory (``memory``): its
+    first ``head`` bytes hold the header, padded with spaces, then every tensor of ``tensors``
+    (views of ``memory``) in the file's order. The header area is a whole number of blocks, so the
+    tensors stay where they are while the header's length changes from save to save."""
+
+    memory: torch.Tensor
+    head: int
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def size(self) -> int:
+        """The file's length in bytes."""
+        return self.head + sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def image_for(
+    tensors: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str, str], reuse: FileImage | None = None
+) -> FileImage:
+    """A `FileImage` with the names, shapes and dtypes of ``tensors`` (host tensors; their values
+    are not copied) and room for ``metadata``: ``reuse`` when it has that layout and room, else
+    new memory. `CheckpointError` (naming ``path``) for what safetensors cannot hold."""
+    order = _ordered(tensors, path)
+    need = len(_header(order, metadata))
+    layout = [(name, t.dtype, t.shape) for name, t in order]
+    if reuse is not None and need <= reuse.head and layout == [(n, t.dtype, t.shape) for n, t in reuse.tensors.items()]:
+        return reuse
+    head = _round_up(need + _HEADER_SLACK)
+    size = head + sum(t.numel() * t.element_size() for _, t in order)
+    raw = torch.empty(_round_up(size) + BLOCK, dtype=torch.uint8)
+    start = -raw.data_ptr() % BLOCK
+    memory = raw[start : start + _round_up(size)]
+    views: dict[str, torch.Tensor] = {}
+    offset = head
+    for name, t in order:  # safetensors' order keeps every tensor aligned to its element size
+        length = t.numel() * t.element_size()
+        views[name] = memory[offset : offset + length].view(t.dtype).view(t.shape)
+        offset += length
+    return FileImage(memory, head, views)
+
+
+def write_image(image: FileImage, path: Path, metadata: Mapping[str, str], *, direct: bool = True) -> None:
+    """Write ``image`` (its tensors filled) with ``metadata`` to ``path`` as a safetensors file,
+    straight from its memory; ``direct``: past the page cache where allowed. ``OSError`` from the
+    file system as it comes."""
+    header = _header(list(image.tensors.items()), metadata, size=image.head)
+    memory = image.memory.numpy()
+    memory[: image.head] = np.frombuffer(header, dtype=np.uint8)
+    size = image.size
+    direct = direct and hasattr(os, "O_DIRECT")
+    length = _round_up(size) if direct else size
+    fd = _open_new(path, direct=direct)
+    try:
+        _write_all(fd, memory.data[:length], 0)
+        if length != size:
+            os.ftruncate(fd, size)  # the last block's padding is not part of the file
+    finally:
+        os.close(fd)
+
+
+def _round_up(n: int) -> int:
+    return -(-n // BLOCK) * BLOCK
+
+
 def _ordered(tensors: Mapping[str, torch.Tensor], path: Path) -> list[tuple[str, torch.Tensor]]:
     """The tensors in safetensors' order (`_CODES`, then name); refuses what safetensors cannot hold."""
     seen: dict[tuple[int, int], str] = {}
@@ -101,16 +176,19 @@ def _ordered(tensors: Mapping[str, torch.Tensor], path: Path) -> list[tuple[str,
     return sorted(tensors.items(), key=lambda item: (_RANK[_DTYPES[item[1].dtype]], item[0]))
 
 
-def _header(order: list[tuple[str, torch.Tensor]], metadata: Mapping[str, str]) -> bytes:
-    """8 bytes of header length, then the JSON header padded with spaces to a multiple of 8."""
+def _header(order: list[tuple[str, torch.Tensor]], metadata: Mapping[str, str], size: int | None = None) -> bytes:
+    """8 bytes of header length, then the JSON header padded with spaces to a multiple of 8, or
+    to ``size`` bytes in all (the format allows trailing whitespace; `FileImage` reserves room)."""
     entries: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for name, t in order:
-        size = t.numel() * t.element_size()
-        entries[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
-        offset += size
+        length = t.numel() * t.element_size()
+        entries[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + length]}
+        offset += length
     text = json.dumps(entries, separators=(",", ":")).encode()
-    text += b" " * (-(8 + len(text)) % 8)
+    if size is not None and 8 + len(text) > size:
+        raise CheckpointError(f"the header needs {8 + len(text)} bytes; the file image has room for {size}")
+    text += b" " * ((size - 8 - len(text)) if size is not None else -(8 + len(text)) % 8)
     return len(text).to_bytes(8, "little") + text
 
 
@@ -132,13 +210,7 @@ class DirectFile(io.RawIOBase):
     def __init__(self, path: Path) -> None:
         super().__init__()
         self.path = Path(path)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        try:
-            self._fd = os.open(self.path, flags | getattr(os, "O_DIRECT", 0), 0o666)
-        except OSError as exc:
-            if exc.errno not in _REFUSED:
-                raise
-            self._fd = os.open(self.path, flags, 0o666)
+        self._fd = _open_new(self.path, direct=True)
         self._mapped = _take_buffer()
         # numpy copies release the GIL (an mmap slice assignment would hold it): a background
         # save does not stop the training thread while it fills the buffer.
@@ -190,19 +262,36 @@ class DirectFile(io.RawIOBase):
         self._synced = self._filled
 
     def _write_at(self, offset: int, length: int) -> None:
-        data = memoryview(self._mapped)[:length]
-        done = 0
-        while done < length:
-            try:
-                done += os.pwrite(self._fd, data[done:], offset + done)
-            except OSError as exc:
-                # Some file systems accept O_DIRECT at open and refuse the write: buffered then.
-                import fcntl  # not on every platform; only Linux-like ones have O_DIRECT
+        _write_all(self._fd, memoryview(self._mapped)[:length], offset)
 
-                flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
-                if exc.errno not in _REFUSED or not flags & getattr(os, "O_DIRECT", 0):
-                    raise
-                fcntl.fcntl(self._fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+
+def _open_new(path: Path, *, direct: bool) -> int:
+    """A new (or emptied) file for writing; with ``direct``, past the page cache where accepted."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    if direct:
+        try:
+            return os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o666)
+        except OSError as exc:
+            if exc.errno not in _REFUSED:
+                raise
+    return os.open(path, flags, 0o666)
+
+
+def _write_all(fd: int, data: memoryview, offset: int) -> None:
+    """``data`` at ``offset`` (aligned to `BLOCK` for an ``O_DIRECT`` file), in writes the kernel
+    takes whole; an ``O_DIRECT`` write the file system refuses goes through the page cache."""
+    done = 0
+    while done < len(data):
+        try:
+            done += os.pwrite(fd, data[done : done + _MAX_WRITE], offset + done)
+        except OSError as exc:
+            # Some file systems accept O_DIRECT at open and refuse the write: buffered then.
+            import fcntl  # not on every platform; only Linux-like ones have O_DIRECT
+
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            if exc.errno not in _REFUSED or not flags & getattr(os, "O_DIRECT", 0):
+                raise
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
 
 
 def _pieces(head: bytes, order: list[tuple[str, torch.Tensor]]) -> Iterator[np.ndarray]:

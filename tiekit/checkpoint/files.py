@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from tiekit.checkpoint.direct import write_safetensors
+from tiekit.checkpoint.direct import FileImage, write_image, write_safetensors
 from tiekit.checkpoint.layout import INDEX_SUFFIX, PLAN_KEY, SAVE_ID_KEY, nbytes
 from tiekit.errors import CheckpointError
 from tiekit.header import read_json
@@ -40,14 +40,14 @@ def _host() -> str:
 
 def write_single(
     target: Path,
-    state: dict[str, torch.Tensor],
+    state: dict[str, torch.Tensor] | FileImage,
     header: dict[str, str],
     durable: bool,
     before_publish: Callable[[], None] | None = None,
 ) -> None:
-    """Write ``state`` as the safetensors file ``target``, atomically; ``before_publish`` runs once
-    the file is written (and synced) and before it replaces ``target``: its exception leaves the
-    previous file in place."""
+    """Write ``state`` (host tensors, or their `FileImage`) as the safetensors file ``target``,
+    atomically; ``before_publish`` runs once the file is written (and synced) and before it
+    replaces ``target``: its exception leaves the previous file in place."""
     _prepare_folder(target)
     _commit_file(target, lambda tmp: _save_tensors(state, tmp, header, durable), durable, before_publish)
     # A sharded save that this file now replaces: drop it, or a loader might still pick it.
@@ -230,9 +230,14 @@ def _commit_file(
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _save_tensors(state: dict[str, torch.Tensor], path: Path, header: dict[str, str], durable: bool) -> None:
+def _save_tensors(
+    state: dict[str, torch.Tensor] | FileImage, path: Path, header: dict[str, str], durable: bool
+) -> None:
     # A durable save waits for the disk anyway: then past the page cache (tiekit.checkpoint.direct).
-    write_safetensors(state, path, header, direct=durable)
+    if isinstance(state, FileImage):
+        write_image(state, path, header, direct=durable)
+    else:
+        write_safetensors(state, path, header, direct=durable)
     # A checkpoint is an ordinary file, readable as the umask allows (as torch.save's; safetensors
     # makes its files private), so the other users of a shared folder can load it.
     os.chmod(path, 0o666 & ~_umask())

@@ -18,6 +18,7 @@ from tiekit import devices
 from tiekit.analyze import find_ties
 from tiekit.checkpoint.codec import Fallback, encode
 from tiekit.checkpoint.deferred import DeferredCopies, deferrable_storages
+from tiekit.checkpoint.direct import FileImage, image_for
 from tiekit.checkpoint.files import write_sharded, write_single
 from tiekit.checkpoint.handle import SaveHandle
 from tiekit.checkpoint.layout import (
@@ -66,7 +67,7 @@ def save_model(
     names, tensors = _unique_tensors(model, plan)
     header = _header_metadata(metadata, plan)
 
-    state = dict(zip(names, _host_tensors(tensors), strict=True))
+    state = _host_tensors(dict(zip(names, tensors, strict=True)))
     if limit is None or sum(nbytes(t) for t in state.values()) <= limit:
         write_single(target, state, header, durable)
     else:
@@ -109,42 +110,32 @@ def save_checkpoint_reusing(
     extra: Any = None,
     durable: bool = True,
     blocking: bool = True,
-    staging: Mapping[str, torch.Tensor] | None = None,
+    staging: FileImage | None = None,
     defer: bool = False,
-) -> tuple[SaveHandle, dict[str, torch.Tensor], DeferredCopies | None]:
-    """`save_checkpoint`, the host tensors it wrote, and the copies it left to its writer. With
-    ``blocking=False``, ``staging`` (what an earlier call returned, its write finished) is copied
-    into where a name's shape and dtype match instead of new memory: a training loop that saves in
-    the background then stages every checkpoint into the same buffers (fresh memory costs page
-    faults in the step; measured 28 ms per 95 MB here).
+) -> tuple[SaveHandle, FileImage | None, DeferredCopies | None]:
+    """`save_checkpoint`, the `FileImage` a background save copied the state into (None when it
+    did not need one), and the copies it left to its writer. With ``blocking=False``, ``staging``
+    (what an earlier call returned, its write finished) is refilled where its layout matches
+    instead of new memory: a training loop that saves in the background then stages every
+    checkpoint into the same memory (fresh memory costs page faults in the step; measured 28 ms
+    per 95 MB here), which is written to the file as it is (`tiekit.checkpoint.direct`).
 
     ``defer`` (with ``blocking=False``): the host copies of the parameters and the optimizer
     state that live in host memory are made by the writing thread, not here; the caller must call
     the returned `DeferredCopies`' ``settle()`` before anything changes them (its next optimizer
     step), and the file is published only after that (`tiekit.checkpoint.deferred`). Local."""
-    deferred = deferrable_storages(model, optimizer) if defer and not blocking else None
-    target, state, header, copies = stage_training_checkpoint(
-        path,
-        model=model,
-        optimizer=optimizer,
-        step=step,
-        extra=extra,
-        copy=not blocking,
-        staging=staging,
-        defer=deferred,
-    )
+    target, state, header = stage_training_checkpoint(path, model=model, optimizer=optimizer, step=step, extra=extra)
     if blocking:
-        write_single(target, state, header, durable)
-        return SaveHandle(target, "", None), state, None
+        write_single(target, _host_tensors(state), header, durable)
+        return SaveHandle(target, "", None), None, None
+    deferred = deferrable_storages(model, optimizer) if defer else set()
+    image, copies = _background_copies(target, state, header, staging, deferred)
 
     def write() -> None:
-        if copies is None:
-            write_single(target, state, header, durable)
-            return
         copies.copy()
-        write_single(target, state, header, durable, functools.partial(copies.confirmed, target))
+        write_single(target, image, header, durable, functools.partial(copies.confirmed, target))
 
-    return SaveHandle(target, "", _background().submit(write)), state, copies
+    return SaveHandle(target, "", _background().submit(write)), image if isinstance(image, FileImage) else None, copies
 
 
 def write_training_checkpoint(
@@ -159,10 +150,10 @@ def write_training_checkpoint(
 ) -> None:
     """`save_checkpoint`, with the codec's ``fallback`` for values it cannot store (the Lightning
     integration's opt-in pickling)."""
-    target, state, header, _ = stage_training_checkpoint(
+    target, state, header = stage_training_checkpoint(
         path, model=model, optimizer=optimizer, step=step, extra=extra, fallback=fallback
     )
-    write_single(target, state, header, durable)
+    write_single(target, _host_tensors(state), header, durable)
 
 
 def stage_training_checkpoint(
@@ -173,42 +164,44 @@ def stage_training_checkpoint(
     step: int | None,
     extra: Any,
     fallback: Fallback | None = None,
-    copy: bool = False,
-    staging: Mapping[str, torch.Tensor] | None = None,
-    defer: set[int] | None = None,
-) -> tuple[Path, dict[str, torch.Tensor], dict[str, str], DeferredCopies | None]:
-    """Where a training checkpoint goes, its host tensors, its header, and the copies left to
-    make. ``copy``: every tensor is a host copy of its own (never the model's or optimizer's
-    memory), for a later write, made in ``staging``'s tensor of the same name where its shape and
-    dtype match. ``defer``: the storages (data pointers) whose copies are not made here but
-    returned as `DeferredCopies`, their destinations already in the host tensors."""
+) -> tuple[Path, dict[str, torch.Tensor], dict[str, str]]:
+    """Where a training checkpoint goes, its tensors (the model's and optimizer's own, wherever
+    they live) and its header."""
     target = target_path(path, CHECKPOINT_NAME)
     values = {"step": (step, "extra/step"), "extra": (extra, "extra/value")}
     plan, state, encoded = encode_training_state(model, optimizer, values, fallback)
     header = _header_metadata(None, plan)
     header[STATE_KEY] = json.dumps({"version": STATE_VERSION, **encoded}, separators=(",", ":"))
-    originals = list(state.values())
-    hosts = _host_tensors(originals)
-    keys = list(state)
-    later: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    if copy:
-        for i, (key, host, original) in enumerate(zip(keys, hosts, originals, strict=True)):
-            if not _shares_memory(host, original):
-                continue  # already a copy of its own (moved from a device, made contiguous)
-            buffer = _buffer(host, (staging or {}).get(key))
-            if defer is not None and host.untyped_storage().data_ptr() in defer:
-                later.append((key, host, host, buffer))
-            else:
-                buffer.copy_(host)
-            hosts[i] = buffer
-    return target, dict(zip(keys, hosts, strict=True)), header, DeferredCopies(later) if later else None
+    return target, state, header
 
 
-def _buffer(host: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
-    """Where a copy of ``host`` goes: ``buffer`` when it fits exactly, else new memory."""
-    if buffer is None or buffer.shape != host.shape or buffer.dtype != host.dtype or not buffer.is_contiguous():
-        return torch.empty(host.shape, dtype=host.dtype)
-    return buffer
+def _background_copies(
+    target: Path,
+    state: dict[str, torch.Tensor],
+    header: dict[str, str],
+    staging: FileImage | None,
+    deferred: set[int],
+) -> tuple[FileImage | dict[str, torch.Tensor], DeferredCopies]:
+    """What a background save writes, never memory training changes: a `FileImage` (``staging``
+    refilled where it fits) holding a copy of every tensor; and the copies left to the writer:
+    the tensors whose storage is in ``deferred``, and the private host copies a transfer from a
+    device made. When those private copies are most of the bytes (a model on an accelerator),
+    they are written from where they are and only the rest is copied, here: an image would hold
+    the state a second time in host memory."""
+    hosts = _host_tensors(state)
+    private = {k for k, host in hosts.items() if not _shares_memory(host, state[k])}
+    if 2 * sum(nbytes(hosts[k]) for k in private) > sum(nbytes(t) for t in hosts.values()):
+        return {k: h if k in private else h.clone() for k, h in hosts.items()}, DeferredCopies([])
+    image = image_for(hosts, target, header, reuse=staging)
+    later: list[tuple[str, torch.Tensor | None, torch.Tensor, torch.Tensor]] = []
+    for key, host in hosts.items():
+        if key in private:
+            later.append((key, None, host, image.tensors[key]))  # nothing else holds it: no need to watch
+        elif host.untyped_storage().data_ptr() in deferred:
+            later.append((key, host, host, image.tensors[key]))
+        else:
+            image.tensors[key].copy_(host)
+    return image, DeferredCopies(later)
 
 
 def encode_training_state(
@@ -352,9 +345,9 @@ def _unique_tensors(model: nn.Module, plan: TiePlan) -> tuple[list[str], list[to
     return names, tensors
 
 
-def _host_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def _host_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """CPU, contiguous, non-overlapping copies where needed; XLA tensors in one batched transfer."""
-    hosts = devices.to_host(tensors)
+    hosts = devices.to_host(list(tensors.values()))
     out = []
     storages: set[int] = set()
     for t in hosts:
@@ -369,7 +362,7 @@ def _host_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             else:
                 storages.add(storage)
         out.append(t)
-    return out
+    return dict(zip(tensors, out, strict=True))
 
 
 def _header_metadata(metadata: Mapping[str, str] | None, plan: TiePlan) -> dict[str, str]:

@@ -30,6 +30,7 @@ from torch import nn
 import tiekit
 from tiekit.backends.base import Backend
 from tiekit.checkpoint.deferred import DeferredCopies
+from tiekit.checkpoint.direct import FileImage
 from tiekit.checkpoint.saving import save_checkpoint_reusing
 from tiekit.collective import Ranks, abort_thread_collectives, collective_gather, collective_save_checkpoint
 from tiekit.dcp import MARKER_NAME, SaveHandle
@@ -64,9 +65,10 @@ class Coordinator:
     run_id: str
     last_saved: Path | None = None
     pending: SaveHandle | None = None  # this rank's background save, if one is under way
-    # The host tensors of the last background save, copied into by the next one once that save
-    # is written (one save in flight at a time).
-    staging: dict[str, torch.Tensor] | None = None
+    # The host memory of the last background save, copied into by the next one once that save
+    # is written (one save in flight at a time): a sharded save's host tensors, a file's image.
+    sharded_staging: dict[str, torch.Tensor] | None = None
+    staging: FileImage | None = None
     copying: DeferredCopies | None = None
     pending_path: Path | None = None  # where the save in flight (on any rank) goes
     written: list[Path] = field(default_factory=list)  # this run's complete checkpoints, oldest first
@@ -128,8 +130,8 @@ class Coordinator:
         if backend.sharded_checkpoints:
             sharded = state.sharded_contents(model, optimizer, at, backend.devices_in_run, backend.device)
             # As below: the parameters and optimizer state are copied beside the next step.
-            self.pending, self.staging, self.copying = save_sharded_staged(
-                path=path, blocking=blocking, staging=self.staging, defer=True, **sharded
+            self.pending, self.sharded_staging, self.copying = save_sharded_staged(
+                path=path, blocking=blocking, staging=self.sharded_staging, defer=True, **sharded
             )
         else:
             contents = state.contents(model, optimizer, at, backend.devices_in_run, backend.device)
