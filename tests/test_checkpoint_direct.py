@@ -63,22 +63,29 @@ def test_the_file_is_the_one_safetensors_writes(tmp_path: Path, direct_io: bool)
         assert f.metadata() == METADATA
 
 
+def refuse_direct_opens(monkeypatch: pytest.MonkeyPatch, answer: int) -> list[str]:
+    """``os.open`` refuses O_DIRECT with ``answer``, as tmpfs and some network file systems do;
+    the paths refused are appended to the list returned."""
+    opened = os.open
+    refused: list[str] = []
+
+    def no_direct(path: Any, flags: int, *args: Any) -> int:
+        if flags & os.O_DIRECT:
+            refused.append(os.fspath(path))
+            raise OSError(answer, os.strerror(answer))
+        return opened(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    return refused
+
+
 @pytest.mark.parametrize("answer", [errno.EINVAL, errno.EOPNOTSUPP], ids=["EINVAL", "EOPNOTSUPP"])
 def test_a_file_system_without_o_direct_gets_the_same_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, answer: int
 ) -> None:
     if not hasattr(os, "O_DIRECT"):
         pytest.skip("no O_DIRECT on this platform: every write is buffered")
-    opened = os.open
-    refused: list[str] = []
-
-    def no_direct(path: Any, flags: int, *args: Any) -> int:
-        if flags & os.O_DIRECT:  # as tmpfs and some network file systems answer
-            refused.append(os.fspath(path))
-            raise OSError(answer, os.strerror(answer))
-        return opened(path, flags, *args)
-
-    monkeypatch.setattr(os, "open", no_direct)
+    refused = refuse_direct_opens(monkeypatch, answer)
     tensors = state()
     write_safetensors(tensors, tmp_path / "ours.safetensors", METADATA)
     monkeypatch.undo()
@@ -260,18 +267,12 @@ def test_a_file_image_refused_o_direct_writes_the_same_bytes_buffered(
 ) -> None:
     if not hasattr(os, "O_DIRECT"):
         pytest.skip("no O_DIRECT on this platform")
-    opened = os.open
-
-    def no_direct(path: Any, flags: int, *args: Any) -> int:
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
-        return opened(path, flags, *args)
-
     tensors = state()
     image = filled_image(tensors, tmp_path / "a.safetensors")
-    monkeypatch.setattr(os, "open", no_direct)
+    refused = refuse_direct_opens(monkeypatch, errno.EINVAL)
     direct.write_image(image, tmp_path / "a.safetensors", METADATA)
     monkeypatch.undo()
+    assert refused == [os.fspath(tmp_path / "a.safetensors")]
     direct.write_image(image, tmp_path / "b.safetensors", METADATA)
     assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
 
