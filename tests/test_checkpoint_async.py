@@ -7,6 +7,7 @@ so "training changed the model while the file was written" happens every run, no
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections.abc import Callable, Iterator
@@ -444,3 +445,80 @@ def test_sharded_background_saves_refill_the_host_copies_of_the_last_one(tmp_pat
         assert got.keys() == expected.keys()
         for name, value in got.items():
             assert torch.equal(value, expected[name]), (folder.name, name)
+
+
+def test_adopted_state_lives_in_the_file_image_and_later_saves_write_it_without_a_copy(tmp_path: Path) -> None:
+    """fit's way (``adopt=True``): the first save's ``settle`` moves the parameters and moments
+    into its file image, values unchanged; the next save into that image has nothing to copy
+    and, its writer held past the optimizer step, still writes the values of its call:
+    ``settle`` took the image back, copying aside what was not yet written. A third save that
+    needs a new image (a longer header) moves them again, into it."""
+    from tiekit.checkpoint.saving import save_checkpoint_reusing
+
+    model, optimizer = trained(NormNet)
+    staging = None
+    for step in (1, 2, 3):
+        expected = saved_state(model, optimizer)
+        where = tmp_path / f"step{step}.safetensors"
+        with writer_held() if step == 2 else contextlib.nullcontext():
+            handle, staged, copies = save_checkpoint_reusing(
+                where,
+                model=model,
+                optimizer=optimizer,
+                step=step,
+                extra="x" * 5000 if step == 3 else None,
+                blocking=False,
+                defer=True,
+                adopt=True,
+                staging=staging,
+            )
+            assert staged is not None and copies is not None and copies.lent is not None
+            assert (staged is staging) == (step == 2)
+            block = staged.memory.untyped_storage().data_ptr()
+            inside = [t.untyped_storage().data_ptr() == block for t in (model.layer_1.weight, model.norm.weight)]
+            assert inside == [step == 2] * 2  # the first save copies, the second finds them in the image
+            copies.settle()  # step 2: returns at once (nothing to copy), the writer still held
+            if step == 2:  # nothing written yet: all of the image went aside for the writer
+                assert copies.lent.copied == staged.memory.numel()
+            moments = [v for p in model.parameters() for v in optimizer.state[p].values()]
+            assert all(t.untyped_storage().data_ptr() == block for t in [*model.parameters(), *moments])
+            assert all(torch.equal(v, expected[k]) for k, v in saved_state(model, optimizer).items())
+            model(torch.randn(4, 32)).sum().backward()
+            optimizer.step()  # changes the image itself from now on
+        handle.wait(timeout=60)
+        got = stored_state("file", where)
+        for name, value in expected.items():
+            assert torch.equal(got[name], value), (step, name)
+        staging = staged
+    assert model.layer_3.weight is model.layer_1.weight
+
+
+class RecordsWhereItsWeightLives(NormNet):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.layer_1.weight
+        storages.append(weight.untyped_storage().nbytes() // (weight.numel() * weight.element_size()))
+        return super().forward(x)
+
+
+storages: list[int] = []
+
+
+def test_fit_trains_in_the_file_image_and_returns_a_model_with_memory_of_its_own(tmp_path: Path) -> None:
+    """In a run saving in the background the weights live in the checkpoints' file image from the
+    first save's next step on (its storage many times their size: moments, other tensors); the
+    trained model fit returns owns memory of its size again. A blocking run never moves them."""
+    for background in (True, False):
+        storages.clear()
+        result = tiekit.fit(
+            RecordsWhereItsWeightLives,
+            norm_data(),
+            max_steps=6,
+            checkpoint_dir=tmp_path / str(background),
+            checkpoint_every=2,
+            checkpoint_async=background,
+            **FIT,
+        )
+        assert (storages[:2], max(storages) > 1) == ([1, 1], background), storages
+        for p in result.model.parameters():
+            assert p.untyped_storage().nbytes() == p.numel() * p.element_size()
+        assert result.model.layer_3.weight is result.model.layer_1.weight

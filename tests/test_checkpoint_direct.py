@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -194,7 +195,6 @@ def test_a_failed_write_is_raised_and_the_descriptor_closed(tmp_path: Path, monk
 def test_write_buffers_are_reused_by_the_next_file_of_any_thread(tmp_path: Path) -> None:
     """DCP writes each background save from a new thread: the aligned buffer of one file is the
     next file's, whichever thread writes it (a fresh one costs 2,048 page faults)."""
-    import threading
 
     used: list[Any] = []
 
@@ -248,7 +248,7 @@ def test_a_file_image_is_written_as_the_file_safetensors_writes(
 
     monkeypatch.setattr(os, "pwrite", pwrite)
     buffers = list(direct._free_buffers)
-    direct.write_image(image, ours, METADATA, direct=direct_io)
+    direct.write_image(image, ours, direct=direct_io)
     monkeypatch.undo()
     assert direct._free_buffers == buffers  # no aligned write buffer taken: written from the image
     assert flags and all(f == (direct_io and direct_capable(tmp_path)) for f in flags)
@@ -270,10 +270,10 @@ def test_a_file_image_refused_o_direct_writes_the_same_bytes_buffered(
     tensors = state()
     image = filled_image(tensors, tmp_path / "a.safetensors")
     refused = refuse_direct_opens(monkeypatch, errno.EINVAL)
-    direct.write_image(image, tmp_path / "a.safetensors", METADATA)
+    direct.write_image(image, tmp_path / "a.safetensors")
     monkeypatch.undo()
     assert refused == [os.fspath(tmp_path / "a.safetensors")]
-    direct.write_image(image, tmp_path / "b.safetensors", METADATA)
+    direct.write_image(image, tmp_path / "b.safetensors")
     assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
 
 
@@ -282,6 +282,10 @@ def test_a_file_image_is_reused_only_for_the_same_layout_with_room_for_the_heade
     path = tmp_path / "x.safetensors"
     image = direct.image_for(tensors, path, METADATA)
     assert direct.image_for(tensors, path, {**METADATA, "step": "123456"}, reuse=image) is image
+    direct.write_image(image, path)
+    with safe_open(path, "pt") as f:
+        assert f.metadata() == {**METADATA, "step": "123456"}  # the reused image holds the new header
+    path.unlink()
     reshaped = {**tensors, "half": torch.zeros(3, 7).half()}
     retyped = {**tensors, "ids": tensors["ids"].int()}
     renamed = {**tensors, "more": torch.ones(1)}
@@ -289,8 +293,54 @@ def test_a_file_image_is_reused_only_for_the_same_layout_with_room_for_the_heade
     for other, metadata in ((reshaped, METADATA), (retyped, METADATA), (renamed, METADATA), (tensors, longer)):
         fresh = direct.image_for(other, path, metadata, reuse=image)
         assert fresh is not image and fresh.memory.data_ptr() != image.memory.data_ptr()
-    with pytest.raises(tiekit.CheckpointError, match="room for"):
-        direct.write_image(image, path, longer)  # never a header cut short
-    assert not path.exists()
     with pytest.raises(tiekit.CheckpointError, match=r"tensor 'z' has dtype torch\.complex64"):
         direct.image_for({"z": torch.ones(2, dtype=torch.complex64)}, path, {})
+
+
+@pytest.mark.parametrize("take_back", [True, False], ids=["taken-back", "control-not-taken-back"])
+def test_a_lent_image_taken_back_mid_write_still_writes_the_values_it_held(tmp_path: Path, take_back: bool) -> None:
+    """An image that is the training state itself (`LentMemory`): the training thread takes it
+    back between two chunks of the write, then changes it (its optimizer step); the file holds
+    the values from before. The control does not take it back: the file gets the new values."""
+    tensors = state()  # 8.4 + 4.2 MB: the write goes in several chunks
+    path = tmp_path / "lent.safetensors"
+    image = filled_image(tensors, path)
+    lent = direct.LentMemory(image)
+    first_chunk_done, go_on = threading.Event(), threading.Event()
+    chunk_written = lent.written
+
+    def written(end: int) -> None:
+        chunk_written(end)
+        if end == direct.LENT_CHUNK:
+            first_chunk_done.set()
+            go_on.wait(60)  # the writer stands between its first and second chunk
+
+    lent.written = written  # type: ignore[method-assign]
+    writer = threading.Thread(target=direct.write_image, args=(image, path), kwargs={"lent": lent})
+    writer.start()
+    assert first_chunk_done.wait(60)
+    if take_back:
+        lent.take_back()
+        assert lent.copied == image.memory.numel() - direct.LENT_CHUNK  # only what was not yet written
+    for view in image.tensors.values():  # the optimizer step changes the state living in the image
+        view.zero_() if view.dtype == torch.bool else view.add_(1)
+    go_on.set()
+    writer.join(60)
+    back = load_file(path)
+    second = [k for k, v in image.tensors.items() if (v.data_ptr() - image.memory.data_ptr()) >= direct.LENT_CHUNK]
+    assert second  # tensors written in the second chunk, after the state changed
+    for name in second:
+        assert torch.equal(back[name], tensors[name]) is take_back, name
+
+
+def test_a_lent_image_written_before_it_is_taken_back_copies_nothing(tmp_path: Path) -> None:
+    tensors = state()
+    path = tmp_path / "lent.safetensors"
+    image = filled_image(tensors, path)
+    lent = direct.LentMemory(image)
+    direct.write_image(image, path, lent=lent)
+    lent.close()
+    lent.take_back()
+    assert lent.copied == 0
+    back = load_file(path)
+    assert all(torch.equal(back[k], v) for k, v in tensors.items())

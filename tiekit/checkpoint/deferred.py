@@ -7,6 +7,13 @@ that may change earlier (buffers, which a forward pass updates). The copy must b
 the next optimizer step (`DeferredCopies.settle`, called by the training thread) and the file is
 published only once it is (`DeferredCopies.confirmed`, called by the writer).
 
+A single-file save can go further and need no copy at all: `settle` moves the parameters and
+optimizer state into the save's file image (``adopt``), so training goes on in that memory and
+the next save into the same image writes them from where they are. That save's `settle` then
+takes the image back from the writer before the optimizer step changes it
+(`tiekit.checkpoint.direct.LentMemory`: it waits for the chunk being written, and copies aside
+only what is not yet written).
+
 Every in-place write bumps a tensor's version counter. The counters are read when the save is
 made and again in `settle`: a tensor written in between (a forward pass that changes a parameter
 in place) makes that save fail with a `CheckpointError` naming it, never write a torn checkpoint.
@@ -24,6 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tiekit.checkpoint.direct import LentMemory
 from tiekit.errors import CheckpointError
 
 #: How often the writer looks whether the training thread it waits for still exists.
@@ -38,16 +46,21 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
         return t.to_local()  # type: ignore[attr-defined,no-any-return]
 
 
-def deferrable_storages(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> set[int]:
+def deferrable_storages(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[int, list[torch.Tensor]]:
     """The host storages (data pointers; DTensors: of their local shards) that only an optimizer
     step changes: the parameters and the optimizer's per-parameter state. Buffers are not among
-    them: a forward pass updates running statistics."""
+    them: a forward pass updates running statistics. Each maps to the parameters and state
+    tensors on it (not a DTensor, whose shard is not the tensor itself)."""
     tensors: list[torch.Tensor] = list(model.parameters())
     if optimizer is not None:
         states = optimizer.state.values()
         tensors += [v for per_param in states for v in per_param.values() if isinstance(v, torch.Tensor)]
-    locals_ = [local_part(t) for t in tensors]
-    return {t.untyped_storage().data_ptr() for t in locals_ if t.device.type == "cpu"}
+    found: dict[int, list[torch.Tensor]] = {}
+    for t in tensors:
+        part = local_part(t)
+        if part.device.type == "cpu":
+            found.setdefault(part.untyped_storage().data_ptr(), []).extend([t] if part is t else [])
+    return found
 
 
 class DeferredCopies:
@@ -55,15 +68,30 @@ class DeferredCopies:
     before it changes any source. Each entry is ``(name, watched, source, destination)``:
     ``source`` is copied into ``destination``, and ``watched`` (``source`` itself, or the
     DTensor whose local shard it is) must not be written in the meantime; None for a source
-    nothing else holds (a host copy made for this save), which needs no settling."""
+    nothing else holds (a host copy made for this save), which needs no settling. A source that is
+    its destination (training state living in the save's `FileImage`) is not copied: ``lent`` is
+    then that image, taken back from the writer by `settle`. ``adopt``: ``(original, view)`` pairs,
+    each state tensor moved into its view of the image by `settle` (``original.data = view``), once
+    its copy is made and checked, so that the next save into that image copies nothing."""
 
-    def __init__(self, entries: Sequence[tuple[str, torch.Tensor | None, torch.Tensor, torch.Tensor]]) -> None:
-        self._pairs = [(name, source, destination) for name, _, source, destination in entries]
+    def __init__(
+        self,
+        entries: Sequence[tuple[str, torch.Tensor | None, torch.Tensor, torch.Tensor]],
+        *,
+        lent: LentMemory | None = None,
+        adopt: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+    ) -> None:
+        # A source that is its destination (state living in the image) needs no copy.
+        self._pairs = [(n, s, d) for n, _, s, d in entries if s.data_ptr() != d.data_ptr() or not s.numel()]
+        self.lent = lent
+        self._adopt = list(adopt)
         self._watched = [(name, watched, watched._version) for name, watched, _, _ in entries if watched is not None]
         self._owner = threading.current_thread()
         self._copied = threading.Event()
+        if not self._pairs:
+            self._copied.set()
         self._settled = threading.Event()
-        if not self._watched:
+        if not self._watched and lent is None and not self._adopt:
             self._settled.set()
         self._problem: str | None = None
 
@@ -80,10 +108,11 @@ class DeferredCopies:
         finally:
             self._copied.set()
 
-    def settle(self) -> None:
+    def settle(self, *, then_wait: bool = False) -> None:
         """Training thread, before anything may change the sources (the next optimizer step):
         wait until they are copied, and check that none was written since the save was made.
-        Returns at once when already settled."""
+        Returns at once when already settled. ``then_wait``: the caller waits for the write next
+        and changes nothing meanwhile, so a lent image stays with the writer (nothing copied aside)."""
         if self._settled.is_set():
             return
         self._copied.wait()
@@ -95,6 +124,13 @@ class DeferredCopies:
                 "optimizer step (by the forward or backward pass?), so its copy may mix old and new values; "
                 "nothing was written. Save with the copy made in the step (fit: checkpoint_async=False)"
             )
+        if self.lent is not None and not then_wait:
+            self.lent.take_back()  # the step may change the image now: the writer has the rest aside
+        if self._problem is None:
+            with torch.no_grad():
+                for original, view in self._adopt:  # equal values: the copy is made and nothing wrote them
+                    original.data = view
+        self._adopt = []
         self._settled.set()
 
     def confirmed(self, where: Path) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from tiekit.checkpoint.direct import FileImage, write_image, write_safetensors
+from tiekit.checkpoint.direct import FileImage, LentMemory, write_image, write_safetensors
 from tiekit.checkpoint.layout import INDEX_SUFFIX, PLAN_KEY, SAVE_ID_KEY, nbytes
 from tiekit.errors import CheckpointError
 from tiekit.header import read_json
@@ -44,12 +44,14 @@ def write_single(
     header: dict[str, str],
     durable: bool,
     before_publish: Callable[[], None] | None = None,
+    lent: LentMemory | None = None,
 ) -> None:
     """Write ``state`` (host tensors, or their `FileImage`) as the safetensors file ``target``,
     atomically; ``before_publish`` runs once the file is written (and synced) and before it
-    replaces ``target``: its exception leaves the previous file in place."""
+    replaces ``target``: its exception leaves the previous file in place. ``lent``: the image is
+    training state, written as `tiekit.checkpoint.direct.write_image` says."""
     _prepare_folder(target)
-    _commit_file(target, lambda tmp: _save_tensors(state, tmp, header, durable), durable, before_publish)
+    _commit_file(target, lambda tmp: _save_tensors(state, tmp, header, durable, lent), durable, before_publish)
     # A sharded save that this file now replaces: drop it, or a loader might still pick it.
     index = target.with_name(target.name + INDEX_SUFFIX)
     if index.exists():
@@ -231,11 +233,15 @@ def _commit_file(
 
 
 def _save_tensors(
-    state: dict[str, torch.Tensor] | FileImage, path: Path, header: dict[str, str], durable: bool
+    state: dict[str, torch.Tensor] | FileImage,
+    path: Path,
+    header: dict[str, str],
+    durable: bool,
+    lent: LentMemory | None = None,
 ) -> None:
     # A durable save waits for the disk anyway: then past the page cache (tiekit.checkpoint.direct).
     if isinstance(state, FileImage):
-        write_image(state, path, header, direct=durable)
+        write_image(state, path, direct=durable, lent=lent)
     else:
         write_safetensors(state, path, header, direct=durable)
     # A checkpoint is an ordinary file, readable as the umask allows (as torch.save's; safetensors

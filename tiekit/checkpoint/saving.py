@@ -18,7 +18,7 @@ from tiekit import devices
 from tiekit.analyze import find_ties
 from tiekit.checkpoint.codec import Fallback, encode
 from tiekit.checkpoint.deferred import DeferredCopies, deferrable_storages
-from tiekit.checkpoint.direct import FileImage, image_for
+from tiekit.checkpoint.direct import FileImage, LentMemory, image_for
 from tiekit.checkpoint.files import write_sharded, write_single
 from tiekit.checkpoint.handle import SaveHandle
 from tiekit.checkpoint.layout import (
@@ -112,6 +112,7 @@ def save_checkpoint_reusing(
     blocking: bool = True,
     staging: FileImage | None = None,
     defer: bool = False,
+    adopt: bool = False,
 ) -> tuple[SaveHandle, FileImage | None, DeferredCopies | None]:
     """`save_checkpoint`, the `FileImage` a background save copied the state into (None when it
     did not need one), and the copies it left to its writer. With ``blocking=False``, ``staging``
@@ -123,17 +124,28 @@ def save_checkpoint_reusing(
     ``defer`` (with ``blocking=False``): the host copies of the parameters and the optimizer
     state that live in host memory are made by the writing thread, not here; the caller must call
     the returned `DeferredCopies`' ``settle()`` before anything changes them (its next optimizer
-    step), and the file is published only after that (`tiekit.checkpoint.deferred`). Local."""
+    step), and the file is published only after that (`tiekit.checkpoint.deferred`).
+
+    ``adopt`` (with ``defer``): ``settle()`` also moves those parameters and state tensors into
+    the image (``.data``), so that from the next save into the same ``staging`` on, they are
+    written from where they live, not copied: that save's ``settle()`` waits for the chunk being
+    written and copies only the bytes not yet written aside. The model's parameters then live
+    in the returned image until moved again. Local."""
     target, state, header = stage_training_checkpoint(path, model=model, optimizer=optimizer, step=step, extra=extra)
     if blocking:
         write_single(target, _host_tensors(state), header, durable)
         return SaveHandle(target, "", None), None, None
-    deferred = deferrable_storages(model, optimizer) if defer else set()
-    image, copies = _background_copies(target, state, header, staging, deferred)
+    deferred = deferrable_storages(model, optimizer) if defer else {}
+    image, copies = _background_copies(target, state, header, staging, deferred, adopt and defer)
+    lent = copies.lent
 
     def write() -> None:
-        copies.copy()
-        write_single(target, image, header, durable, functools.partial(copies.confirmed, target))
+        try:
+            copies.copy()
+            write_single(target, image, header, durable, functools.partial(copies.confirmed, target), lent)
+        finally:
+            if lent is not None:
+                lent.close()
 
     return SaveHandle(target, "", _background().submit(write)), image if isinstance(image, FileImage) else None, copies
 
@@ -180,28 +192,51 @@ def _background_copies(
     state: dict[str, torch.Tensor],
     header: dict[str, str],
     staging: FileImage | None,
-    deferred: set[int],
+    deferred: Mapping[int, list[torch.Tensor]],
+    adopt: bool = False,
 ) -> tuple[FileImage | dict[str, torch.Tensor], DeferredCopies]:
-    """What a background save writes, never memory training changes: a `FileImage` (``staging``
-    refilled where it fits) holding a copy of every tensor; and the copies left to the writer:
-    the tensors whose storage is in ``deferred``, and the private host copies a transfer from a
-    device made. When those private copies are most of the bytes (a model on an accelerator),
-    they are written from where they are and only the rest is copied, here: an image would hold
-    the state a second time in host memory."""
+    """What a background save writes: a `FileImage` (``staging`` refilled where it fits) holding
+    every tensor; and the copies left to the writer: the tensors whose storage is in ``deferred``,
+    and the private host copies a transfer from a device made. When those private copies are most
+    of the bytes (a model on an accelerator), they are written from where they are and only the
+    rest is copied, here: an image would hold the state a second time in host memory. Tensors
+    already living in the image (adopted by an earlier save) are not copied; ``adopt``: the
+    deferred ones move into the image at ``settle()``, where nothing else can view their memory
+    (one tensor on all of its storage, or a tensor living in ``staging``, replaced by a new image)."""
     hosts = _host_tensors(state)
     private = {k for k, host in hosts.items() if not _shares_memory(host, state[k])}
     if 2 * sum(nbytes(hosts[k]) for k in private) > sum(nbytes(t) for t in hosts.values()):
         return {k: h if k in private else h.clone() for k, h in hosts.items()}, DeferredCopies([])
     image = image_for(hosts, target, header, reuse=staging)
     later: list[tuple[str, torch.Tensor | None, torch.Tensor, torch.Tensor]] = []
+    moves: list[tuple[torch.Tensor, torch.Tensor]] = []
+    live = False
     for key, host in hosts.items():
+        view = image.tensors[key]
         if key in private:
-            later.append((key, None, host, image.tensors[key]))  # nothing else holds it: no need to watch
+            later.append((key, None, host, view))  # nothing else holds it: no need to watch
         elif host.untyped_storage().data_ptr() in deferred:
-            later.append((key, host, host, image.tensors[key]))
+            later.append((key, host, host, view))
+            live = live or host.data_ptr() == view.data_ptr()
+            owner = _sole_owner(host, deferred[host.untyped_storage().data_ptr()], staging) if adopt else None
+            if owner is not None and host.data_ptr() != view.data_ptr():
+                moves.append((owner, view))
         else:
-            image.tensors[key].copy_(host)
-    return image, DeferredCopies(later)
+            view.copy_(host)
+    lent = LentMemory(image) if live or moves else None
+    return image, DeferredCopies(later, lent=lent, adopt=moves)
+
+
+def _sole_owner(host: torch.Tensor, owners: list[torch.Tensor], staging: FileImage | None) -> torch.Tensor | None:
+    """The parameter or state tensor ``host`` is the memory of, where moving it leaves no other
+    view behind: alone on all of its storage, or living in the previous file image."""
+    mine = [t for t in owners if t.data_ptr() == host.data_ptr() and t.shape == host.shape and t.is_contiguous()]
+    storage = host.untyped_storage()
+    if len(mine) != 1:
+        return None
+    if staging is not None and storage.data_ptr() == staging.memory.untyped_storage().data_ptr():
+        return mine[0]
+    return mine[0] if len(owners) == 1 and storage.nbytes() == nbytes(host) else None
 
 
 def encode_training_state(
@@ -349,18 +384,20 @@ def _host_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """CPU, contiguous, non-overlapping copies where needed; XLA tensors in one batched transfer."""
     hosts = devices.to_host(list(tensors.values()))
     out = []
-    storages: set[int] = set()
+    storages: dict[int, list[tuple[int, int]]] = {}
     for t in hosts:
         if not t.is_contiguous():
             t = t.contiguous()
         if t.numel():
             # Names left out of the plan can still share memory (a reinterpreting view, two
-            # disjoint slices of one buffer); safetensors refuses that, so store a copy.
-            storage = t.untyped_storage().data_ptr()
-            if storage in storages:
+            # slices of one buffer); safetensors refuses overlapping tensors, so store a copy.
+            # Disjoint tensors of one storage (fit's state living in its file image) stay.
+            start, end = t.data_ptr(), t.data_ptr() + nbytes(t)
+            spans = storages.setdefault(t.untyped_storage().data_ptr(), [])
+            if any(start < e and s < end for s, e in spans):
                 t = t.clone()
             else:
-                storages.add(storage)
+                spans.append((start, end))
         out.append(t)
     return dict(zip(tensors, out, strict=True))
 

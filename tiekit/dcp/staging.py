@@ -13,7 +13,7 @@ the next step's forward and backward passes, as `tiekit.fit`'s single-file saves
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 
 import torch
 
@@ -23,7 +23,7 @@ from tiekit.checkpoint.deferred import DeferredCopies, local_part
 def host_copies(
     tensors: Mapping[str, torch.Tensor],
     staging: Mapping[str, torch.Tensor] | None = None,
-    defer: set[int] | None = None,
+    defer: Container[int] | None = None,
 ) -> tuple[dict[str, torch.Tensor], DeferredCopies | None]:
     """A host copy of every tensor of ``tensors``, made in ``staging``'s copy of the same name
     where its layout matches (a previous call's result whose write is finished), else in new

@@ -139,8 +139,9 @@ class Coordinator:
                 if self.ranks.is_writer:
                     # The parameters and optimizer state are copied beside the next step's forward and
                     # backward passes (they change only in its optimizer step): see `weights_copied`.
+                    # Then they move into the file image, so later saves write them without a copy.
                     self.pending, self.staging, self.copying = save_checkpoint_reusing(
-                        path, blocking=False, staging=self.staging, defer=True, **contents
+                        path, blocking=False, staging=self.staging, defer=True, adopt=True, **contents
                     )
             elif self.ranks.world > 1:
                 collective_save_checkpoint(path, **contents)
@@ -152,19 +153,34 @@ class Coordinator:
         else:
             self.pending_path = path
 
-    def weights_copied(self) -> None:
+    def weights_copied(self, *, then_wait: bool = False) -> None:
         """Local: return once a background save's copy of the parameters and optimizer state is
-        made (and checked: nothing wrote them since the save). The training loop calls it before
-        each optimizer step, which changes them; at once when no copy is under way."""
+        made (and checked: nothing wrote them since the save), or the file image they live in
+        taken back from its writer. The training loop calls it before each optimizer step, which
+        changes them; at once when no copy is under way. ``then_wait``: the caller waits for the
+        write next, changing nothing, so the image is not taken back."""
         if self.copying is not None:
             copying, self.copying = self.copying, None
-            copying.settle()
+            copying.settle(then_wait=then_wait)
+
+    def release_staging(self, model: nn.Module) -> None:
+        """Local: the parameters living in the background saves' file image (see `save`) get
+        memory of their own again, and the image goes: the trained model would otherwise keep the
+        optimizer state alive with it."""
+        image, self.staging = self.staging, None
+        if image is None:
+            return
+        block = image.memory.untyped_storage().data_ptr()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.untyped_storage().data_ptr() == block:
+                    p.data = p.data.clone()
 
     def finish_saves(self, cfg: FitConfig) -> None:
         """Collective (in a run that saves in the background): wait until this rank's background
         save, if any, is written; raise any rank's failure on every rank (`tiekit.CheckpointError`
         naming the ranks)."""
-        self.weights_copied()
+        self.weights_copied(then_wait=True)
         if cfg.checkpoint_dir is None or not cfg.checkpoint_async:
             return  # the same on every rank: nothing was saved in the background
         handle, self.pending = self.pending, None

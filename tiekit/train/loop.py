@@ -174,6 +174,7 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
         coordinator.finish_saves(cfg)  # the last checkpoint complete before fit returns
     finally:
         coordinator.weights_copied()  # a failed run's last background save is still written, if it can be
+        coordinator.release_staging(model)
         log.close()
     backend.wait()
     counters_at_end = backend.counters()
