@@ -173,7 +173,7 @@ class Coordinator:
         block = image.memory.untyped_storage().data_ptr()
         with torch.no_grad():
             for p in model.parameters():
-                if p.untyped_storage().data_ptr() == block:
+                if p.device.type == "cpu" and p.untyped_storage().data_ptr() == block:  # host memory only
                     p.data = p.data.clone()
 
     def finish_saves(self, cfg: FitConfig) -> None:
