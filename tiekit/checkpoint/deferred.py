@@ -58,8 +58,11 @@ def deferrable_storages(model: nn.Module, optimizer: torch.optim.Optimizer | Non
     found: dict[int, list[torch.Tensor]] = {}
     for t in tensors:
         part = local_part(t)
-        if part.device.type == "cpu":
-            found.setdefault(part.untyped_storage().data_ptr(), []).extend([t] if part is t else [])
+        if part.device.type != "cpu":
+            continue
+        on_storage = found.setdefault(part.untyped_storage().data_ptr(), [])
+        if part is t:  # a DTensor's shard is not the tensor the optimizer holds
+            on_storage.append(t)
     return found
 
 

@@ -134,9 +134,7 @@ def image_for(
         return reuse
     head = _round_up(need + _HEADER_SLACK)
     size = head + sum(t.numel() * t.element_size() for _, t in order)
-    raw = torch.empty(_round_up(size) + BLOCK, dtype=torch.uint8)
-    start = -raw.data_ptr() % BLOCK
-    memory = raw[start : start + _round_up(size)]
+    memory = _aligned(_round_up(size))
     views: dict[str, torch.Tensor] = {}
     offset = head
     for name, t in order:  # safetensors' order keeps every tensor aligned to its element size
@@ -236,12 +234,9 @@ class LentMemory:
             if self._aside is not None or self._done >= len(self._memory):
                 return
             rest = len(self._memory) - self._done
-            if self._spare:
-                whole = self._spare.pop()
-            else:  # as large as the image, so it serves every later save; pages are touched as used
-                raw = np.empty(len(self._memory) + BLOCK, dtype=np.uint8)
-                start = -raw.ctypes.data % BLOCK
-                whole = raw[start : start + len(self._memory)]
+            # New spare memory is as large as the image, so it serves every later save (pages are
+            # touched only as far as they are used).
+            whole = self._spare.pop() if self._spare else _aligned(len(self._memory)).numpy()
             self._whole, self._aside = whole, whole[:rest]
             # torch's copy runs on the training thread's own (idle) OpenMP team: 1.7x numpy's here
             torch.from_numpy(self._aside).copy_(torch.from_numpy(self._memory[self._done :]))
@@ -251,6 +246,13 @@ class LentMemory:
 
 def _round_up(n: int) -> int:
     return -(-n // BLOCK) * BLOCK
+
+
+def _aligned(size: int) -> torch.Tensor:
+    """``size`` bytes of new host memory starting on a `BLOCK` boundary (not touched: no page faults yet)."""
+    raw = torch.empty(size + BLOCK, dtype=torch.uint8)
+    start = -raw.data_ptr() % BLOCK
+    return raw[start : start + size]
 
 
 def _ordered(tensors: Mapping[str, torch.Tensor], path: Path) -> list[tuple[str, torch.Tensor]]:
@@ -348,7 +350,7 @@ class DirectFile(io.RawIOBase):
     def _write_tail(self) -> None:
         if self._filled == self._synced:
             return
-        padded = -(-self._filled // BLOCK) * BLOCK
+        padded = _round_up(self._filled)
         self._buffer[self._filled : padded] = 0
         self._write_at(self._base, padded)
         os.ftruncate(self._fd, self._base + self._filled)  # the padding is not part of the file
