@@ -256,7 +256,7 @@ def _collect(job: Job) -> tuple[list[Outcome], nn.Module]:
     if isinstance(job.model, nn.Module):
         model = job.model
     else:
-        torch.manual_seed(job.config.seed)
+        state.seed_generators(job.config.seed)
         model = job.model()
     load_model(model, job.result_dir / "model.safetensors")
     return outcomes, model

@@ -211,7 +211,7 @@ def _build(job: Job, backend: Backend, *, own: bool = True) -> tuple[nn.Module, 
     backend needs one, or where spawned processes would share its tensors (``own=False``: the
     module itself, for the trained weights of a sharded run to land in)."""
     with _build_lock:
-        torch.manual_seed(job.config.seed)
+        state.seed_generators(job.config.seed)
         if isinstance(job.model, nn.Module):
             # Replicas must not share storage: launch threads hold the very same module, and
             # spawned processes receive its tensors in shared memory (torch.multiprocessing).

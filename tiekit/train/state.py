@@ -162,6 +162,16 @@ def _as_tensors(value: Any) -> Any:
     return value
 
 
+def seed_generators(seed: int) -> None:
+    """Seed torch's, Python's and NumPy's global generators (the ones a checkpoint records) with
+    ``seed``: a spawned replica starts them from fresh entropy, so a dataset drawing its
+    augmentations from ``random`` or ``numpy.random`` would differ between two runs of one seed."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    if "numpy" in sys.modules:  # torch imports it where it is installed
+        sys.modules["numpy"].random.seed(seed % 2**32)
+
+
 def _rng_states(device: torch.device) -> dict[str, Any]:
     version, state, gauss = random.getstate()
     states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, list(state), gauss]}
