@@ -14,6 +14,7 @@ from models import assert_unchanged, snapshot
 from torch import nn
 
 import tiekit
+from tiekit.collective import failure_message
 from tiekit.dcp import MARKER_NAME
 
 
@@ -164,3 +165,18 @@ def test_unstorable_extra_is_refused_before_anything_is_written(tmp_path: Path) 
     with pytest.raises(tiekit.CheckpointError, match=r"cannot store 'extra/value/fn': a builtin_function_or_method"):
         tiekit.save_sharded(Tied(), tmp_path / "ck", extra={"fn": print})
     assert not list((tmp_path / "ck").glob("save-*")) and not (tmp_path / "ck" / MARKER_NAME).exists()
+
+
+def test_a_failure_alike_on_several_ranks_is_reported_once_with_their_ranks() -> None:
+    # DCP hands every rank the failures of all ranks, so ranks that report what they caught
+    # (fit's finish_saves, save_sharded) would repeat that text once per rank.
+    dcp = "CheckpointError: save_sharded of /runs/ckpt/step-4 failed: rank 1: 'embed.weight' was written in place"
+    message = failure_message("a background checkpoint save", [dcp, dcp, None, "OSError: No space left on device"])
+    assert message == (
+        f"a background checkpoint save failed on 3 of 4 rank(s): ranks 0, 1: {dcp}; "
+        "rank 3: OSError: No space left on device"
+    )
+    assert message.count(dcp) == 1
+    assert failure_message("save", ["OSError: x"]) == "save failed: rank 0: OSError: x"  # one process
+    shared = failure_message("collective_save_model", [None, "OSError: x"], ["/a.safetensors", "/b.safetensors"])
+    assert shared == "collective_save_model failed on 1 of 2 rank(s): rank 1 (/b.safetensors): OSError: x"

@@ -117,6 +117,21 @@ def collective_agree(value: T, what: str, *, timeout: float = DEFAULT_TIMEOUT) -
     return agreed
 
 
+def failure_message(what: str, errors: list[str | None], where: list[str] | None = None) -> str:
+    """``what`` failed on which of ``len(errors)`` ranks (``None``: that rank did not fail), each
+    distinct error once with the ranks that raised it, and ``where[rank]`` after each rank (local).
+    A save that fails alike on every rank (DCP reports all ranks' failures to each) reads once."""
+    by_text: dict[str, list[str]] = {}
+    for rank, error in enumerate(errors):
+        if error is not None:
+            by_text.setdefault(error, []).append(f"{rank}" + (f" ({where[rank]})" if where else ""))
+    detail = "; ".join(f"rank{'s' * (len(rs) > 1)} {', '.join(rs)}: {text}" for text, rs in by_text.items())
+    if len(errors) == 1:
+        return f"{what} failed: {detail}"
+    failed = sum(e is not None for e in errors)
+    return f"{what} failed on {failed} of {len(errors)} rank(s): {detail}"
+
+
 def collective_run(path_key: str, write: Callable[[], None], *, what: str, timeout: float = DEFAULT_TIMEOUT) -> None:
     """Collective: run ``write`` once per distinct ``path_key`` (on the lowest rank naming it) and
     raise every writer's failure on every rank (`CheckpointError` naming the rank and its error).
@@ -132,12 +147,9 @@ def collective_run(path_key: str, write: Callable[[], None], *, what: str, timeo
             error = f"{type(exc).__name__}: {exc}"
             own = exc
     errors = collective_gather(error, timeout=timeout)
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if not failed:
-        return
-    # The same error on every rank, the writer's own included: it names the ranks that failed.
-    detail = "; ".join(f"rank {r} ({keys[r]}): {e}" for r, e in failed)
-    raise CheckpointError(f"{what} failed on {len(failed)} of {where.world} rank(s): {detail}") from own
+    if any(e is not None for e in errors):
+        # The same error on every rank, the writer's own included: it names the ranks that failed.
+        raise CheckpointError(failure_message(what, errors, keys)) from own
 
 
 def collective_save_model(

@@ -30,7 +30,7 @@ from torch import nn
 from tiekit.checkpoint.deferred import DeferredCopies, deferrable_storages
 from tiekit.checkpoint.handle import SaveHandle
 from tiekit.checkpoint.layout import PathLike
-from tiekit.collective import collective_gather
+from tiekit.collective import collective_gather, failure_message
 from tiekit.dcp.layout import SAVE_PREFIX, remove_stale, write_marker
 from tiekit.dcp.staging import host_copies
 from tiekit.dcp.state import SaveState, running_dcp, save_state, unwrap, xla_spmd
@@ -215,10 +215,7 @@ def _raise_anywhere(error: BaseException | None, what: str) -> None:
         return
     if isinstance(error, CheckpointError) and all(e == text for _, e in failed):
         raise error  # the same failure everywhere (a bad checkpoint): this rank's own error says it all
-    detail = "; ".join(f"rank {r}: {e}" for r, e in failed)
-    if len(errors) == 1:
-        raise CheckpointError(f"{what} failed: {detail}") from error
-    raise CheckpointError(f"{what} failed on {len(failed)} of {len(errors)} rank(s): {detail}") from error
+    raise CheckpointError(failure_message(what, errors)) from error
 
 
 def _distributed() -> bool:

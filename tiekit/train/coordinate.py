@@ -32,7 +32,13 @@ from tiekit.backends.base import Backend
 from tiekit.checkpoint.deferred import DeferredCopies
 from tiekit.checkpoint.direct import FileImage
 from tiekit.checkpoint.saving import save_checkpoint_reusing
-from tiekit.collective import Ranks, abort_thread_collectives, collective_gather, collective_save_checkpoint
+from tiekit.collective import (
+    Ranks,
+    abort_thread_collectives,
+    collective_gather,
+    collective_save_checkpoint,
+    failure_message,
+)
 from tiekit.dcp import MARKER_NAME, SaveHandle
 from tiekit.dcp.saving import save_sharded_staged
 from tiekit.errors import CheckpointError, TiekitError
@@ -195,12 +201,9 @@ class Coordinator:
             if own is not None:
                 raise own
         else:
-            failed = [(rank, e) for rank, e in enumerate(self.gather(error)) if e is not None]
-            if failed:
-                detail = "; ".join(f"rank {rank}: {e}" for rank, e in failed)
-                raise CheckpointError(
-                    f"a background checkpoint save failed on {len(failed)} rank(s): {detail}"
-                ) from own
+            errors = self.gather(error)
+            if any(e is not None for e in errors):
+                raise CheckpointError(failure_message("a background checkpoint save", errors)) from own
         path, self.pending_path = self.pending_path, None
         if path is not None:
             self._complete(cfg, path)  # complete on every rank: the gather above waited for all
