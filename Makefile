@@ -46,7 +46,12 @@ test-latest: $(LATEST)/.stamp
 docs: $(VENV)/.stamp
 	$(VENV)/bin/mkdocs build --strict --quiet
 
-test: lint docs test-xla-stack test-latest
+# The two environments install side by side (pip spends most of it unpacking wheels on one core),
+# the checks run beside the second install; then the suites one after the other (each uses both
+# cores). -O keeps each job's output in one piece in the log.
+test:
+	$(MAKE) -j2 -O lint docs $(LATEST)/.stamp
+	$(MAKE) test-xla-stack test-latest
 
 clean:
 	rm -rf $(VENV) $(LATEST)
