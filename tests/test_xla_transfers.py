@@ -442,3 +442,51 @@ def test_a_load_whose_embedding_dominates_the_model_holds_it_once(tmp_path: Path
         growth[pieces] = int(done.stdout.strip().splitlines()[-1]) / path.stat().st_size
     assert growth[True] <= 1.6, f"peak RSS grew by {growth[True]:.2f}x the file"  # 1.41x measured
     assert growth[False] >= 1.85, f"the control grew by {growth[False]:.2f}x only"  # 1.98-2.01x measured
+
+
+def executions_during(work: Callable[[], object]) -> int:
+    """XLA computations run by ``work`` (torch_xla's ``ExecuteTime`` samples), its pending work included."""
+    import torch_xla
+    import torch_xla.debug.metrics as met
+
+    def count() -> int:
+        data = met.metric_data("ExecuteTime")
+        return 0 if data is None else int(data[0])
+
+    torch_xla.sync()
+    before = count()
+    work()
+    torch_xla.sync()
+    return count() - before
+
+
+def test_a_load_into_a_model_on_xla_hands_its_tensors_the_new_buffers_without_a_device_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tensors filled whole in place take over the buffer their values were transferred into
+    (`tiekit.devices.overwrite`): the model keeps its tensor objects, ties and optimizer, and the
+    load runs no XLA computation. The control writes them with ``copy_``: a device copy of every
+    byte, run as a computation."""
+    torch.manual_seed(0)
+    path = tmp_path / "c.safetensors"
+    saved = WeightSharingModule()
+    tiekit.save_checkpoint(path, model=saved, step=3)
+    results = {}
+    for mode in ("overwrite", "copy_"):
+        torch.manual_seed(1)  # other values than the file's
+        model = WeightSharingModule()
+        tiekit.move(model, "xla")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        objects = [id(p) for p in model.parameters()]
+        with monkeypatch.context() as patch:
+            if mode == "copy_":
+                patch.setattr(tiekit.devices, "overwrite", lambda target, value: target.copy_(value))
+            results[mode] = executions_during(lambda: tiekit.load_checkpoint(path, model=model))  # noqa: B023
+        assert [id(p) for p in model.parameters()] == objects and model.layer_3.weight is model.layer_1.weight
+        for name, value in saved.state_dict().items():
+            assert torch.equal(model.state_dict()[name].cpu(), value), name
+        model(torch.randn(4, 32).to(model.layer_1.weight.device)).sum().backward()
+        optimizer.step()  # the optimizer still trains the model's own tensors
+        assert not torch.equal(model.layer_1.weight.cpu(), saved.layer_1.weight)
+        assert model.layer_3.weight is model.layer_1.weight
+    assert results["overwrite"] == 0 and results["copy_"] >= 1, results

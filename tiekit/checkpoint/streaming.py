@@ -207,7 +207,7 @@ def _place(
             if unit.replace:
                 out.append((unit, value))
             else:
-                unit.tensor.copy_(value)
+                devices.overwrite(unit.tensor, value)
                 written = True
             continue
         job, first = whole
