@@ -106,23 +106,6 @@ def to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.T
     return list(moved)
 
 
-def overwrite(target: torch.Tensor, value: torch.Tensor) -> None:
-    """``target.copy_(value)`` for a ``value`` of ``target``'s device, dtype and shape that nothing
-    else will use (a load's freshly transferred tensor).
-
-    On XLA the target takes over value's device buffer (torch_xla's ``_replace_xla_tensor``, as
-    its FSDP does for parameters) instead of a copy: the same tensor object (ties, optimizer
-    references kept), no device copy of the bytes (one more host memcpy on XLA:CPU), no graph. A
-    view goes through ``copy_``, which torch_xla propagates to its base.
-    """
-    same = (target.shape, target.dtype) == (value.shape, value.dtype)
-    if target.device.type != "xla" or target._base is not None or not same:
-        target.copy_(value)
-        return
-    with torch.no_grad():
-        xla()._XLAC._replace_xla_tensor(target, value)
-
-
 def write_rows(target: torch.Tensor, first: int, rows: torch.Tensor) -> None:
     """``target[first : first + len(rows)] = rows``, in place, both tensors on one device.
 

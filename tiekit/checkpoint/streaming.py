@@ -207,7 +207,7 @@ def _place(
             if unit.replace:
                 out.append((unit, value))
             else:
-                devices.overwrite(unit.tensor, value)
+                unit.tensor.copy_(value)
                 written = True
             continue
         job, first = whole
