@@ -232,3 +232,38 @@ def test_without_tiekit_a_plain_dcp_load_into_an_untied_model_keeps_it_untied(tm
     tiekit.save_sharded(model, tmp_path / "tied")
     tiekit.load_sharded(fresh, tmp_path / "tied")
     assert fresh.head.weight is fresh.embed.weight
+
+
+GROUPS_AFTER_DESTROY = """
+import gc, sys, weakref
+import torch, torch.distributed as dist
+from torch import nn
+import tiekit
+
+out, ports = sys.argv[1], sys.argv[2:]
+alive = []
+for round, port in enumerate(ports):  # a second default group, as a second fit under one launcher makes
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    model = nn.Sequential(nn.Embedding(30, 8), nn.Linear(8, 30, bias=False))
+    model[1].weight = model[0].weight
+    tiekit.save_sharded(model, f"{out}/ck{round}", blocking=False).wait()
+    refs = [weakref.ref(g) for g in dist.distributed_c10d._world.pg_map]  # the save's own group too
+    dist.destroy_process_group()
+    gc.collect()
+    alive.append([len(refs), sum(r() is not None for r in refs)])
+print(alive)
+"""
+
+
+def test_background_saves_hold_no_process_group_beyond_its_default_group(tmp_path: Path) -> None:
+    """Background sharded saves run their collectives on a gloo group of their own, made once per
+    default group: a new default group gets a new one (never a destroyed one found at a recycled
+    address), and once it is destroyed tiekit holds neither (a group held until interpreter exit
+    is destroyed there, where gloo can abort the process). tiekit before kept every such group in
+    a dict keyed by id(): [2, 1] in the second round. The first round's two groups outlive their
+    destruction in torch itself (no Python object refers to the default group) until the next
+    default group is made, in torch 2.9 and 2.14 alike."""
+    command = [sys.executable, "-c", GROUPS_AFTER_DESTROY, str(tmp_path), str(free_port()), str(free_port())]
+    [run] = run_ok([command], env=base_env(), cwd=tmp_path)
+    first, second = json.loads(run.output.strip().splitlines()[-1])
+    assert first[0] == 2 and second == [2, 0], run.output

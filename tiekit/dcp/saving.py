@@ -19,6 +19,7 @@ import functools
 import os
 import threading
 import uuid
+import weakref
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -231,7 +232,11 @@ def _world() -> int:
     return int(torch.distributed.get_world_size()) if _distributed() else 1
 
 
-_groups: dict[int, Any] = {}
+# The background saves' group of each live default group, held no longer than that group: a
+# destroyed group kept alive here would be destroyed only at interpreter exit, where gloo's
+# threads abort the process ("terminate called without an active exception"), and a new default
+# group at a recycled address must not find it (a dict keyed by id() did both).
+_groups: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def _async_group() -> Any:
@@ -240,10 +245,9 @@ def _async_group() -> Any:
     rank is in save_sharded here)."""
     dist = torch.distributed
     default = dist.group.WORLD
-    key = id(default)
-    if key not in _groups:
+    if default not in _groups:
         try:
-            _groups[key] = dist.new_group(backend="gloo")
+            _groups[default] = dist.new_group(backend="gloo")
         except RuntimeError as exc:
             raise TiekitError(f"save_sharded(blocking=False) needs a gloo process group for its writes: {exc}") from exc
-    return _groups[key]
+    return _groups[default]
