@@ -180,3 +180,27 @@ def test_a_sharded_run_refuses_to_resume_from_a_single_file(tmp_path: Path) -> N
     assert saved.checkpoint is not None
     with pytest.raises(tiekit.TiekitError, match="resumes from a sharded checkpoint folder"):
         tiekit.fit(DropoutNet, data(), max_steps=4, strategy="fsdp", devices=2, resume=saved.checkpoint, **kw)
+
+
+class HalvesInForward(WeightSharingModule):
+    """A forward pass that writes a parameter in place (a constraint applied under no_grad)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.layer_2.weight.mul_(0.5)
+        return super().forward(x)
+
+
+def test_fsdp_refuses_a_model_whose_forward_writes_a_gathered_parameter() -> None:
+    """Under FSDP2 the write would land in the gathered copy and be lost (measured before this
+    check: the weight trained as if never halved, largest entry 0.34 against 0.02 in one process),
+    so the first step says so on every rank instead of training another model."""
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32, 32, generator=generator), torch.randn(32, 10, generator=generator))
+    kw: dict[str, Any] = {"loss_fn": F.mse_loss, "optimizer": ADAMW, "max_steps": 4, "batch_size": 4, "progress": False}
+    torch.manual_seed(0)
+    built = HalvesInForward().layer_2.weight.detach().abs().max().item()
+    one = tiekit.fit(HalvesInForward, data, devices="cpu", **kw)  # the control: in one process the write lands
+    assert one.model.layer_2.weight.abs().max().item() < built / 4
+    with pytest.raises(tiekit.TiekitError, match=r"the forward pass wrote 'layer_2\.weight' in place: under FSDP2"):
+        tiekit.fit(HalvesInForward, data, strategy="fsdp", devices=2, **kw)
