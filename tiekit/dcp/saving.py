@@ -233,9 +233,9 @@ def _world() -> int:
 
 
 # The background saves' group of each live default group, held no longer than that group: a
-# destroyed group kept alive here would be destroyed only at interpreter exit, where gloo's
-# threads abort the process ("terminate called without an active exception"), and a new default
-# group at a recycled address must not find it (a dict keyed by id() did both).
+# destroyed group kept alive here would be destroyed only at interpreter exit, where gloo can
+# abort the process (its threads outliving the interpreter, pytorch/pytorch#179291), and a new
+# default group at a recycled address must not find it (a dict keyed by id() did both).
 _groups: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
