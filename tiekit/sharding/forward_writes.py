@@ -25,8 +25,11 @@ def refuse_forward_writes(model: nn.Module) -> None:
     """Local: make the next forward pass of ``model`` (sharded with FSDP2) raise `TiekitError` if it
     writes a gathered (unsharded) parameter in place; then stop watching. Call it after sharding:
     the watch runs between FSDP2's gather before each unit's forward and its release after it."""
-    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
+
+    from tiekit.sharding.wrap import fsdp2
+
+    FSDPModule = fsdp2()[0]
 
     names = {id(m): prefix for prefix, m in model.named_modules(remove_duplicate=False)}
     handles: list[Any] = []
