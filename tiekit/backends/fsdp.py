@@ -30,9 +30,6 @@ class FsdpBackend(TorchBackend):
         shard(model)
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        from tiekit.sharding.forward_writes import refuse_forward_writes
-
-        refuse_forward_writes(model)  # FSDP2 would drop them: the first step says so
         return model  # FSDP2 reduce-scatters the gradients in backward: no wrapper
 
     def unplace(

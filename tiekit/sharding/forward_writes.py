@@ -7,8 +7,8 @@ say) therefore changes that copy only: the same model trains differently under
 ``fit(strategy="fsdp")`` than in one process or under DDP, where the write lands. (A write to a
 parameter still sharded, from outside its unit, lands in the shard and is not the concern here.)
 
-`refuse_forward_writes` watches the first forward pass of every unit and raises a `TiekitError`
-naming the parameters such a pass wrote (every in-place write bumps a tensor's version counter;
+`tiekit.shard` calls `refuse_forward_writes`: it watches the first forward pass of every unit and
+raises a `TiekitError` naming the parameters such a pass wrote (every in-place write bumps a tensor's version counter;
 a write through ``.data`` does not, and is not seen).
 """
 

@@ -14,6 +14,7 @@ from tiekit.errors import TiekitError
 from tiekit.plan import TiePlan
 from tiekit.retie import retie
 from tiekit.sharding.check import check_sharding
+from tiekit.sharding.forward_writes import refuse_forward_writes
 from tiekit.sharding.units import UnitSpec, shard_units
 
 
@@ -48,7 +49,9 @@ def shard(
     Raises `TiekitError` without a process group (and no ``mesh``), for a model already wrapped,
     and for a unit entry that matches nothing or names a ``ModuleList``; `TieError` when tied
     units cannot be ordered bottom-up or a buffer is a view of a parameter. An error from a
-    ``fully_shard`` call (leaving the model partly wrapped) carries a note naming the unit.
+    ``fully_shard`` call (leaving the model partly wrapped) carries a note naming the unit. The
+    first forward pass raises `TiekitError` if it writes a parameter in place: FSDP2 would write
+    the gathered copy and drop it (`tiekit.sharding.forward_writes`).
 
     Does not communicate: ``fully_shard`` shards each rank's own copy of the weights locally, so
     every rank must hold the same weights (same seed, or load a checkpoint after wrapping); the
@@ -84,6 +87,7 @@ def shard(
             exc.add_note(f"tiekit.shard: while sharding the unit {unit.label!r}")
             raise
     check_sharding(model, plan)
+    refuse_forward_writes(model)  # FSDP2 drops them: the first forward pass says so
     return model
 
 
