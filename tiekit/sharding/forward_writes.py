@@ -37,7 +37,7 @@ def refuse_forward_writes(model: nn.Module) -> None:
     depth = [0]
 
     def before(module: nn.Module, args: Any) -> None:
-        depth[0] += 1
+        depth[0] = 1 if module is model else depth[0] + 1  # a pass that raised left its count behind
         prefix = names.get(id(module), "")
         watched[id(module)] = [
             (f"{prefix}.{name}" if prefix else name, p, p._version)
@@ -57,7 +57,7 @@ def refuse_forward_writes(model: nn.Module) -> None:
                 f"the forward pass wrote {shown} in place: under FSDP2 a forward pass sees a gathered copy "
                 "of each parameter, freed after it, so the write would be lost and the model would train "
                 "differently than in one process or under DDP. Change the parameters outside the forward "
-                "pass (after the optimizer step), or train with strategy='ddp'"
+                "pass (after the optimizer step), or train with DDP (fit: strategy='ddp')"
             )
 
     for module in model.modules():
