@@ -312,3 +312,67 @@ def test_units_on_the_meta_device() -> None:
         "transformer.h.1",
         "<root>",
     ]
+
+
+FORWARD_WRITES = """
+import sys, torch, torch.distributed as dist
+from torch import nn
+import tiekit
+
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=0, world_size=1)
+
+
+class Block(nn.Linear):
+    halve = False
+
+    def forward(self, x):
+        if self.halve:
+            with torch.no_grad():
+                self.weight.mul_(0.5)  # its own weight, gathered for this forward
+        return super().forward(x)
+
+
+class Net(nn.Module):
+    def __init__(self, root_halves):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(8, 8) for _ in range(2)])  # a unit each
+        self.head = nn.Linear(8, 8)  # the root's
+        self.root_halves = root_halves
+
+    def forward(self, x):
+        if self.root_halves:
+            with torch.no_grad():
+                self.blocks[1].weight.mul_(0.5)  # still sharded here: the write lands in the shard
+        return self.head(self.blocks[1](self.blocks[0](x)))
+
+
+def biggest(p):
+    return float(p.full_tensor().abs().max())
+
+
+x = torch.randn(2, 8)
+for case in ("block", "root", "none"):
+    torch.manual_seed(0)
+    model = tiekit.shard(Net(root_halves=case == "root"))
+    model.blocks[1].halve = case == "block"
+    before = biggest(model.blocks[1].weight)
+    try:
+        model(x).sum().backward()
+        model(x).sum().backward()  # watched once: the hooks are gone
+        print(case, "ran", round(biggest(model.blocks[1].weight) / before, 3), flush=True)
+    except tiekit.TiekitError as exc:
+        print(case, "refused", str(exc).split(":")[0], flush=True)
+"""
+
+
+def test_shard_refuses_a_first_forward_that_writes_a_gathered_parameter(tmp_path: Any) -> None:
+    """A block writing its own (gathered) weight in forward is refused at the first pass; a write
+    from outside the unit, to the still-sharded weight, lands in the shard (halved twice over two
+    passes) and is not refused; a model writing nothing runs as before."""
+    [run] = run_ok([[sys.executable, "-c", FORWARD_WRITES, str(free_port())]], env=base_env(), cwd=tmp_path)
+    lines = [line for line in run.output.splitlines() if line.startswith(("block ", "root ", "none "))]
+    assert lines == [
+        "block refused the forward pass wrote 'blocks.1.weight' in place",
+        "root ran 0.25",
+        "none ran 1.0",
+    ], run.output
