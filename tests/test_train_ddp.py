@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
+import multiprocessing
+import os
 import random
 from typing import Any
 
@@ -82,3 +85,26 @@ def test_spawned_processes_seed_python_and_numpy_so_two_runs_of_one_seed_are_equ
     # The control: the noise reaches the losses, so unseeded noise makes two runs of one seed differ.
     unseeded = [tiekit.fit(WeightSharingModule, NoisyData(entropy=True), **kw) for _ in range(2)]
     assert unseeded[0].losses != unseeded[1].losses
+
+
+class AbortsAtExit(WeightSharingModule):
+    """Built in a spawned process, it makes that process abort (SIGABRT) at interpreter exit, as
+    torch's gloo process groups sometimes do, once the run is over."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        if multiprocessing.parent_process() is not None:
+            atexit.register(os.abort)
+
+
+def test_a_replica_killed_on_its_way_out_after_every_replica_reported_is_a_warning() -> None:
+    """The run is complete (every outcome written before the ranks' last meeting), so fit returns
+    it and says what happened; a replica dying before that still fails the run
+    (tests/test_train_launchers.py, a worker killed at step 8)."""
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32, 32, generator=generator), torch.randn(32, 10, generator=generator))
+    kw: dict[str, Any] = {"loss_fn": F.mse_loss, "max_steps": 3, "batch_size": 4, "progress": False}
+    with pytest.warns(RuntimeWarning, match=r"killed by signal SIGABRT while exiting, after every replica"):
+        result = tiekit.fit(AbortsAtExit, data, strategy="ddp", devices=2, **kw)
+    assert (result.steps, result.world_size, result.replicas_identical, result.ties_kept) == (3, 2, True, True)
+    assert result.model.layer_3.weight is result.model.layer_1.weight

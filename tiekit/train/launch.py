@@ -24,6 +24,7 @@ import json
 import os
 import pickle
 import tempfile
+import warnings
 from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
@@ -189,7 +190,15 @@ def _processes(job: Job, requested: int | str) -> tuple[list[Outcome], nn.Module
             with _picklable(job.strategy):
                 start_processes(_process_entry, args=(spawned, world, free_port()), nprocs=world, start_method="spawn")
         except ProcessException as exc:  # torch stopped the other processes when this one failed
-            raise _failure(spawned, exc) from exc
+            if not _died_after_reporting(spawned, world, exc):
+                raise _failure(spawned, exc) from exc
+            warnings.warn(
+                f"replica {exc.error_index} was killed by signal {getattr(exc, 'signal_name', '?')} while exiting, "
+                "after every replica had reported its result: the run is complete. (torch's gloo process groups "
+                "can abort a process at interpreter exit: pytorch/pytorch#179291)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
         return _collect(spawned)
 
 
@@ -232,6 +241,18 @@ def _picklable(strategy: str) -> Iterator[None]:
 # -- results of spawned replicas --------------------------------------------------------------------
 
 
+def _died_after_reporting(job: Job, world: int, exc: Exception) -> bool:
+    """Whether a replica that died by a signal did so only on its way out: every replica wrote its
+    outcome (each does before the ranks' last meeting, so the one that died had passed it) and
+    none an error."""
+    from torch.multiprocessing.spawn import ProcessExitedException
+
+    assert job.result_dir is not None
+    reported = all((job.result_dir / f"outcome-{rank}.json").is_file() for rank in range(world))
+    failed = any(job.result_dir.glob("error-*.json"))
+    return isinstance(exc, ProcessExitedException) and bool(exc.signal_name) and reported and not failed
+
+
 def _report(job: Job, outcome: Outcome, model: nn.Module, host_leader: bool) -> None:
     assert job.result_dir is not None
     if host_leader:
@@ -240,7 +261,9 @@ def _report(job: Job, outcome: Outcome, model: nn.Module, host_leader: bool) -> 
         # records it; tiekit.load_model reads that record.
         safetensors_torch.save_model(model, str(job.result_dir / "model.safetensors"))
     text = json.dumps(dataclasses.asdict(outcome))
-    (job.result_dir / f"outcome-{outcome.rank}.json").write_text(text, encoding="utf-8")
+    partial = job.result_dir / f".outcome-{outcome.rank}.json"
+    partial.write_text(text, encoding="utf-8")
+    partial.replace(job.result_dir / f"outcome-{outcome.rank}.json")  # whole, or not there
 
 
 def _collect(job: Job) -> tuple[list[Outcome], nn.Module]:
