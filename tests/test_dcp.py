@@ -238,12 +238,14 @@ GROUPS_AFTER_DESTROY = """
 import gc, sys, weakref
 import torch, torch.distributed as dist
 from torch import nn
-import tiekit
 
-out, ports = sys.argv[1], sys.argv[2:]
+out, order, ports = sys.argv[1], sys.argv[2], sys.argv[3:]
+if order == "tiekit-first":
+    import tiekit
 alive = []
 for round, port in enumerate(ports):  # a second default group, as a second fit under one launcher makes
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    import tiekit  # the first import here when order is "group-first"
     model = nn.Sequential(nn.Embedding(30, 8), nn.Linear(8, 30, bias=False))
     model[1].weight = model[0].weight
     tiekit.save_sharded(model, f"{out}/ck{round}", blocking=False).wait()
@@ -255,15 +257,26 @@ print(alive)
 """
 
 
-def test_background_saves_hold_no_process_group_beyond_its_default_group(tmp_path: Path) -> None:
+def groups_alive_after_destroy(tmp_path: Path, order: str) -> list[list[int]]:
+    """[groups made, groups still alive after destroy_process_group] for two rounds of
+    init, background sharded save, destroy in one fresh process."""
+    ports = [str(free_port()), str(free_port())]
+    command = [sys.executable, "-c", GROUPS_AFTER_DESTROY, str(tmp_path / order), order, *ports]
+    [run] = run_ok([command], env=base_env(), cwd=tmp_path)
+    alive: list[list[int]] = json.loads(run.output.strip().splitlines()[-1])
+    return alive
+
+
+def test_a_sharded_save_leaves_no_process_group_alive_after_destroy(tmp_path: Path) -> None:
     """Background sharded saves run their collectives on a gloo group of their own, made once per
     default group: a new default group gets a new one (never a destroyed one found at a recycled
-    address), and once it is destroyed tiekit holds neither (a group held until interpreter exit
-    is destroyed there, where gloo can abort the process). tiekit before kept every such group in
-    a dict keyed by id(): [2, 1] in the second round. The first round's two groups outlive their
-    destruction in torch itself (no Python object refers to the default group) until the next
-    default group is made, in torch 2.9 and 2.14 alike."""
-    command = [sys.executable, "-c", GROUPS_AFTER_DESTROY, str(tmp_path), str(free_port()), str(free_port())]
-    [run] = run_ok([command], env=base_env(), cwd=tmp_path)
-    first, second = json.loads(run.output.strip().splitlines()[-1])
-    assert first[0] == 2 and second == [2, 0], run.output
+    address), and once the default group is destroyed both are freed (a group alive until
+    interpreter exit is destroyed there, where gloo can abort the process). tiekit before kept
+    every such group in a dict keyed by id() ([2, 1] in the second round), and torch itself kept
+    the first default group in torch.distributed.nn.functional's default arguments, evaluated
+    when DCP first imports it: the control, tiekit imported only after the group was made,
+    shows torch keeping the first round's two groups; `import tiekit` first imports that module
+    while no group exists."""
+    assert groups_alive_after_destroy(tmp_path, "tiekit-first") == [[2, 0], [2, 0]]
+    first, second = groups_alive_after_destroy(tmp_path, "group-first")
+    assert first == [2, 2] and second == [2, 0]

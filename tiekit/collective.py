@@ -32,6 +32,16 @@ from tiekit.errors import CheckpointError, TiekitError
 
 T = TypeVar("T")
 
+if torch.distributed.is_available():
+    # torch.distributed.nn.functional's collectives take ``group=group.WORLD`` as a default
+    # argument, evaluated at its first import. torch.distributed.checkpoint imports it, so a first
+    # sharded save after init_process_group left the default group in those defaults for the life
+    # of the process: destroy_process_group could not free it, and its gloo threads were torn
+    # down during interpreter shutdown, where torch 2.14 can abort the process ("terminate called
+    # without an active exception", pytorch/pytorch#179291). Imported now, before any group
+    # exists (2.5 ms), the defaults are None.
+    import torch.distributed.nn.functional
+
 #: Seconds a collective waits for the other ranks before it fails (threads, gloo): a stuck
 #: rank is an error naming it, never a hang.
 DEFAULT_TIMEOUT = 1800.0
