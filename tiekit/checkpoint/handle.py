@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import atexit
+import itertools
+import sys
 import threading
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 from tiekit.errors import CheckpointError
+
+# What failed saves nothing has waited for yet said, by handle serial number. A background save
+# nobody waits for must not fail in silence: the next save into the same folder warns, and
+# whatever is left at interpreter exit (after the writing threads were joined, which Python does
+# before `atexit` runs) goes to stderr. Text, not handles: a failure's traceback holds the
+# save's frames, and with them its host copies of the state.
+_unseen: dict[int, str] = {}
+_unseen_lock = threading.Lock()
+_serials = itertools.count()
 
 
 class SaveHandle:
@@ -31,6 +44,7 @@ class SaveHandle:
         self._finished = threading.Event()
         self._error: BaseException | None = None
         self._then = then
+        self._serial = next(_serials)
         if future is None:
             self._finished.set()
         else:
@@ -43,6 +57,8 @@ class SaveHandle:
                 self._then()
         except BaseException as exc:  # noqa: BLE001 - kept for wait(), which raises it in the caller
             self._error = exc
+            with _unseen_lock:
+                _unseen[self._serial] = str(self._failure())
         finally:
             self._then = None  # it may hold the staged copies, which may be large: drop them once written
             self._finished.set()
@@ -59,10 +75,37 @@ class SaveHandle:
     def wait(self, timeout: float | None = None) -> None:
         """Block until the save finished; `CheckpointError` if it failed or ``timeout`` seconds passed.
         Local: waits for this rank's own writing (and rank 0's commit on rank 0)."""
-        what = f"save {self.save_id}" if self.save_id else "save"
         if not self._finished.wait(timeout):
-            raise CheckpointError(f"{self.path}: {what} not finished within {timeout} s")
+            raise CheckpointError(f"{self.path}: {self._what} not finished within {timeout} s")
         if self._error is not None:
-            if isinstance(self._error, CheckpointError):
-                raise self._error
-            raise CheckpointError(f"{self.path}: {what} failed: {self._error}") from self._error
+            with _unseen_lock:
+                _unseen.pop(self._serial, None)
+            raise self._failure()
+
+    def warn_unseen_failure(self) -> None:
+        """Local: if the save failed and nothing waited for it, say so now, once (a
+        ``RuntimeWarning``); `wait` still raises it."""
+        with _unseen_lock:
+            text = _unseen.pop(self._serial, None)
+        if text is not None:
+            warnings.warn(f"{text} (nothing waited for this save)", RuntimeWarning, stacklevel=3)
+
+    @property
+    def _what(self) -> str:
+        return f"save {self.save_id}" if self.save_id else "save"
+
+    def _failure(self) -> CheckpointError:
+        if isinstance(self._error, CheckpointError):
+            return self._error
+        failure = CheckpointError(f"{self.path}: {self._what} failed: {self._error}")
+        failure.__cause__ = self._error
+        return failure
+
+
+@atexit.register
+def _report_unseen_failures() -> None:
+    with _unseen_lock:
+        left = list(_unseen.values())
+        _unseen.clear()
+    for text in left:
+        sys.stderr.write(f"tiekit: {text} (a background save nothing waited for: SaveHandle.wait() raises it)\n")

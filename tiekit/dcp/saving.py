@@ -100,8 +100,9 @@ def save_sharded_staged(
         previous = _pending.pop(key, None)
     if previous is not None:
         # Its failure is its own handle's to raise: raising it here, on the ranks where it failed,
-        # would leave the others waiting in this save's collectives.
+        # would leave the others waiting in this save's collectives. Unseen, it is a warning.
         previous.join()
+        previous.warn_unseen_failure()
     inner = unwrap(model)
     save_id, state = _prepare(inner, root, optimizer, extra)
     folder = root / f"{SAVE_PREFIX}{save_id}"
@@ -134,8 +135,22 @@ def save_sharded_staged(
     writer = DurableWriter(folder, None if copies is None else functools.partial(_copy_and_check, copies, folder))
 
     def write() -> None:
-        with running_dcp(folder, reading=False):
-            save(hosts, storage_writer=writer, planner=planner, process_group=group, no_dist=not distributed)
+        destroyed = (
+            f"{folder}: the process group was destroyed while this background save was under way; wait for "
+            "its handle (handle.wait()) before destroy_process_group() (a load takes the last save the "
+            "folder's marker names)"
+        )
+        # DCP over a destroyed group does not fail cleanly (torch 2.14 ran on and had both ranks
+        # write the metadata), so a save whose group is gone does not start.
+        if distributed and not torch.distributed.is_initialized():
+            raise CheckpointError(destroyed)
+        try:
+            with running_dcp(folder, reading=False):
+                save(hosts, storage_writer=writer, planner=planner, process_group=group, no_dist=not distributed)
+        except Exception as exc:
+            if distributed and not torch.distributed.is_initialized():
+                raise CheckpointError(f"{destroyed}: {type(exc).__name__}: {exc}") from exc
+            raise
 
     future = _background_writer().submit(write)
     commit = functools.partial(_commit, root, save_id, state) if _rank() == 0 else None

@@ -1,0 +1,125 @@
+"""A background save that fails is never silent, even when nothing waits for its handle: the next
+save into the same folder warns, the process says so on stderr at exit, and a process group
+destroyed under a save is named as the cause."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from launching import base_env, free_port, run_ok
+from torch import nn
+
+import tiekit
+
+NEVER_WAITED = """
+import sys
+from torch import nn
+import tiekit
+
+handle = tiekit.save_checkpoint(sys.argv[1] + "/ckpt.safetensors", model=nn.Linear(2, 2), blocking=False)
+if sys.argv[2] == "wait":
+    try:
+        handle.wait(60)
+    except tiekit.CheckpointError as exc:
+        print("wait raised:", exc)
+"""
+
+
+@pytest.mark.parametrize("waits", [False, True], ids=["never-waited", "waited"])
+def test_a_failed_background_save_nothing_waited_for_is_reported_at_exit(tmp_path: Path, waits: bool) -> None:
+    """Before, a script that never waited for its failed save exited 0 and printed nothing. The
+    control: a script that waits gets the error from `wait` and no second report at exit."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    command = [sys.executable, "-c", NEVER_WAITED, str(blocker), "wait" if waits else "no"]
+    [run] = run_ok([command], env=base_env(), cwd=tmp_path)
+    report = "a background save nothing waited for: SaveHandle.wait() raises it"
+    if waits:
+        assert "wait raised:" in run.output and str(blocker) in run.output and report not in run.output, run.output
+    else:
+        assert f"tiekit: {blocker}" in run.output and report in run.output, run.output
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(30, 8)
+        self.head = nn.Linear(8, 30, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_a_failed_sharded_save_nothing_waited_for_warns_at_the_next_save_into_its_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    def full_disk(self: FileSystemWriter, *args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    model = Tied()
+    tiekit.save_sharded(model, tmp_path / "ck")
+    with monkeypatch.context() as patch:
+        patch.setattr(FileSystemWriter, "write_data", full_disk)
+        failed = tiekit.save_sharded(model, tmp_path / "ck", blocking=False)
+        failed.join()
+    with pytest.warns(RuntimeWarning, match=r"ck/save-\w+.*No space left on device.*nothing waited for this save"):
+        tiekit.save_sharded(model, tmp_path / "ck", blocking=False).wait(60)
+    with pytest.raises(tiekit.CheckpointError, match="No space left"):
+        failed.wait(0)  # still raised by its own handle
+    # A failure that was waited for is not reported again.
+    with monkeypatch.context() as patch:
+        patch.setattr(FileSystemWriter, "write_data", full_disk)
+        seen = tiekit.save_sharded(model, tmp_path / "ck", blocking=False)
+        with pytest.raises(tiekit.CheckpointError):
+            seen.wait(60)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        tiekit.save_sharded(model, tmp_path / "ck", blocking=False).wait(60)
+    fresh = Tied()
+    tiekit.load_sharded(fresh, tmp_path / "ck")
+    assert fresh.head.weight is fresh.embed.weight and torch.equal(fresh.embed.weight, model.embed.weight)
+
+
+DESTROYED = """
+import sys, threading
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+import tiekit
+from tiekit.dcp.saving import _background_writer
+
+def worker(rank, port, out):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    model = nn.Sequential(nn.Embedding(30, 8), nn.Linear(8, 30, bias=False))
+    model[1].weight = model[0].weight
+    release = threading.Event()
+    _background_writer().submit(release.wait, 60)  # the save starts only after the destroy below
+    handle = tiekit.save_sharded(model, out, blocking=False)
+    dist.destroy_process_group()
+    release.set()
+    try:
+        handle.wait(60)
+    except tiekit.CheckpointError as exc:
+        print(f"rank {rank}:", exc, flush=True)
+
+if __name__ == "__main__":
+    mp.spawn(worker, args=(int(sys.argv[1]), sys.argv[2]), nprocs=2)
+    print("committed:", tiekit.dcp.is_sharded_checkpoint(sys.argv[2]))
+"""
+
+
+def test_a_process_group_destroyed_under_a_background_save_is_named_as_its_failure(tmp_path: Path) -> None:
+    """Before, `wait` raised torch's "Group ... is not registered, please create group with
+    torch.distributed.new_group API"."""
+    (tmp_path / "destroyed.py").write_text(DESTROYED)
+    command = [sys.executable, "destroyed.py", str(free_port()), str(tmp_path / "ck")]
+    [run] = run_ok([command], env=base_env(), cwd=tmp_path)
+    for rank in (0, 1):
+        assert f"rank {rank}: {tmp_path / 'ck'}/save-" in run.output, run.output
+    assert run.output.count("the process group was destroyed while this background save was under way") == 2
+    assert "wait for its handle (handle.wait()) before destroy_process_group()" in run.output
+    assert "committed: False" in run.output, run.output
