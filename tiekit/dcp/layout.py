@@ -36,6 +36,17 @@ def is_sharded_checkpoint(path: PathLike) -> bool:
     return (Path(path) / MARKER_NAME).is_file()
 
 
+def committed_save_id(path: PathLike) -> str | None:
+    """The save id the marker of ``path`` names now, or None when there is no readable marker
+    (local; reads the marker only, validates nothing)."""
+    try:
+        raw = json.loads((Path(path) / MARKER_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    save_id = raw.get("save_id") if isinstance(raw, dict) else None
+    return save_id if isinstance(save_id, str) else None
+
+
 @dataclass(frozen=True)
 class Marker:
     """A validated ``tiekit-dcp.json``: the committed save and what the loader must find there."""

@@ -29,8 +29,9 @@ from tiekit.checkpoint.optimizer import stage_optimizer
 from tiekit.checkpoint.source import Source
 from tiekit.checkpoint.staging import Staged, stage
 from tiekit.checkpoint.streaming import STAGING_BYTES, RowPart, release_freed_memory, stream_rows_in_place
+from tiekit.collective import collective_gather
 from tiekit.dcp.chunks import Located, locate_rows, row_chunks
-from tiekit.dcp.layout import Marker, check_files, file_ends, read_marker
+from tiekit.dcp.layout import Marker, check_files, committed_save_id, file_ends, read_marker
 from tiekit.dcp.saving import _raise_anywhere
 from tiekit.dcp.state import destination, parameters_by_name, running_dcp, unwrap, xla_spmd
 from tiekit.errors import CheckpointError
@@ -48,6 +49,27 @@ class ShardedLoadResult(LoadResult):
     save_id: str = ""
 
 
+#: A load starts over, on every rank, when the folder's marker has come to name a newer save than
+#: the one it reads (another process committed meanwhile and removed the old save's files); at
+#: most this many times.
+READ_ATTEMPTS = 5
+
+
+class _Replaced(Exception):
+    """The save being read is no longer the folder's (raised alike on every rank)."""
+
+
+@dataclass
+class _Read:
+    """What a load read, before the model takes it."""
+
+    marker: Marker
+    staged: Staged
+    fresh: dict[int, torch.Tensor]
+    extra: Any
+    restore: Callable[[], None] | None
+
+
 def load_sharded(
     model: nn.Module, path: PathLike, *, optimizer: torch.optim.Optimizer | None = None
 ) -> ShardedLoadResult:
@@ -63,17 +85,53 @@ def load_sharded(
     metadata of another save, keys, shapes or a plan that does not fit the model raise
     `CheckpointError` naming the file and key, on every rank, with the model untouched (an I/O
     error in the middle of reading into the model's own memory is the one exception).
+
+    Every rank reads the same save. A folder another process commits a new save into while it is
+    read (an evaluator beside training) is read again from the new save, on every rank (at most
+    `READ_ATTEMPTS` times), rather than failing on the old save's removed files.
     """
+    root = Path(os.path.abspath(os.fspath(path)))
+    inner = unwrap(model)
+    replaced: Exception | None = None
+    for _ in range(READ_ATTEMPTS):
+        reading: list[str] = []  # the save this attempt reads, once its marker is read
+        try:
+            read = _read(inner, root, optimizer, reading)
+        except _Replaced as exc:
+            replaced = exc
+            continue
+        except CheckpointError as exc:  # raised alike on every rank: so is the question below
+            if not _collective_replaced(root, reading):
+                raise
+            replaced = exc
+            continue
+        devices.sync()  # XLA: the last tensors' copies, before the model is used
+        _commit(inner, read.staged, read.fresh)
+        if read.restore is not None:
+            read.restore()
+        staged = read.staged
+        return ShardedLoadResult(
+            staged.missing, staged.unexpected, staged.groups, "tiekit", read.extra, read.marker.save_id
+        )
+    raise CheckpointError(
+        f"{root}: replaced by a newer save {READ_ATTEMPTS} times while it was being read (saves committed "
+        f"faster than this load reads them); the last time: {replaced}"
+    )
+
+
+def _read(inner: nn.Module, root: Path, optimizer: torch.optim.Optimizer | None, reading: list[str]) -> _Read:
+    """Collective: one attempt of `load_sharded`, up to the model taking what was read (its
+    weights read in place, or into the new tensors of a meta model). Appends the save id it reads
+    to ``reading``; `_Replaced` on every rank if the ranks found different saves committed."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.state_dict_loader import load
 
-    root = Path(os.path.abspath(os.fspath(path)))
-    inner = unwrap(model)
     error: Exception | None = None
     marker = source = staged = metadata = None
     side: dict[str, torch.Tensor] = {}
     try:
         marker = read_marker(root)
+        reading.append(marker.save_id)
         metadata = _dcp_metadata(marker)
         source = _source(marker, metadata)
         try:
@@ -85,7 +143,9 @@ def load_sharded(
         side = _side_destinations(inner, marker, with_optimizer=optimizer is not None)
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         error = exc
-    _raise_anywhere(error, f"{root}: load")
+    found = _raise_anywhere(error, f"{root}: load", share=reading[0] if reading else None)
+    if len(set(found)) > 1:  # a commit between two ranks' reads of the marker
+        raise _Replaced(f"{root}: the ranks found different saves committed ({', '.join(map(str, found))})")
     assert marker is not None and source is not None and staged is not None
     single = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     if side:
@@ -118,11 +178,16 @@ def load_sharded(
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         error = exc
     _raise_anywhere(error, f"{root}: load")  # what one rank streams, others may not: all learn of a failure
-    devices.sync()  # XLA: the last tensors' copies, before the model is used
-    _commit(inner, staged, fresh)
-    if restore is not None:
-        restore()
-    return ShardedLoadResult(staged.missing, staged.unexpected, staged.groups, "tiekit", extra, marker.save_id)
+    return _Read(marker, staged, fresh, extra, restore)
+
+
+def _collective_replaced(root: Path, reading: list[str]) -> bool:
+    """Collective: whether every rank now finds one save committed in ``root`` that some rank was
+    not reading (so the load may have failed on a save replaced under it: worth another attempt).
+    A failure while every rank read the save still committed is the checkpoint's own."""
+    seen = collective_gather((reading[0] if reading else None, committed_save_id(root)))
+    current = {now for _, now in seen}
+    return len(current) == 1 and None not in current and any(was not in current for was, _ in seen)
 
 
 def _spmd_planner() -> Any:

@@ -222,13 +222,15 @@ def _commit(root: Path, save_id: str, state: SaveState | None) -> None:
     remove_stale(root, keep=folder.name)
 
 
-def _raise_anywhere(error: BaseException | None, what: str) -> None:
-    """Collective: raise on every rank if any rank failed (the failing rank's own error there)."""
+def _raise_anywhere(error: BaseException | None, what: str, share: Any = None) -> list[Any]:
+    """Collective: raise on every rank if any rank failed (the failing rank's own error there);
+    else every rank's ``share``, in rank order (sent in the same exchange)."""
     text = None if error is None else f"{type(error).__name__}: {error}"
-    errors = collective_gather(text)
+    gathered = collective_gather((text, share))
+    errors = [e for e, _ in gathered]
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if not failed:
-        return
+        return [shared for _, shared in gathered]
     if isinstance(error, CheckpointError) and all(e == text for _, e in failed):
         raise error  # the same failure everywhere (a bad checkpoint): this rank's own error says it all
     raise CheckpointError(failure_message(what, errors)) from error
