@@ -23,6 +23,7 @@ from torch import nn
 
 import tiekit
 from tiekit import CheckpointError, find_ties, load_model, save_model
+from tiekit.checkpoint import reads
 
 IDS = torch.tensor([[1, 5, 9, 2, 7, 3]])
 
@@ -497,8 +498,8 @@ def plain_safetensors_save(model: nn.Module, folder: Path) -> None:
         pytest.param(plain_safetensors_save, id="safetensors"),
     ],
 )
-def test_checkpoint_replaced_during_a_load_is_refused_before_anything_is_read(
-    tmp_path: Path, writer: Callable[[nn.Module, Path], None]
+def test_checkpoint_replaced_during_a_load_is_loaded_again_from_the_new_save(
+    tmp_path: Path, writer: Callable[[nn.Module, Path], None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     folder = tmp_path / "ckpt"
     writer(WeightSharingModule(), folder)
@@ -507,10 +508,15 @@ def test_checkpoint_replaced_during_a_load_is_refused_before_anything_is_read(
         for p in newer.parameters():
             p.fill_(7.0)
     model = SavedOverDuringLoad(lambda: writer(newer, folder))
+    load_model(model, folder)  # validated the old save, found it replaced, read the newer one whole
+    assert torch.equal(model.layer_1.weight, torch.full((10, 32), 7.0))
+    assert all(torch.equal(p, torch.full_like(p, 7.0)) for p in model.parameters())
+    assert model.layer_3.weight is model.layer_1.weight
+    # The control, one attempt (as before): refused before anything is read.
+    monkeypatch.setattr(reads, "READ_ATTEMPTS", 1)
+    writer(WeightSharingModule(), folder)
+    model = SavedOverDuringLoad(lambda: writer(newer, folder))
     before = snapshot(model)
     with pytest.raises(CheckpointError, match="changed on disk after its header was checked"):
         load_model(model, folder)
     assert_unchanged(model, before)
-    load_model(model, folder)  # loading again reads the newer save, whole
-    assert torch.equal(model.layer_1.weight, torch.full((10, 32), 7.0))
-    assert model.layer_3.weight is model.layer_1.weight

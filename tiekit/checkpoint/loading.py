@@ -18,7 +18,7 @@ from tiekit import devices
 from tiekit.checkpoint.codec import Reader, decode
 from tiekit.checkpoint.layout import CHECKPOINT_NAME, Device, PathLike
 from tiekit.checkpoint.optimizer import stage_optimizer
-from tiekit.checkpoint.reads import read_into, read_tensor
+from tiekit.checkpoint.reads import read_into, read_tensor, reading_again
 from tiekit.checkpoint.source import Source, open_source, training_record
 from tiekit.checkpoint.staging import DtypePolicy, Staged, stage
 from tiekit.checkpoint.streaming import Job, stream_to_devices
@@ -60,12 +60,17 @@ def load_model(
     file's dtypes (a meta model built in float32 loads a bfloat16 file as bfloat16). With
     ``strict`` missing or unexpected keys raise `CheckpointError`. Every error is raised before
     the model changes (ties included); see docs/checkpoints.md for the one exception, an I/O
-    error in the middle of reading bytes into the model's own memory.
+    error in the middle of reading bytes into the model's own memory. A file another process
+    saves over after it was validated and before it is read is loaded again from the start.
     """
-    source = open_source(path)
-    staged = stage(model, source, strict=strict, device=_device(device, source.where), dtype=dtype)
-    _commit(model, source, staged)
-    return LoadResult(staged.missing, staged.unexpected, staged.groups, source.plan_origin)
+
+    def load() -> LoadResult:
+        source = open_source(path)
+        staged = stage(model, source, strict=strict, device=_device(device, source.where), dtype=dtype)
+        _commit(model, source, staged)
+        return LoadResult(staged.missing, staged.unexpected, staged.groups, source.plan_origin)
+
+    return reading_again(load)
 
 
 def _device(device: Device, where: str) -> torch.device | None:
@@ -186,6 +191,16 @@ def read_training_checkpoint(
     readers: Mapping[str, Reader] | None = None,
 ) -> dict[str, Any]:
     """`load_checkpoint`, with ``readers`` for the markers a save's codec fallback wrote."""
+    return reading_again(lambda: _read_training_checkpoint(path, model, optimizer, dtype, readers))
+
+
+def _read_training_checkpoint(
+    path: PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    dtype: DtypePolicy,
+    readers: Mapping[str, Reader] | None,
+) -> dict[str, Any]:
     source = open_source(path, (CHECKPOINT_NAME,))
     record = training_record(source)
     staged = stage(model, source, strict=True, device=None, dtype=dtype)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -16,6 +16,27 @@ from tiekit.header import FileIdentity, TensorEntry, file_identity
 _CHUNK = 1 << 23
 _WORKERS = 8
 _Chunk = tuple[int, memoryview, int, TensorEntry, str]  # descriptor, destination, offset, entry, path
+
+T = TypeVar("T")
+
+#: A load starts over when a checkpoint it validated is replaced before it reads it (another
+#: process saved over it meanwhile: an evaluator beside training); at most this many attempts.
+READ_ATTEMPTS = 5
+
+
+class ReplacedWhileReading(CheckpointError):
+    """A file changed on disk between its validation and its first read; nothing was read."""
+
+
+def reading_again(load: Callable[[], T]) -> T:
+    """``load()``, started over while a file it validated is replaced before it reads it (at
+    most `READ_ATTEMPTS` attempts; then that error is raised). Local."""
+    for _ in range(READ_ATTEMPTS - 1):
+        try:
+            return load()
+        except ReplacedWhileReading:
+            continue
+    return load()
 
 
 class TensorReader:
@@ -119,7 +140,7 @@ class TensorReader:
         except OSError as exc:
             raise CheckpointError(f"{path}: cannot open: {exc.strerror or exc}") from exc
         if path in self._files and now != self._files[path]:
-            raise CheckpointError(
+            raise ReplacedWhileReading(
                 f"{path}: changed on disk after its header was checked (replaced by another save?); "
                 "nothing was loaded, load again"
             )

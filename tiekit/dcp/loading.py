@@ -26,6 +26,7 @@ from tiekit.checkpoint.codec import decode
 from tiekit.checkpoint.layout import PathLike, name_list
 from tiekit.checkpoint.loading import LoadResult
 from tiekit.checkpoint.optimizer import stage_optimizer
+from tiekit.checkpoint.reads import READ_ATTEMPTS
 from tiekit.checkpoint.source import Source
 from tiekit.checkpoint.staging import Staged, stage
 from tiekit.checkpoint.streaming import STAGING_BYTES, RowPart, release_freed_memory, stream_rows_in_place
@@ -47,12 +48,6 @@ class ShardedLoadResult(LoadResult):
 
     extra: Any = None
     save_id: str = ""
-
-
-#: A load starts over, on every rank, when the folder's marker has come to name a newer save than
-#: the one it reads (another process committed meanwhile and removed the old save's files); at
-#: most this many times.
-READ_ATTEMPTS = 5
 
 
 class _Replaced(Exception):
@@ -88,7 +83,8 @@ def load_sharded(
 
     Every rank reads the same save. A folder another process commits a new save into while it is
     read (an evaluator beside training) is read again from the new save, on every rank (at most
-    `READ_ATTEMPTS` times), rather than failing on the old save's removed files.
+    ``READ_ATTEMPTS`` times, `tiekit.checkpoint.reads`), rather than failing on the old save's
+    removed files.
     """
     root = Path(os.path.abspath(os.fspath(path)))
     inner = unwrap(model)
