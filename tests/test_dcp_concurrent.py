@@ -4,6 +4,7 @@ again from the new one instead of failing on its removed files."""
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from launching import TIMEOUT, base_env, free_port, run_ok
 from torch import nn
 
 import tiekit
+from tiekit.checkpoint import reads
 from tiekit.dcp import loading
 
 # Another process saving into the folder: every weight is the value given, recorded in `extra`.
@@ -112,6 +114,7 @@ import subprocess, sys
 import torch, torch.distributed as dist, torch.multiprocessing as mp
 from torch import nn
 import tiekit
+from tiekit.checkpoint import reads
 from tiekit.dcp import loading
 
 def tied():
@@ -196,3 +199,32 @@ def test_ranks_that_find_different_saves_committed_all_read_the_newer_one(
         committed = tiekit.load_sharded(tied(), folder).save_id
         for rank, line in enumerate(lines):
             assert line == f"rank {rank}: save {committed} extra {{'value': 2.0}} values [2.0]", lines
+
+
+def test_a_folder_saved_over_while_it_is_converted_is_converted_from_the_new_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    converting = importlib.import_module("tiekit.dcp.convert")  # the module (the package exports the function)
+    folder = tmp_path / "ck"
+    commit_from_another_process(folder, 1.0)
+    real = converting.read_rows
+    calls: list[int] = []
+
+    def read_rows(*args: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            commit_from_another_process(folder, 2.0)
+        return real(*args)
+
+    monkeypatch.setattr(converting, "read_rows", read_rows)
+    tiekit.convert(folder, tmp_path / "model.safetensors")
+    model = tied()
+    tiekit.load_model(model, tmp_path / "model.safetensors")
+    assert all(torch.equal(p, torch.full_like(p, 2.0)) for p in model.parameters())
+    assert model[2].weight is model[0].weight
+    # The control, one attempt: the old save's files are gone, and nothing is left at the destination.
+    monkeypatch.setattr(reads, "READ_ATTEMPTS", 1)
+    calls.clear()
+    with pytest.raises(tiekit.CheckpointError, match=r"replaced by save \w+ while it was read"):
+        tiekit.convert(folder, tmp_path / "again.safetensors")
+    assert not (tmp_path / "again.safetensors").exists()
