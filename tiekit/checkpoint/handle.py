@@ -88,7 +88,7 @@ class SaveHandle:
         with _unseen_lock:
             text = _unseen.pop(self._serial, None)
         if text is not None:
-            warnings.warn(f"{text} (nothing waited for this save)", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"{text} (nothing waited for this save)", RuntimeWarning, stacklevel=4)
 
     @property
     def _what(self) -> str:

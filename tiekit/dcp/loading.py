@@ -54,7 +54,7 @@ class _Replaced(Exception):
     """The save being read is no longer the folder's (raised alike on every rank)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Read:
     """What a load read, before the model takes it."""
 
