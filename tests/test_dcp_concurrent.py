@@ -18,6 +18,7 @@ from torch import nn
 import tiekit
 from tiekit.checkpoint import reads
 from tiekit.dcp import loading
+from tiekit.inspection import inspect_file
 
 # Another process saving into the folder: every weight is the value given, recorded in `extra`.
 WRITER = """
@@ -116,6 +117,7 @@ from torch import nn
 import tiekit
 from tiekit.checkpoint import reads
 from tiekit.dcp import loading
+from tiekit.inspection import inspect_file
 
 def tied():
     model = nn.Sequential(nn.Embedding(40, 16), nn.Linear(16, 16), nn.Linear(16, 40, bias=False))
@@ -228,3 +230,24 @@ def test_a_folder_saved_over_while_it_is_converted_is_converted_from_the_new_sav
     with pytest.raises(tiekit.CheckpointError, match=r"replaced by save \w+ while it was read"):
         tiekit.convert(folder, tmp_path / "again.safetensors")
     assert not (tmp_path / "again.safetensors").exists()
+
+
+def test_inspecting_a_folder_saved_over_meanwhile_reports_the_new_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "ck"
+    commit_from_another_process(folder, 1.0)
+    first = inspect_file(folder).metadata["save_id"]
+    real = loading._dcp_metadata
+    calls: list[int] = []
+
+    def dcp_metadata(marker: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            commit_from_another_process(folder, 2.0)  # after the marker was read
+        return real(marker)
+
+    monkeypatch.setattr(loading, "_dcp_metadata", dcp_metadata)
+    report = inspect_file(folder)
+    assert len(calls) == 2  # the attempt that found the old save gone, then the new save
+    assert report.metadata["save_id"] == tiekit.load_sharded(tied(), folder).save_id != first

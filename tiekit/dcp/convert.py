@@ -22,7 +22,7 @@ from torch import nn
 
 from tiekit.analyze import dtype_name, find_ties
 from tiekit.checkpoint.layout import INDEX_SUFFIX, WEIGHTS_NAME, PathLike
-from tiekit.checkpoint.reads import ReplacedWhileReading, read_tensor, reading_again
+from tiekit.checkpoint.reads import read_tensor
 from tiekit.checkpoint.saving import _parse_size, declared_ties
 from tiekit.checkpoint.source import open_source
 from tiekit.dcp.chunks import read_rows, row_chunks
@@ -30,8 +30,8 @@ from tiekit.dcp.layout import (
     DCP_METADATA,
     MARKER_NAME,
     SAVE_PREFIX,
-    committed_save_id,
     read_marker,
+    reading_committed,
     remove_stale,
     write_marker,
 )
@@ -84,23 +84,10 @@ def convert(
     as two tied names stored with different values. A source another process saves over while
     it is read is converted again from its new save.
     """
-    return reading_again(lambda: _convert(Path(src), Path(dst), plan, max_shard_size))
+    return reading_committed(Path(src), lambda: _convert(Path(src), Path(dst), plan, max_shard_size))
 
 
 def _convert(src: Path, dst: Path, plan: TiePlan | nn.Module | None, max_shard_size: int | str | None) -> ConvertResult:
-    opened = committed_save_id(src) if (src / MARKER_NAME).is_file() else None
-    try:
-        return _convert_once(src, dst, plan, max_shard_size)
-    except CheckpointError as exc:
-        now = committed_save_id(src) if opened is not None else None
-        if now is not None and now != opened:  # a save committed under the read removed the files read
-            raise ReplacedWhileReading(f"{src}: save {opened} replaced by save {now} while it was read: {exc}") from exc
-        raise
-
-
-def _convert_once(
-    src: Path, dst: Path, plan: TiePlan | nn.Module | None, max_shard_size: int | str | None
-) -> ConvertResult:
     source = _open(src)
     tie_plan = _plan(plan, source.plan)
     specs, merged, checks = _layout(source, tie_plan)

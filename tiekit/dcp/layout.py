@@ -14,13 +14,14 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tiekit.checkpoint.files import _commit_file, _fsync
 from tiekit.checkpoint.layout import PathLike
+from tiekit.checkpoint.reads import ReplacedWhileReading, reading_again
 from tiekit.errors import CheckpointError, TieError
 from tiekit.plan import TiePlan
 
@@ -29,6 +30,8 @@ FORMAT = "tiekit-dcp"
 FORMAT_VERSION = 1
 SAVE_PREFIX = "save-"
 DCP_METADATA = ".metadata"
+
+T = TypeVar("T")
 
 
 def is_sharded_checkpoint(path: PathLike) -> bool:
@@ -45,6 +48,26 @@ def committed_save_id(path: PathLike) -> str | None:
         return None
     save_id = raw.get("save_id") if isinstance(raw, dict) else None
     return save_id if isinstance(save_id, str) else None
+
+
+def reading_committed(root: Path, read: Callable[[], T]) -> T:
+    """Local: ``read()``, something reading the checkpoint folder ``root``, started again while it
+    fails because another process committed a new save under it (removing the files it read), at
+    most ``READ_ATTEMPTS`` attempts (`tiekit.checkpoint.reads.reading_again`)."""
+
+    def attempt() -> T:
+        opened = committed_save_id(root)
+        try:
+            return read()
+        except CheckpointError as exc:
+            now = committed_save_id(root)
+            if opened is not None and now is not None and now != opened:
+                raise ReplacedWhileReading(
+                    f"{root}: save {opened} replaced by save {now} while it was read: {exc}"
+                ) from exc
+            raise
+
+    return reading_again(attempt)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import torch
 
 from tiekit.analyze import dtype_name
 from tiekit.checkpoint.layout import PathLike
-from tiekit.dcp.layout import read_marker
+from tiekit.dcp.layout import read_marker, reading_committed
 from tiekit.inspection import FileReport, StoredTensor
 
 
@@ -19,7 +19,12 @@ def inspect_sharded(path: PathLike, *, check_values: bool = False) -> FileReport
     """Describe the `save_sharded` folder ``path``: its stored tensors (global shapes; the file
     holding each one's first chunk), plan, optimizer/extra tensors and save. ``check_values`` reads
     the tensors that share a dtype and shape and reports the byte-identical ones. Validates the
-    folder as `load_sharded` does; `CheckpointError` naming the file and key otherwise. Local."""
+    folder as `load_sharded` does; `CheckpointError` naming the file and key otherwise. A folder
+    another process saves into meanwhile is read again from its new save. Local."""
+    return reading_committed(Path(path), lambda: _inspect_sharded(path, check_values))
+
+
+def _inspect_sharded(path: PathLike, check_values: bool) -> FileReport:
     from tiekit.dcp.loading import _dcp_metadata
 
     marker = read_marker(path)
