@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from launching import base_env, free_port, run_ok
-from torch import nn
+from models import WeightSharingModule
 
 import tiekit
 
@@ -44,14 +44,6 @@ def test_a_failed_background_save_nothing_waited_for_is_reported_at_exit(tmp_pat
         assert f"tiekit: {blocker}" in run.output and report in run.output, run.output
 
 
-class Tied(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(30, 8)
-        self.head = nn.Linear(8, 30, bias=False)
-        self.head.weight = self.embed.weight
-
-
 def test_a_failed_sharded_save_nothing_waited_for_warns_at_the_next_save_into_its_folder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -60,7 +52,7 @@ def test_a_failed_sharded_save_nothing_waited_for_warns_at_the_next_save_into_it
     def full_disk(self: FileSystemWriter, *args: object) -> None:
         raise OSError(28, "No space left on device")
 
-    model = Tied()
+    model = WeightSharingModule()
     tiekit.save_sharded(model, tmp_path / "ck")
     with monkeypatch.context() as patch:
         patch.setattr(FileSystemWriter, "write_data", full_disk)
@@ -79,9 +71,9 @@ def test_a_failed_sharded_save_nothing_waited_for_warns_at_the_next_save_into_it
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         tiekit.save_sharded(model, tmp_path / "ck", blocking=False).wait(60)
-    fresh = Tied()
+    fresh = WeightSharingModule()
     tiekit.load_sharded(fresh, tmp_path / "ck")
-    assert fresh.head.weight is fresh.embed.weight and torch.equal(fresh.embed.weight, model.embed.weight)
+    assert fresh.layer_3.weight is fresh.layer_1.weight and torch.equal(fresh.layer_1.weight, model.layer_1.weight)
 
 
 DESTROYED = """
