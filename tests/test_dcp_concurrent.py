@@ -251,3 +251,40 @@ def test_inspecting_a_folder_saved_over_meanwhile_reports_the_new_save(
     report = inspect_file(folder)
     assert len(calls) == 2  # the attempt that found the old save gone, then the new save
     assert report.metadata["save_id"] == tiekit.load_sharded(tied(), folder).save_id != first
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "background"])
+def test_a_save_another_writer_committed_over_meanwhile_is_not_committed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, blocking: bool
+) -> None:
+    """Two writers in one folder: the one committing second used to replace the first's marker and
+    remove its save (the first's checkpoint lost, silently). Now it refuses to commit; the other
+    writer's save stays the folder's checkpoint, whole."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    folder = tmp_path / "ck"
+    commit_from_another_process(folder, 1.0)
+    real = FileSystemWriter.write_data
+    calls: list[int] = []
+
+    def write_data(self: FileSystemWriter, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            commit_from_another_process(folder, 2.0)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", write_data)
+    model = tied()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(3.0)
+    with pytest.raises(tiekit.CheckpointError, match=r"ck: save \w+ was committed into this folder by another writer"):
+        tiekit.save_sharded(model, folder, blocking=blocking).wait(60)
+    loaded = tied()
+    result = tiekit.load_sharded(loaded, folder)
+    assert result.extra == {"value": 2.0} and all(torch.equal(p, torch.full_like(p, 2.0)) for p in loaded.parameters())
+    monkeypatch.undo()
+    tiekit.save_sharded(model, folder)  # the next save commits, and removes the refused one's files
+    assert len(list(folder.glob("save-*"))) == 1
+    assert tiekit.load_sharded(loaded, folder).extra is None
+    assert all(torch.equal(p, torch.full_like(p, 3.0)) for p in loaded.parameters())

@@ -32,7 +32,7 @@ from tiekit.checkpoint.deferred import DeferredCopies, deferrable_storages
 from tiekit.checkpoint.handle import SaveHandle
 from tiekit.checkpoint.layout import PathLike
 from tiekit.collective import collective_gather, failure_message
-from tiekit.dcp.layout import SAVE_PREFIX, remove_stale, write_marker
+from tiekit.dcp.layout import SAVE_PREFIX, committed_save_id, remove_stale, write_marker
 from tiekit.dcp.staging import host_copies
 from tiekit.dcp.state import SaveState, running_dcp, save_state, unwrap, xla_spmd
 from tiekit.errors import CheckpointError, TiekitError
@@ -104,6 +104,8 @@ def save_sharded_staged(
         previous.join()
         previous.warn_unseen_failure()
     inner = unwrap(model)
+    writes_marker = _rank() == 0
+    before = committed_save_id(root) if writes_marker else None  # what the commit may replace
     save_id, state = _prepare(inner, root, optimizer, extra)
     folder = root / f"{SAVE_PREFIX}{save_id}"
     distributed = _distributed()
@@ -115,10 +117,11 @@ def save_sharded_staged(
             with running_dcp(folder, reading=False):
                 save(state.tensors, storage_writer=DurableWriter(folder), planner=planner, no_dist=not distributed)
         except Exception as exc:  # noqa: BLE001 - reported on every rank below
-            error = exc
-        if _rank() == 0 and error is None:
+            conflict = _writer_conflict(root, save_id, before, exc) if writes_marker else None
+            error = conflict or exc
+        if writes_marker and error is None:
             try:
-                _commit(root, save_id, state)
+                _commit(root, save_id, state, before)
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
                 error = exc
         _raise_anywhere(error, f"{root}: save {save_id}")
@@ -150,10 +153,12 @@ def save_sharded_staged(
         except Exception as exc:
             if distributed and not torch.distributed.is_initialized():
                 raise CheckpointError(f"{destroyed}: {type(exc).__name__}: {exc}") from exc
+            if writes_marker and (conflict := _writer_conflict(root, save_id, before, exc)):
+                raise conflict from exc
             raise
 
     future = _background_writer().submit(write)
-    commit = functools.partial(_commit, root, save_id, state) if _rank() == 0 else None
+    commit = functools.partial(_commit, root, save_id, state, before) if writes_marker else None
     handle = SaveHandle(root, save_id, future, commit)
     with _pending_lock:
         _pending[key] = handle
@@ -212,14 +217,36 @@ def _prepare(model: nn.Module, root: Path, optimizer: Any, extra: Any) -> tuple[
     return save_id, state
 
 
-def _commit(root: Path, save_id: str, state: SaveState | None) -> None:
+def _commit(root: Path, save_id: str, state: SaveState | None, before: str | None) -> None:
+    """Publish the save (rank 0), unless another writer committed into the folder since it began
+    (``before``: the save committed then): replacing theirs would remove their save's files, and
+    they may remove this one's; two writers in one folder lose each other's saves."""
     assert state is not None
     folder = root / f"{SAVE_PREFIX}{save_id}"
+    conflict = _writer_conflict(root, save_id, before)
+    if conflict is not None:
+        raise conflict
     record = dict(state.record)
     record["world_size"] = _world()
     record["torch"] = torch.__version__
     write_marker(root, folder, save_id, state.plan, record)
     remove_stale(root, keep=folder.name)
+
+
+def _writer_conflict(
+    root: Path, save_id: str, before: str | None, failure: BaseException | None = None
+) -> CheckpointError | None:
+    """On the rank writing the marker: the error to give when another writer committed into
+    ``root`` since this save began (``before``: the save committed then; a failure of the save's
+    own writing is then theirs too: their commit removed this save's folder), else None."""
+    now = committed_save_id(root)
+    if now == before:
+        return None
+    told = "" if failure is None else f" (this save's writing failed: {type(failure).__name__}: {failure})"
+    return CheckpointError(
+        f"{root}: save {now} was committed into this folder by another writer while save {save_id} was written"
+        f"{told}; not committed (save {now} stays the checkpoint). Give each run its own folder."
+    )
 
 
 def _raise_anywhere(error: BaseException | None, what: str, share: Any = None) -> list[Any]:
