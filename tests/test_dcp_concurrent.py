@@ -5,6 +5,7 @@ again from the new one instead of failing on its removed files."""
 from __future__ import annotations
 
 import importlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,15 @@ def tied() -> nn.Module:
     return model
 
 
+def commit_here(folder: Path, value: float) -> None:
+    """What `WRITER` saves, saved by this process (the state a test starts from)."""
+    model = tied()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
+    tiekit.save_sharded(model, folder, extra={"value": value})
+
+
 def commit_from_another_process(folder: Path, value: float) -> None:
     subprocess.run([sys.executable, "-c", WRITER, str(folder), str(value)], env=base_env(), check=True, timeout=TIMEOUT)
 
@@ -67,7 +77,7 @@ def test_a_save_committed_under_a_load_is_read_again_from_the_new_save(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     folder = tmp_path / "ck"
-    commit_from_another_process(folder, 1.0)
+    commit_here(folder, 1.0)
     first = tiekit.load_sharded(tied(), folder).save_id
     reads = replaced_at_first_read(folder, monkeypatch)
     model = tied()
@@ -83,7 +93,7 @@ def test_without_reading_again_the_replaced_save_fails_on_its_removed_files(
 ) -> None:
     """The control: one attempt only, as before; the old save's files are gone."""
     folder = tmp_path / "ck"
-    commit_from_another_process(folder, 1.0)
+    commit_here(folder, 1.0)
     replaced_at_first_read(folder, monkeypatch)
     monkeypatch.setattr(loading, "READ_ATTEMPTS", 1)
     with pytest.raises(tiekit.CheckpointError, match=r"replaced by a newer save 1 times .*FileNotFoundError"):
@@ -94,7 +104,7 @@ def test_a_load_that_fails_for_another_reason_is_not_read_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     folder = tmp_path / "ck"
-    commit_from_another_process(folder, 1.0)
+    commit_here(folder, 1.0)
     (shard,) = folder.glob("save-*/__0_0.distcp")
     shard.write_bytes(bytes(shard.stat().st_size))  # same size, not a torch.save record
     starts: list[int] = []
@@ -111,96 +121,94 @@ def test_a_load_that_fails_for_another_reason_is_not_read_again(
 
 
 RANKS_SPLIT = """
-import subprocess, sys
+import json, subprocess, sys
 import torch, torch.distributed as dist, torch.multiprocessing as mp
 from torch import nn
 import tiekit
-from tiekit.checkpoint import reads
 from tiekit.dcp import loading
-from tiekit.inspection import inspect_file
 
 def tied():
     model = nn.Sequential(nn.Embedding(40, 16), nn.Linear(16, 16), nn.Linear(16, 40, bias=False))
     model[2].weight = model[0].weight
     return model
 
-def worker(rank, port, folder, writer, attempts, moment):
+def worker(rank, port, writer, scenarios):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    loading.READ_ATTEMPTS = attempts
-    # The first time only: rank 0 reads the marker (and with moment "after-metadata" DCP's
-    # metadata too), another process commits a new save, then rank 1 reads the marker.
-    first = [True]
-    real_marker, real_metadata = loading.read_marker, loading._dcp_metadata
+    real_marker, real_metadata, attempts = loading.read_marker, loading._dcp_metadata, loading.READ_ATTEMPTS
+    for folder, moment, tries in scenarios:
+        # The first time only: rank 0 reads the marker (and with moment "after-metadata" DCP's
+        # metadata too), another process commits a new save, then rank 1 reads the marker.
+        first = [True]
 
-    def commit_then_release():
-        subprocess.run([sys.executable, "-c", writer, folder, "2.0"], check=True)
-        dist.barrier()
-
-    def read_marker(path):
-        if not first[0]:
-            return real_marker(path)
-        if rank == 1:
-            first[0] = False
+        def commit_then_release():
+            subprocess.run([sys.executable, "-c", writer, folder, "2.0"], check=True)
             dist.barrier()
-            return real_marker(path)
-        marker = real_marker(path)
-        if moment == "after-marker":
-            first[0] = False
-            commit_then_release()
-        return marker
 
-    def dcp_metadata(marker):
-        metadata = real_metadata(marker)
-        if first[0] and rank == 0:
-            first[0] = False
-            commit_then_release()
-        return metadata
+        def read_marker(path):
+            if not first[0]:
+                return real_marker(path)
+            if rank == 1:
+                first[0] = False
+                dist.barrier()
+                return real_marker(path)
+            marker = real_marker(path)
+            if moment == "after-marker":
+                first[0] = False
+                commit_then_release()
+            return marker
 
-    loading.read_marker, loading._dcp_metadata = read_marker, dcp_metadata
-    model = tied()
-    try:
-        result = tiekit.load_sharded(model, folder)
-        values = sorted({float(v) for p in model.parameters() for v in p.detach().flatten()})
-        told = f"rank {rank}: save {result.save_id} extra {result.extra} values {values}"
-    except tiekit.CheckpointError as exc:
-        told = f"rank {rank}: CheckpointError: {exc}"
-    with open(f"{folder}-rank{rank}.txt", "w") as f:
-        f.write(told)
-    dist.barrier()
+        def dcp_metadata(marker):
+            metadata = real_metadata(marker)
+            if first[0] and rank == 0:
+                first[0] = False
+                commit_then_release()
+            return metadata
+
+        loading.read_marker, loading._dcp_metadata = read_marker, dcp_metadata
+        loading.READ_ATTEMPTS = attempts if tries is None else tries
+        model = tied()
+        try:
+            result = tiekit.load_sharded(model, folder)
+            values = sorted({float(v) for p in model.parameters() for v in p.detach().flatten()})
+            told = f"rank {rank}: save {result.save_id} extra {result.extra} values {values}"
+        except tiekit.CheckpointError as exc:
+            told = f"rank {rank}: CheckpointError: {exc}"
+        with open(f"{folder}-rank{rank}.txt", "w") as f:
+            f.write(told)
+        dist.barrier()
     dist.destroy_process_group()
 
 if __name__ == "__main__":
-    folder, writer, attempts, moment = sys.argv[2], open(sys.argv[3]).read(), int(sys.argv[4]), sys.argv[5]
-    mp.spawn(worker, args=(int(sys.argv[1]), folder, writer, attempts, moment), nprocs=2)
+    mp.spawn(worker, args=(int(sys.argv[1]), open(sys.argv[2]).read(), json.loads(sys.argv[3])), nprocs=2)
 """
 
 
-@pytest.mark.parametrize(
-    ("moment", "attempts"),
-    [("after-marker", loading.READ_ATTEMPTS), ("after-metadata", loading.READ_ATTEMPTS), ("after-metadata", 1)],
-    ids=["old-save-gone-on-rank-0", "ranks-found-different-saves", "control-one-attempt"],
-)
-def test_ranks_that_find_different_saves_committed_all_read_the_newer_one(
-    tmp_path: Path, moment: str, attempts: int
-) -> None:
+def test_ranks_that_find_different_saves_committed_all_read_the_newer_one(tmp_path: Path) -> None:
     """A commit lands between two ranks' reads of the marker. Rank 0 then fails on the old save's
     removed files, or (its metadata already read) the ranks compare what they found: either way
     every rank starts again and reads the new save. The control, one attempt: refused on every
-    rank, naming the reason; the ranks never go on to read two different saves."""
-    folder = tmp_path / "ck"
-    commit_from_another_process(folder, 1.0)
+    rank, naming the reason; the ranks never go on to read two different saves. (One spawned run
+    for the three cases.)"""
+    scenarios = [
+        (str(tmp_path / "gone"), "after-marker", None),
+        (str(tmp_path / "differ"), "after-metadata", None),
+        (str(tmp_path / "control"), "after-metadata", 1),
+    ]
+    for folder, _, _ in scenarios:
+        commit_here(Path(folder), 1.0)
     (tmp_path / "split.py").write_text(RANKS_SPLIT)
     (tmp_path / "writer.py").write_text(WRITER)
-    command = [sys.executable, "split.py", str(free_port()), str(folder), "writer.py", str(attempts), moment]
+    command = [sys.executable, "split.py", str(free_port()), "writer.py", json.dumps(scenarios)]
     run_ok([command], env=base_env(), cwd=tmp_path)
-    lines = [Path(f"{folder}-rank{rank}.txt").read_text() for rank in (0, 1)]
-    if attempts == 1:
-        for rank, line in enumerate(lines):
-            assert line.startswith(f"rank {rank}: CheckpointError: ") and "the ranks found different saves" in line
-    else:
-        committed = tiekit.load_sharded(tied(), folder).save_id
-        for rank, line in enumerate(lines):
-            assert line == f"rank {rank}: save {committed} extra {{'value': 2.0}} values [2.0]", lines
+    for folder, _, tries in scenarios:
+        lines = [Path(f"{folder}-rank{rank}.txt").read_text() for rank in (0, 1)]
+        if tries == 1:
+            for rank, line in enumerate(lines):
+                assert line.startswith(f"rank {rank}: CheckpointError: ") and "the ranks found different saves" in line
+        else:
+            committed = tiekit.load_sharded(tied(), folder).save_id
+            for rank, line in enumerate(lines):
+                assert line == f"rank {rank}: save {committed} extra {{'value': 2.0}} values [2.0]", (folder, lines)
 
 
 def test_a_folder_saved_over_while_it_is_converted_is_converted_from_the_new_save(
@@ -208,7 +216,7 @@ def test_a_folder_saved_over_while_it_is_converted_is_converted_from_the_new_sav
 ) -> None:
     converting = importlib.import_module("tiekit.dcp.convert")  # the module (the package exports the function)
     folder = tmp_path / "ck"
-    commit_from_another_process(folder, 1.0)
+    commit_here(folder, 1.0)
     real = converting.read_rows
     calls: list[int] = []
 
@@ -236,7 +244,7 @@ def test_inspecting_a_folder_saved_over_meanwhile_reports_the_new_save(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     folder = tmp_path / "ck"
-    commit_from_another_process(folder, 1.0)
+    commit_here(folder, 1.0)
     first = inspect_file(folder).metadata["save_id"]
     real = loading._dcp_metadata
     calls: list[int] = []
@@ -263,7 +271,7 @@ def test_a_save_another_writer_committed_over_meanwhile_is_not_committed(
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
     folder = tmp_path / "ck"
-    commit_from_another_process(folder, 1.0)
+    commit_here(folder, 1.0)
     real = FileSystemWriter.write_data
     calls: list[int] = []
 
