@@ -91,11 +91,10 @@ def _convert(src: Path, dst: Path, plan: TiePlan | nn.Module | None, max_shard_s
     source = _open(src)
     tie_plan = _plan(plan, source.plan)
     specs, merged, checks = _layout(source, tie_plan)
-    target = dst
     if source.where.endswith((".safetensors", INDEX_SUFFIX)) or not _is_dcp(src):
-        files = _to_dcp(source, specs, tie_plan, checks, target)
+        files = _to_dcp(source, specs, tie_plan, checks, dst)
     else:
-        files = _to_safetensors(source, specs, tie_plan, checks, target, max_shard_size)
+        files = _to_safetensors(source, specs, tie_plan, checks, dst, max_shard_size)
     total = sum(nbytes(s) for s in specs)
     return ConvertResult(tuple(os.fspath(f) for f in files), tuple(s[0] for s in specs), merged, total)
 
