@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 
 import shard_fsdp2  # noqa: E402
+from torch.distributed.checkpoint import FileSystemReader  # noqa: E402
 
 import tiekit  # noqa: E402
 from tiekit.backends.torch_distributed import collective_close_process_group  # noqa: E402
@@ -216,13 +217,72 @@ def save_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
             tiekit.save_sharded(model, OUT / f"rank-path-{RANK}")
         except tiekit.CheckpointError as exc:
             out["different_paths"] = str(exc)
+        for name in ("paths-a", "paths-b"):
+            tiekit.save_sharded(model, OUT / name)
+        try:  # two checkpoints, each whole: a rank-dependent path must not read as a save replaced
+            tiekit.load_sharded(fsdp_model(seed=1), OUT / ("paths-a" if RANK == 0 else "paths-b"))
+        except tiekit.CheckpointError as exc:
+            out["load_different_paths"] = str(exc)
         other = tiekit.shard(nn.Sequential(nn.Linear(DIM, 3)))
         try:
             tiekit.load_sharded(other, OUT / "fsdp")
         except tiekit.CheckpointError as exc:
             out["another_model"] = str(exc)
         out["not_shared"] = not_shared(model)
+        out["disagreeing"] = disagreeing()
         return out
+
+    def disagreeing() -> dict[str, Any]:
+        """Replicas whose models differ (rank 1's tie broken; rank 1 built with another shape): no
+        checkpoint can describe both, so the save is refused on every rank, blocking or not, and
+        the previous one stays. The control: with the ranks' check out of the way, the untied
+        model is committed, rank 1's own head.weight stored under a plan that ties it away."""
+        import tiekit.dcp.saving as saving
+
+        folder, fresh_folder = OUT / "disagreeing", OUT / "disagreeing-new"
+        torch.manual_seed(0)
+        model = tied_lm()
+        found: dict[str, Any] = {"first": tiekit.save_sharded(model, folder).save_id}
+        if RANK == 1:  # a move without tiekit on this rank only
+            model.head.weight = nn.Parameter(model.head.weight.detach().clone())
+        for name, blocking, target in (
+            ("untied", True, folder),
+            ("untied_async", False, folder),
+            ("new", True, fresh_folder),
+        ):
+            try:
+                tiekit.save_sharded(model, target, blocking=blocking).wait(timeout=120)
+                found[name] = None
+            except tiekit.CheckpointError as exc:
+                found[name] = str(exc)
+        torch.manual_seed(0)
+        other = tied_lm()
+        if RANK == 1:
+            other.embed = nn.Embedding(VOCAB + 1, DIM)  # another configuration on this rank, tied too
+            other.head.weight = other.embed.weight
+        try:
+            tiekit.save_sharded(other, folder)
+            found["shape"] = None
+        except tiekit.CheckpointError as exc:
+            found["shape"] = str(exc)
+        dist.barrier()  # rank 0 has removed the folder its refused save made
+        found["new_folder_exists"] = fresh_folder.exists()
+        found["marker"] = json.loads((folder / tiekit.dcp.MARKER_NAME).read_text())["save_id"]
+        reloaded = tied_lm()
+        tiekit.load_sharded(reloaded, folder)
+        found["loads_first"] = reloaded.head.weight is reloaded.embed.weight
+        digest = saving.digest
+        saving.digest = lambda side: "the same everywhere"  # the control: no agreement check
+        try:
+            found["control_save"] = tiekit.save_sharded(model, folder).save_id  # rank 1's tie still broken
+        finally:
+            saving.digest = digest
+        dist.barrier()
+        marker = json.loads((folder / tiekit.dcp.MARKER_NAME).read_text())
+        metadata = FileSystemReader(folder / marker["folder"]).read_metadata()
+        found["control_stored"] = sorted(k for k in metadata.state_dict_metadata if not k.startswith("optimizer"))
+        found["control_plan"] = [list(g.names) for g in tiekit.TiePlan.from_dict(marker["plan"]).groups]
+        return found
 
     def not_shared(model: nn.Module) -> dict[str, Any]:
         """Rank 1's files land where rank 0 cannot see them (as on a host-local disk of another

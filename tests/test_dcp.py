@@ -143,6 +143,10 @@ def test_errors_are_raised_on_every_rank(runs: dict[str, Any]) -> None:
         errors = found["errors"]
         assert "save_sharded needs the same folder on every rank" in errors["different_paths"]
         assert "rank-path-0" in errors["different_paths"] and "rank-path-1" in errors["different_paths"]
+        assert "load_sharded needs the same folder on every rank (rank 0: " in errors["load_different_paths"]
+        assert (
+            "/paths-a; rank 1: " in errors["load_different_paths"] and "replaced" not in errors["load_different_paths"]
+        )
         assert "/fsdp/save-" in errors["another_model"]  # the save folder read
         assert (
             "does not match FSDPSequential: missing '0.weight', '0.bias'; unexpected 'embed.weight'"
@@ -159,6 +163,27 @@ def test_errors_are_raised_on_every_rank(runs: dict[str, Any]) -> None:
         # In the background only rank 0, which commits, finds out (rank 1's part is written).
         assert (refused in not_shared["async"]) if rank == 0 else not_shared["async"] is None
         assert not_shared["marker"] == not_shared["first"] and not_shared["loads"]
+
+
+def test_a_save_of_ranks_whose_models_differ_is_refused_on_every_rank(runs: dict[str, Any]) -> None:
+    for found in runs["save"]:
+        run = found["errors"]["disagreeing"]
+        differ = "the ranks' models differ, so no checkpoint describes them all: "
+        untied = "rank 0 ties embed.weight = head.weight, rank 1 does not (moved or loaded without tiekit there?)"
+        for case in ("untied", "untied_async", "new"):
+            assert differ in run[case] and untied in run[case], run
+            assert "rank 1 holds 'head.weight', rank 0 does not" in run[case]
+            assert "Nothing was written; the previous checkpoint stays the one loaded" in run[case]
+        assert "/disagreeing-new: save " in run["new"] and not run["new_folder_exists"]  # nothing left behind
+        shape = "key 'embed.weight' is (4002, 128) float32 on rank 1, (4001, 128) float32 on rank 0. Nothing"
+        assert differ in run["shape"] and shape in run["shape"], run["shape"]  # the only difference
+        assert run["marker"] == run["first"] and run["loads_first"]
+        # The control: without the check the ranks commit the untied model: rank 1's head.weight
+        # is stored (only rank 1 holds it) under a plan that ties it to the embedding, so the copy
+        # rank 1 trained is dropped, silently, at every load.
+        assert run["control_save"] != run["first"]
+        assert {"embed.weight", "head.weight"} <= set(run["control_stored"]), run["control_stored"]
+        assert run["control_plan"] == [["embed.weight", "head.weight"]]
 
 
 # -- a single process, no process group ---------------------------------------------------------------

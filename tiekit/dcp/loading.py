@@ -139,7 +139,11 @@ def _read(inner: nn.Module, root: Path, optimizer: torch.optim.Optimizer | None,
         side = _side_destinations(inner, marker, with_optimizer=optimizer is not None)
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         error = exc
-    found = _raise_anywhere(error, f"{root}: load", share=reading[0] if reading else None)
+    shared = _raise_anywhere(error, f"{root}: load", share=(os.fspath(root), reading[0] if reading else None))
+    paths, found = [p for p, _ in shared], [s for _, s in shared]
+    if len(set(paths)) > 1:
+        shown = "; ".join(f"rank {r}: {p}" for r, p in enumerate(paths))
+        raise CheckpointError(f"load_sharded needs the same folder on every rank ({shown})")
     if len(set(found)) > 1:  # a commit between two ranks' reads of the marker
         raise _Replaced(f"{root}: the ranks found different saves committed ({', '.join(map(str, found))})")
     assert marker is not None and source is not None and staged is not None

@@ -4,7 +4,8 @@ Protocol (every rank calls it, in the same order):
 
 1. the ranks agree on the folder (the same absolute path everywhere) and on a save id made by
    rank 0, and check that every rank could build its state (a failure anywhere is raised on
-   every rank before DCP starts, so no rank is left waiting in a DCP collective);
+   every rank before DCP starts, so no rank is left waiting in a DCP collective) and that the
+   ranks' states agree on names, shapes, dtypes and ties (`tiekit.agreement`);
 2. DCP writes ``<folder>/save-<id>/`` (each rank its shards, rank 0 DCP's ``.metadata``);
 3. rank 0 writes ``tiekit-dcp.json`` (file sizes, the metadata's SHA-256, the plan) to a work
    file and renames it over the previous marker: the commit. Older save folders go afterwards.
@@ -15,6 +16,7 @@ half-written ``save-<id>/`` is never named by a marker, and the next commit remo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tiekit.agreement import description, digest, disagreement
 from tiekit.checkpoint.deferred import DeferredCopies, deferrable_storages
 from tiekit.checkpoint.handle import SaveHandle
 from tiekit.checkpoint.layout import PathLike
@@ -202,8 +205,10 @@ def _prepare(model: nn.Module, root: Path, optimizer: Any, extra: Any) -> tuple[
     save_id = str(found[0][1])
     state: SaveState | None = None
     error: Exception | None = None
+    made = False
     try:
         if _rank() == 0:
+            made = not root.exists()
             root.mkdir(parents=True, exist_ok=True)
         state = save_state(model, optimizer, extra)
         if xla_spmd(state.tensors.values()):
@@ -212,8 +217,18 @@ def _prepare(model: nn.Module, root: Path, optimizer: Any, extra: Any) -> tuple[
             spmd_settle()  # torch_xla's planner reads device data: pending steps run first
     except Exception as exc:  # noqa: BLE001 - reported on every rank below
         error = exc
-    _raise_anywhere(error, f"{root}: save {save_id}")
+    side = None if state is None else description(state.plan, state.record["tensors"])
+    digests = _raise_anywhere(error, f"{root}: save {save_id}", share=None if side is None else digest(side))
     assert state is not None
+    if len(set(digests)) > 1:  # every rank sees it: all take part in the gather below
+        differences = disagreement(collective_gather(side))
+        if made:
+            with contextlib.suppress(OSError):
+                root.rmdir()  # only if still empty: the folder this save made, nothing else
+        raise CheckpointError(
+            f"{root}: save {save_id}: the ranks' models differ, so no checkpoint describes them all: "
+            f"{differences}. Nothing was written; the previous checkpoint stays the one loaded."
+        )
     return save_id, state
 
 
