@@ -204,3 +204,29 @@ def test_fsdp_refuses_a_model_whose_forward_writes_a_gathered_parameter() -> Non
     assert one.model.layer_2.weight.abs().max().item() < built / 4
     with pytest.raises(tiekit.TiekitError, match=r"the forward pass wrote 'layer_2\.weight' in place: under FSDP2"):
         tiekit.fit(HalvesInForward, data, strategy="fsdp", devices=2, **kw)
+
+
+class UntiedOnRankOne(WeightSharingModule):
+    """Built untied on rank 1 only (as a move without tiekit leaves it), and wider there."""
+
+    def __init__(self, wider: bool = False) -> None:
+        super().__init__()
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() == 1:
+            self.layer_3.weight = nn.Parameter(self.layer_3.weight.detach().clone())
+            if wider:
+                self.layer_2 = nn.Linear(10, 33, bias=False)
+
+
+def test_ranks_that_build_different_models_are_refused_before_training() -> None:
+    """Under FSDP2 rank 1's extra parameter made gloo abort both processes in their first
+    collective ("Received data size doesn't match expected size"), before this check (fit makes
+    it for every strategy of several ranks, before the model is placed)."""
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(16, 32, generator=generator), torch.randn(16, 10, generator=generator))
+    kw: dict[str, Any] = {"loss_fn": F.mse_loss, "max_steps": 2, "batch_size": 4, "progress": False}
+    with pytest.raises(tiekit.TiekitError) as caught:
+        tiekit.fit(functools.partial(UntiedOnRankOne, wider=True), data, strategy="fsdp", devices=2, **kw)
+    message = str(caught.value)
+    assert "the ranks of this run built different models: " in message
+    assert "rank 0 ties layer_1.weight = layer_3.weight, rank 1 does not" in message
+    assert "key 'layer_2.weight' is (33, 10) float32 on rank 1, (32, 10) float32 on rank 0" in message

@@ -7,14 +7,17 @@ the same order, in `tiekit.train.loop`); a run of one rank decides alone and wai
 
 1. `join`: rank 0's run id (the key of the run's XLA compile gate) and the options that must be
    equal on every rank (``checkpoint_dir``, ``resume``, ``max_steps``...), checked.
-2. `Coordinator.resume`: the checkpoint to resume from, decided on rank 0 (``"last"``: the newest
+2. `Coordinator.agree_on_model`: every rank built the same model (names, shapes, dtypes, ties),
+   checked before it is moved or sharded: a rank whose model differs is a `TiekitError` on
+   every rank naming what differs (FSDP2 would pair tensors of different sizes).
+3. `Coordinator.resume`: the checkpoint to resume from, decided on rank 0 (``"last"``: the newest
    in rank 0's ``checkpoint_dir``), then opened by every rank: a rank that cannot (node-local
    folders) is a `TiekitError` on every rank naming it and the path. After the load, every
    rank must stand at the same step.
-3. `Coordinator.save`: one writer per checkpoint (rank 0; process index 0 under SPMD; every
+4. `Coordinator.save`: one writer per checkpoint (rank 0; process index 0 under SPMD; every
    rank its part of a sharded one), its failure raised on every rank: at once, or for a save
    written in the background at the next save or `Coordinator.finish_saves`.
-4. `abort`: a failing rank releases the launch threads waiting for it in a collective.
+5. `abort`: a failing rank releases the launch threads waiting for it in a collective.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 from torch import nn
 
 import tiekit
+from tiekit.agreement import digest, disagreement, model_description
 from tiekit.backends.base import Backend
 from tiekit.checkpoint.deferred import DeferredCopies
 from tiekit.checkpoint.direct import FileImage
@@ -42,6 +46,7 @@ from tiekit.collective import (
 from tiekit.dcp import MARKER_NAME, SaveHandle
 from tiekit.dcp.saving import save_sharded_staged
 from tiekit.errors import CheckpointError, TiekitError
+from tiekit.plan import TiePlan
 from tiekit.train import state
 from tiekit.train.config import FitConfig, Job
 
@@ -82,6 +87,18 @@ class Coordinator:
     def gather(self, value: Any) -> list[Any]:
         """Collective: every rank's ``value`` in rank order (``[value]`` in a run of one rank)."""
         return collective_gather(value) if self.ranks.world > 1 else [value]
+
+    def agree_on_model(self, plan: TiePlan, model: nn.Module) -> None:
+        """Collective: check that every rank built the same model (names, shapes, dtypes and ties
+        of its state, `tiekit.agreement`); else a `TiekitError` on every rank naming what differs."""
+        if self.ranks.world == 1:
+            return
+        side = model_description(plan, model)
+        if len(set(self.gather(digest(side)))) > 1:  # every rank sees it: all take part below
+            raise TiekitError(
+                f"the ranks of this run built different models: {disagreement(self.gather(side))}. "
+                "The model factory must build the same model, with the same ties, on every rank"
+            )
 
     def resume(
         self, cfg: FitConfig, model: nn.Module, optimizer: torch.optim.Optimizer, backend: Backend

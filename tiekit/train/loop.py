@@ -113,6 +113,7 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
     model, original_dtype = _build(job, backend)
     was_training = model.training
     plan = find_ties(model)  # before the move: what must still be one tensor on the device
+    coordinator.agree_on_model(plan, model)
     backend.place(model, precision.param_dtype, plan)  # moved (and sharded), ties kept
     counters_at_start = backend.counters()  # XLA: this run's compilations, from here on
     backend.seed(cfg.seed)
