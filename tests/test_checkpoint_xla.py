@@ -154,6 +154,13 @@ REPLICAS = textwrap.dedent(
         tiekit.load_model(check, shared)
         assert check.head.weight is check.embed.weight
         record("loaded")
+        # DCP needs a process per rank: launch threads are refused before anything is written.
+        for kind, call in (("save_sharded", tiekit.save_sharded), ("load_sharded", tiekit.load_sharded)):
+            try:
+                call(check, shared + ".sharded")
+                record(kind, error=None)
+            except tiekit.CheckpointError as exc:
+                record(kind, error=str(exc))
 
     if __name__ == "__main__":
         torch_xla.launch(replica)
@@ -181,3 +188,10 @@ def test_only_the_master_replica_writes_and_the_others_wait(tmp_path: Path) -> N
     assert sorted(returned) == [0, 1]
     assert all(e["exists"] and e["t"] >= renames[0]["t"] for e in returned.values())
     assert sorted(e["ordinal"] for e in events if e["kind"] == "loaded") == [0, 1]
+    for kind in ("save_sharded", "load_sharded"):
+        refused = {e["ordinal"]: e["error"] for e in events if e["kind"] == kind}
+        assert sorted(refused) == [0, 1]
+        for error in refused.values():
+            assert f"model.safetensors.sharded: {kind} runs torch.distributed.checkpoint, which needs one" in error
+            assert "the 2 replicas here are threads of one process" in error and "collective_save_checkpoint" in error
+    assert not (tmp_path / "model.safetensors.sharded").exists()

@@ -354,3 +354,28 @@ def test_the_writer_comes_from_the_ranks_not_from_the_replica_number() -> None:
     assert backend.replica_rank == 0 and backend.is_master
     backend.ranks = Ranks(1, 2, "spmd-hosts")
     assert backend.replica_rank == 0 and not backend.is_master
+
+
+def test_several_spmd_hosts_without_a_process_group_are_refused_before_anything_is_saved(tmp_path: Path) -> None:
+    # No pod here: the ranks are given as host 1 of a 2-host SPMD run reports them (as above).
+    # DCP over no process group would have every host write as the only rank, over each other.
+    from tiekit.backends.torch_distributed import TorchBackend
+    from tiekit.collective import Ranks
+    from tiekit.dcp.saving import process_group_needed
+    from tiekit.train.config import FitConfig, Job
+    from tiekit.train.coordinate import join
+
+    host = Ranks(1, 2, "spmd-hosts")
+    needed = process_group_needed(host, False, "save_sharded", tmp_path)
+    assert needed is not None and str(needed).startswith(f"{tmp_path}: save_sharded runs torch.distributed.checkpoint")
+    assert "coordinates the 2 hosts of this SPMD run through a torch.distributed process group" in str(needed)
+    assert "init_process_group('gloo', init_method='xla://')" in str(needed)
+    assert process_group_needed(host, True, "save_sharded", tmp_path) is None  # the group DCP needs
+    assert process_group_needed(Ranks(0, 1, "single"), False, "save_sharded", tmp_path) is None
+    # fit refuses such a run at its start when it would checkpoint, not at its first checkpoint.
+    backend = TorchBackend(torch.device("cpu"))
+    backend.ranks, backend.sharded_checkpoints, backend.name = host, True, "spmd_fsdp"
+    job = Job(torch.nn.Linear(2, 2), None, None, FitConfig(checkpoint_dir=tmp_path), "spmd_fsdp", "run")
+    with pytest.raises(tiekit.TiekitError, match=r"fit runs torch.distributed.checkpoint, .*strategy='spmd_fsdp'"):
+        join(job, backend)
+    assert list(tmp_path.iterdir()) == []

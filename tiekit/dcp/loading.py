@@ -30,10 +30,10 @@ from tiekit.checkpoint.reads import READ_ATTEMPTS
 from tiekit.checkpoint.source import Source
 from tiekit.checkpoint.staging import Staged, stage
 from tiekit.checkpoint.streaming import STAGING_BYTES, RowPart, release_freed_memory, stream_rows_in_place
-from tiekit.collective import collective_gather
+from tiekit.collective import collective_gather, ranks
 from tiekit.dcp.chunks import Located, locate_rows, row_chunks
 from tiekit.dcp.layout import Marker, check_files, committed_save_id, file_ends, read_marker
-from tiekit.dcp.saving import _raise_anywhere
+from tiekit.dcp.saving import _distributed, _raise_anywhere, process_group_needed
 from tiekit.dcp.state import destination, parameters_by_name, running_dcp, unwrap, xla_spmd
 from tiekit.errors import CheckpointError
 from tiekit.header import FileIdentity, TensorEntry
@@ -87,6 +87,9 @@ def load_sharded(
     removed files.
     """
     root = Path(os.path.abspath(os.fspath(path)))
+    needed = process_group_needed(ranks(), _distributed(), "load_sharded", root)
+    if needed is not None:
+        raise CheckpointError(str(needed).replace("Nothing was written", "The model is untouched"))
     inner = unwrap(model)
     replaced: Exception | None = None
     for _ in range(READ_ATTEMPTS):

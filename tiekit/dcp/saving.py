@@ -34,7 +34,7 @@ from tiekit.agreement import description, digest, disagreement
 from tiekit.checkpoint.deferred import DeferredCopies, deferrable_storages
 from tiekit.checkpoint.handle import SaveHandle
 from tiekit.checkpoint.layout import PathLike
-from tiekit.collective import collective_gather, failure_message
+from tiekit.collective import Ranks, collective_gather, failure_message, ranks
 from tiekit.dcp.layout import SAVE_PREFIX, committed_save_id, remove_stale, write_marker
 from tiekit.dcp.staging import host_copies
 from tiekit.dcp.state import SaveState, running_dcp, save_state, unwrap, xla_spmd
@@ -98,6 +98,9 @@ def save_sharded_staged(
     from tiekit.dcp.writer import DurableWriter  # DCP's file system: loaded by the first save, not by import
 
     root = Path(os.path.abspath(os.fspath(path)))
+    needed = process_group_needed(ranks(), _distributed(), "save_sharded", root)
+    if needed is not None:
+        raise needed
     key = os.fspath(root)
     with _pending_lock:
         previous = _pending.pop(key, None)
@@ -276,6 +279,28 @@ def _raise_anywhere(error: BaseException | None, what: str, share: Any = None) -
     if isinstance(error, CheckpointError) and all(e == text for _, e in failed):
         raise error  # the same failure everywhere (a bad checkpoint): this rank's own error says it all
     raise CheckpointError(failure_message(what, errors)) from error
+
+
+def process_group_needed(where: Ranks, distributed: bool, what: str, root: Path) -> CheckpointError | None:
+    """The error for a sharded save or load among ranks DCP cannot coordinate: several ranks and
+    no torch.distributed process group (each would write or read as the only rank). Local: every
+    rank finds the same, so all raise before any collective."""
+    if where.world == 1 or distributed:
+        return None
+    start = f"{root}: {what} runs torch.distributed.checkpoint"
+    if where.kind == "xla-threads":
+        return CheckpointError(
+            f"{start}, which needs one process per rank; the {where.world} replicas here are threads of "
+            "one process (torch_xla.launch on XLA:CPU). They hold the same weights: save them once, "
+            "with tiekit.collective_save_checkpoint (one file), instead"
+        )
+    who = "hosts of this SPMD run" if where.kind == "spmd-hosts" else "XLA processes"
+    return CheckpointError(
+        f"{start}, which coordinates the {where.world} {who} through a torch.distributed process group, "
+        "and there is none: call torch.distributed.init_process_group('gloo', init_method='xla://') in "
+        "every process first (torch_xla's rendezvous; import torch_xla.distributed.xla_backend). "
+        "Nothing was written"
+    )
 
 
 def _distributed() -> bool:

@@ -44,7 +44,7 @@ from tiekit.collective import (
     failure_message,
 )
 from tiekit.dcp import MARKER_NAME, SaveHandle
-from tiekit.dcp.saving import save_sharded_staged
+from tiekit.dcp.saving import process_group_needed, save_sharded_staged
 from tiekit.errors import CheckpointError, TiekitError
 from tiekit.plan import TiePlan
 from tiekit.train import state
@@ -243,6 +243,15 @@ def join(job: Job, backend: Backend) -> Coordinator:
     where = backend.ranks
     if where.world == 1:
         return Coordinator(where, job.run_id)
+    cfg = job.config
+    if backend.sharded_checkpoints and (cfg.checkpoint_dir is not None or cfg.resume is not None):
+        # Found by every rank alike, before any collective: refused now rather than at the first
+        # checkpoint, after the training before it.
+        needed = process_group_needed(
+            where, torch.distributed.is_initialized(), "fit", Path(str(cfg.checkpoint_dir or cfg.resume))
+        )
+        if needed is not None:
+            raise TiekitError(f"{needed} (strategy={backend.name!r} writes sharded checkpoints)")
     options = {name: _comparable(getattr(job.config, name)) for name in SHARED_OPTIONS}
     gathered = collective_gather((job.run_id, options))
     first = gathered[0][1]
