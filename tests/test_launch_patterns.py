@@ -101,15 +101,21 @@ def test_save_patterns_in_plain_torch_distributed_processes(tmp_path: Path) -> N
     run_patterns(tmp_path, plain_processes([TORCHRUN_EXAMPLE, "out"], free_port()))
 
 
+# The launcher's handling, not torch's: on the newest-torch stack only (plain processes run on both).
+@pytest.mark.newest_torch_only
 def test_save_patterns_under_torchrun_on_one_node(tmp_path: Path) -> None:
     torchrun = [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={WORLD}", TORCHRUN_EXAMPLE, "out"]
     run_patterns(tmp_path, [torchrun])
 
 
+# The launcher's handling, not torch's: on the newest-torch stack only (plain processes run on both).
+@pytest.mark.newest_torch_only
 def test_save_patterns_under_torchrun_on_two_nodes(tmp_path: Path) -> None:
     run_patterns(tmp_path, torchrun_two_nodes([TORCHRUN_EXAMPLE, "out"], free_port()))
 
 
+# The launcher's handling, not torch's: on the newest-torch stack only (plain processes run on both).
+@pytest.mark.newest_torch_only
 def test_save_patterns_under_torch_multiprocessing_spawn(tmp_path: Path) -> None:
     run_patterns(tmp_path, [[str(BIN / "python"), str(EXAMPLES / "launch_spawn.py"), "out"]])
 
@@ -149,6 +155,8 @@ def test_a_hidden_barrier_in_save_model_fails_the_test(tmp_path: Path) -> None:
     assert (tmp_path / "out" / "writer.safetensors").is_file()  # it got as far as the save
 
 
+# The launcher's handling, not torch's: on the newest-torch stack only (plain processes run on both).
+@pytest.mark.newest_torch_only
 def test_accelerate_launch_main_process_and_collective_saves(tmp_path: Path) -> None:
     # `accelerate launch --cpu --num_processes 2` starts ONE process (accelerate 1.x sends --cpu
     # to its single-process launcher unless mpirun is configured); --multi_gpu is its torchrun
