@@ -7,6 +7,9 @@ import functools
 import multiprocessing
 import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -45,6 +48,37 @@ def test_two_gloo_processes_match_one_process_with_the_global_batch(capfd: pytes
     # Validation over both processes' shares (11 + 11 samples, batches of 8 and 3) is the mean over all 22.
     assert len(result.val_losses) == 2
     assert result.val_losses == pytest.approx(reference.val_losses, rel=1e-5)
+
+
+UNGUARDED = """
+import sys
+import torch, torch.nn.functional as F
+from torch.utils.data import TensorDataset
+import tiekit
+sys.path.insert(0, sys.argv[1])
+from models import WeightSharingModule
+
+data = TensorDataset(torch.randn(16, 32), torch.randn(16, 10))
+# At the top level, no `if __name__ == "__main__":`: every replica imports this and calls fit again.
+tiekit.fit(WeightSharingModule, data, loss_fn=F.mse_loss, strategy="ddp", devices=2, batch_size=4, progress=False)
+"""
+
+
+def test_a_script_calling_fit_without_a_main_guard_is_told_so(tmp_path: Path) -> None:
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED)
+    tests = Path(__file__).parent
+    run = subprocess.run(
+        [sys.executable, str(script), str(tests)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    # Each replica raised tiekit's error while it imported the script, not Python's bootstrapping
+    # RuntimeError ("An attempt has been made to start a new process before ..."), and fit says
+    # the replica died without reporting an error of its training.
+    assert run.returncode != 0
+    assert "TiekitError: tiekit.fit was called while a new replica process imported your script" in run.stderr
+    assert "Call fit under if __name__ == '__main__':" in run.stderr, run.stderr[-3000:]
+    assert "An attempt has been made to start a new process" not in run.stderr
+    assert "without reporting an error (its output above says why)" in run.stderr.splitlines()[-1]
 
 
 def test_what_spawned_processes_cannot_unpickle_is_a_clear_error() -> None:

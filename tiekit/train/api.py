@@ -12,7 +12,7 @@ from torch import nn
 
 from tiekit.errors import TiekitError
 from tiekit.train.config import DEFAULT_OPTIMIZER, FitConfig, Job, LossFn, OptimizerFactory
-from tiekit.train.launch import resolve_strategy, run
+from tiekit.train.launch import refuse_a_replica_importing_main, resolve_strategy, run
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,7 @@ def fit(
         log_dir=None if log_dir is None else Path(log_dir),
         log_every=log_every,
     )
+    refuse_a_replica_importing_main()
     config.check()
     if not isinstance(model, nn.Module) and not callable(model):
         raise TiekitError(f"model must be an nn.Module or a zero-argument factory, not {type(model).__name__}")

@@ -202,6 +202,21 @@ def _processes(job: Job, requested: int | str) -> tuple[list[Outcome], nn.Module
         return _collect(spawned)
 
 
+def refuse_a_replica_importing_main() -> None:
+    """Local: raise `TiekitError` when this process is a replica being started (Python's spawn
+    imports the caller's main module in it before it runs anything) and that import called fit:
+    a script calling fit at its top level, without ``if __name__ == '__main__':``."""
+    import multiprocessing
+
+    # The flag Python's spawn sets while it prepares a child (multiprocessing.spawn checks it too).
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise TiekitError(
+            "tiekit.fit was called while a new replica process imported your script: every replica (and "
+            "every XLA launch process) imports the main module, so a script that calls fit at its top level "
+            "starts it again in each of them. Call fit under if __name__ == '__main__':"
+        )
+
+
 def _process_entry(rank: int, job: Job, world: int, port: int) -> None:
     backend = _process_backend(job.strategy, rank, world, port)
     try:
@@ -307,6 +322,9 @@ def _failure(job: Job, exc: Exception) -> TiekitError:
         how = f"was killed by signal {exc.signal_name}"
     elif isinstance(exc, ProcessExitedException):
         how = f"exited with code {exc.exit_code}"
+        assert job.result_dir is not None
+        if not (job.result_dir / f"error-{exc.error_index}.json").is_file():  # died outside fit's replica code
+            how += " without reporting an error (its output above says why)"
     else:
         name, message = _replica_error(job, exc.error_index)
         kind = _TIEKIT_ERRORS.get(name, TiekitError)
