@@ -229,7 +229,8 @@ def _prepare(model: nn.Module, root: Path, optimizer: Any, extra: Any) -> tuple[
             with contextlib.suppress(OSError):
                 root.rmdir()  # only if still empty: the folder this save made, nothing else
         raise CheckpointError(
-            f"{root}: save {save_id}: the ranks' models differ, so no checkpoint describes them all: "
+            f"{root}: save {save_id}: the ranks hold different models (or optimizer states, or extra tensors), "
+            "so no checkpoint describes them all: "
             f"{differences}. Nothing was written; the previous checkpoint stays the one loaded."
         )
     return save_id, state
