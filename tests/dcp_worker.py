@@ -230,7 +230,22 @@ def save_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
             out["another_model"] = str(exc)
         out["not_shared"] = not_shared(model)
         out["disagreeing"] = disagreeing()
+        out["same_model"] = same_model()
         return out
+
+    def same_model() -> dict[str, Any]:
+        """`tiekit.collective_check_same_model`, the check to make before `tiekit.shard`: silent
+        where the ranks agree, an error on every rank where rank 1's tie is broken."""
+        torch.manual_seed(0)
+        model = tied_lm()
+        tiekit.collective_check_same_model(model)  # the same model everywhere: nothing to say
+        if RANK == 1:
+            model.head.weight = nn.Parameter(model.head.weight.detach().clone())
+        try:
+            tiekit.collective_check_same_model(model)
+            return {"error": "rank 1's broken tie was not seen"}
+        except tiekit.TiekitError as exc:
+            return {"refused": str(exc)}
 
     def disagreeing() -> dict[str, Any]:
         """Replicas whose models differ (rank 1's tie broken; rank 1 built with another shape): no

@@ -165,6 +165,12 @@ def test_errors_are_raised_on_every_rank(runs: dict[str, Any]) -> None:
         assert not_shared["marker"] == not_shared["first"] and not_shared["loads"]
 
 
+def test_ranks_check_that_they_hold_the_same_model_before_sharding(runs: dict[str, Any]) -> None:
+    for found in runs["save"]:
+        refused = found["errors"]["same_model"]["refused"]
+        assert refused.startswith("the ranks hold different models: rank 0 ties embed.weight = head.weight, rank 1")
+
+
 def test_a_save_of_ranks_whose_models_differ_is_refused_on_every_rank(runs: dict[str, Any]) -> None:
     for found in runs["save"]:
         run = found["errors"]["disagreeing"]

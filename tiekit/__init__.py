@@ -2,6 +2,7 @@
 
 from typing import TYPE_CHECKING, Any
 
+from tiekit.agreement import collective_check_same_model
 from tiekit.analyze import find_ties
 from tiekit.checkpoint import LoadResult, load_checkpoint, load_model, save_checkpoint, save_model
 from tiekit.collective import collective_save_checkpoint, collective_save_model, is_writer
@@ -38,6 +39,7 @@ __all__ = [
     "ViewGeometry",
     "__version__",
     "check_sharding",
+    "collective_check_same_model",
     "collective_save_checkpoint",
     "collective_save_model",
     "convert",

@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 
-from tiekit.analyze import dtype_name
+from tiekit.analyze import dtype_name, find_ties
+from tiekit.collective import collective_gather
+from tiekit.errors import TiekitError
 from tiekit.plan import TiePlan
 
 _SHOWN = 3  # differences named per rank and kind; the rest are counted
@@ -42,6 +44,22 @@ def digest(side: Description) -> str:
     """A short digest of ``side``: equal on ranks that agree. Local."""
     text = json.dumps(side, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def collective_check_same_model(model: torch.nn.Module, plan: TiePlan | None = None) -> None:
+    """Collective: every rank calls it. Check that every rank holds the same model: the same
+    names, shapes and dtypes in its state and the same ties (``plan``, else `find_ties`). Where a
+    rank differs, every rank raises `TiekitError` naming the ranks, tie groups and keys.
+
+    Call it before `tiekit.shard` when each rank builds its own model (under torchrun): FSDP2
+    checks nothing, and a rank whose tie a move broke pairs tensors of different sizes in the
+    first forward's collectives (over gloo the processes abort; over nccl they may hang). One
+    exchange of a short digest; the ranks' descriptions cross only when digests differ. `fit`
+    makes this check itself.
+    """
+    side = model_description(find_ties(model) if plan is None else plan, model)
+    if len(set(collective_gather(digest(side)))) > 1:  # every rank sees it: all take part below
+        raise TiekitError(f"the ranks hold different models: {disagreement(collective_gather(side))}")
 
 
 def disagreement(descriptions: list[Description]) -> str:

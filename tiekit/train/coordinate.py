@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 import tiekit
-from tiekit.agreement import digest, disagreement, model_description
+from tiekit.agreement import collective_check_same_model
 from tiekit.backends.base import Backend
 from tiekit.checkpoint.deferred import DeferredCopies
 from tiekit.checkpoint.direct import FileImage
@@ -89,16 +89,16 @@ class Coordinator:
         return collective_gather(value) if self.ranks.world > 1 else [value]
 
     def agree_on_model(self, plan: TiePlan, model: nn.Module) -> None:
-        """Collective: check that every rank built the same model (names, shapes, dtypes and ties
-        of its state, `tiekit.agreement`); else a `TiekitError` on every rank naming what differs."""
+        """Collective: `tiekit.agreement.collective_check_same_model`, its error saying that the
+        model factory must build the same model on every rank."""
         if self.ranks.world == 1:
             return
-        side = model_description(plan, model)
-        if len(set(self.gather(digest(side)))) > 1:  # every rank sees it: all take part below
+        try:
+            collective_check_same_model(model, plan)
+        except TiekitError as exc:
             raise TiekitError(
-                f"the ranks of this run built different models: {disagreement(self.gather(side))}. "
-                "The model factory must build the same model, with the same ties, on every rank"
-            )
+                f"{exc}. The model factory must build the same model, with the same ties, on every rank of a run"
+            ) from exc
 
     def resume(
         self, cfg: FitConfig, model: nn.Module, optimizer: torch.optim.Optimizer, backend: Backend
