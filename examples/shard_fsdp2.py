@@ -100,7 +100,9 @@ def worker(rank: int, port: int) -> None:
         train(reference)
 
         torch.manual_seed(0)  # the same weights in every process: fully_shard does not broadcast
-        model = tiekit.shard(TiedLM())
+        model = TiedLM()
+        tiekit.collective_check_same_model(model)  # a rank built otherwise is named here, not in FSDP2's collectives
+        model = tiekit.shard(model)
         say(f"tiekit.shard: head.weight is embed.weight: {model.head.weight is model.embed.weight}")
         train(model, rank, WORLD)
         difference = largest_difference(collective_full_state(model), reference)
