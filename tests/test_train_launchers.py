@@ -198,6 +198,23 @@ def test_two_torchrun_nodes_with_different_checkpoints_refuse_to_resume(tmp_path
         assert os.listdir(tmp_path / node / "ckpt") == [name]  # untouched
 
 
+def test_a_relative_sharded_checkpoint_dir_in_different_working_directories_is_refused_at_the_start(
+    tmp_path: Path,
+) -> None:
+    # Every rank writes its part of a sharded checkpoint into one folder; "ckpt" names another in
+    # each rank's working directory. This failed at the first checkpoint, after the steps before it.
+    for rank in range(2):
+        (tmp_path / f"rank{rank}").mkdir()
+    options = {"strategy": "fsdp", "checkpoint_dir": "ckpt", "checkpoint_every": 2, "max_steps": 4}
+    records = torchrun_one_node(tmp_path, "out", {**options, "own_folder": str(tmp_path / "rank{rank}")})
+    for record in records:
+        assert record.get("tiekit"), record
+        assert "the ranks of this run passed fit different checkpoint_dir (rank 0: " in record["message"]
+        assert f"rank 1: '{tmp_path / 'rank1' / 'ckpt'}'" in record["message"]
+        assert "a relative path names a folder in each rank's working directory" in record["message"]
+    assert not any((tmp_path / f"rank{rank}" / "ckpt").exists() for rank in range(2))  # nothing saved
+
+
 # -- 1. a failing save ------------------------------------------------------------------------------
 
 

@@ -253,14 +253,23 @@ def join(job: Job, backend: Backend) -> Coordinator:
         if needed is not None:
             raise TiekitError(f"{needed} (strategy={backend.name!r} writes sharded checkpoints)")
     options = {name: _comparable(getattr(job.config, name)) for name in SHARED_OPTIONS}
+    folder_shared = backend.sharded_checkpoints and cfg.checkpoint_dir is not None
+    if folder_shared:  # every rank writes into the folder: one absolute path, whatever each one's cwd
+        options["checkpoint_dir"] = os.path.abspath(str(cfg.checkpoint_dir))
     gathered = collective_gather((job.run_id, options))
     first = gathered[0][1]
     for name in SHARED_OPTIONS:
         differ = [r for r, (_, other) in enumerate(gathered) if other[name] != first[name]]
         if differ:
             shown = "; ".join(f"rank {r}: {gathered[r][1][name]!r}" for r in [0, *differ[:7]])
+            why = (
+                f" (strategy={backend.name!r} has every rank write its part into one folder; a relative path "
+                "names a folder in each rank's working directory)"
+                if name == "checkpoint_dir" and folder_shared
+                else ""
+            )
             raise TiekitError(
-                f"the ranks of this run passed fit different {name} ({shown}); it must be the same on every rank"
+                f"the ranks of this run passed fit different {name} ({shown}); it must be the same on every rank{why}"
             )
     return Coordinator(where, str(gathered[0][0]))
 
