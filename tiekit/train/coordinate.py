@@ -247,9 +247,8 @@ def join(job: Job, backend: Backend) -> Coordinator:
     if backend.sharded_checkpoints and (cfg.checkpoint_dir is not None or cfg.resume is not None):
         # Found by every rank alike, before any collective: refused now rather than at the first
         # checkpoint, after the training before it.
-        needed = process_group_needed(
-            where, torch.distributed.is_initialized(), "fit", Path(str(cfg.checkpoint_dir or cfg.resume))
-        )
+        grouped = torch.distributed.is_available() and torch.distributed.is_initialized()
+        needed = process_group_needed(where, grouped, "fit", Path(str(cfg.checkpoint_dir or cfg.resume)))
         if needed is not None:
             raise TiekitError(f"{needed} (strategy={backend.name!r} writes sharded checkpoints)")
     options = {name: _comparable(getattr(job.config, name)) for name in SHARED_OPTIONS}
