@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from tiekit.analyze import dtype_name, find_ties
 from tiekit.collective import collective_gather
@@ -37,7 +38,12 @@ def description(plan: TiePlan, tensors: Mapping[str, list[Any]]) -> Description:
 def model_description(plan: TiePlan, model: torch.nn.Module) -> Description:
     """`description` of ``model``'s state (every name, tied ones too; global shapes). Local."""
     state = model.state_dict(keep_vars=True)
-    return description(plan, {k: [list(t.shape), dtype_name(t.dtype)] for k, t in state.items()})
+    return description(plan, {k: [_shape(t), dtype_name(t.dtype)] for k, t in state.items()})
+
+
+def _shape(t: torch.Tensor) -> list[int] | None:
+    """``t``'s shape; None for a lazy module's parameter, which has none until its first forward."""
+    return None if is_lazy(t) else list(t.shape)
 
 
 def digest(side: Description) -> str:
@@ -91,7 +97,7 @@ def _tensors(rank: int, tensors0: dict[str, list[Any]], tensors: dict[str, list[
         return ", ".join(repr(k) for k in names[:_SHOWN]) + _more(len(names))
 
     def layout(value: list[Any]) -> str:
-        return f"{tuple(value[0])} {value[1]}"
+        return f"{'(not yet initialized)' if value[0] is None else tuple(value[0])} {value[1]}"
 
     missing = [k for k in tensors0 if k not in tensors]
     added = [k for k in tensors if k not in tensors0]
