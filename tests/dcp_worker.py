@@ -395,9 +395,40 @@ def load_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
             "difference": compare(full_state(model), load_file(OUT / "async-saved.safetensors")),
         }
 
+    def hsdp() -> dict[str, Any]:
+        """HSDP, FSDP2 on a 2-D mesh (2 replicas of 2 shards, as across and within nodes): the 2-rank
+        checkpoint loads into it, and its own save holds each shard once and loads back tied."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        torch.manual_seed(7)
+        model = tiekit.shard(tied_lm(), mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        tiekit.load_sharded(model, OUT / "fsdp", optimizer=optimizer)
+        found = {
+            "placements": str(model.embed.weight.placements),
+            "tied": model.head.weight is model.embed.weight,
+            "difference": compare(full_state(model), load_file(OUT / "fsdp-saved.safetensors")),
+        }
+        step(model, optimizer, 2, RANK, WORLD)
+        tiekit.save_sharded(model, OUT / "hsdp")
+        saved = full_state(model)
+        if RANK == 0:
+            save_tensors(saved, OUT / "hsdp-saved.safetensors")
+        found["bytes"] = disk_bytes(OUT / "hsdp")
+        found["unique_bytes"] = sum(v.numel() * v.element_size() for k, v in saved.items() if k != "head.weight")
+        torch.manual_seed(8)
+        fresh = tiekit.shard(tied_lm(), mesh=mesh)
+        tiekit.load_sharded(fresh, OUT / "hsdp")
+        found["reloaded_tied"] = fresh.head.weight is fresh.embed.weight
+        found["reloaded_difference"] = compare(full_state(fresh), saved)
+        return found
+
     scenarios = [("fsdp", fsdp), ("ddp", ddp), ("async", asynchronous)]
     if WORLD == 1:
         scenarios.append(("meta", meta))
+    if WORLD == 4:
+        scenarios.append(("hsdp", hsdp))
     return scenarios
 
 

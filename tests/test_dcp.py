@@ -165,6 +165,27 @@ def test_errors_are_raised_on_every_rank(runs: dict[str, Any]) -> None:
         assert not_shared["marker"] == not_shared["first"] and not_shared["loads"]
 
 
+def test_hsdp_on_a_two_dimensional_mesh_loads_saves_each_shard_once_and_keeps_the_tie(runs: dict[str, Any]) -> None:
+    for found in runs["load-4"]:
+        run = found["hsdp"]
+        assert run["placements"] == "(Replicate(), Shard(dim=0))" and run["tied"] and run["difference"] == 0.0
+        assert run["bytes"] <= run["unique_bytes"] * 1.02, run  # the replicas' identical shards written once
+        assert run["reloaded_tied"] and run["reloaded_difference"] == 0.0
+    # The 4 ranks' save loads in this plain process too, tie restored.
+    from safetensors.torch import load_file
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import shard_fsdp2
+
+    out = Path(runs["out"][0]["path"])
+    plain = shard_fsdp2.TiedLM(4001, 128)
+    plain.head.weight = nn.Parameter(plain.head.weight.detach().clone())  # broken, as a move leaves it
+    tiekit.load_sharded(plain, out / "hsdp")
+    assert plain.head.weight is plain.embed.weight
+    saved = load_file(out / "hsdp-saved.safetensors")
+    assert all(torch.equal(plain.state_dict()[k], v) for k, v in saved.items())
+
+
 def test_ranks_check_that_they_hold_the_same_model_before_sharding(runs: dict[str, Any]) -> None:
     for found in runs["save"]:
         refused = found["errors"]["same_model"]["refused"]
