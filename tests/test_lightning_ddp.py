@@ -37,7 +37,7 @@ def run_example(tmp_path: Path, strategy: str) -> str:
     return run.output
 
 
-# 9 s: on the newest-torch stack only (Lightning's DDP on torch 2.9 runs in the spawn test).
+# On the newest-torch stack only (see the spawn test).
 @pytest.mark.newest_torch_only
 def test_ddp_checkpoints_every_4_steps_and_resumes_tied(tmp_path: Path) -> None:
     output = run_example(tmp_path, "ddp")
@@ -45,6 +45,9 @@ def test_ddp_checkpoints_every_4_steps_and_resumes_tied(tmp_path: Path) -> None:
         assert f"rank {rank}: ddp: resumed at step 4, ties held, weights match" in output
 
 
+# Lightning's DDP runs on the newest-torch stack only; on torch 2.9.1 Lightning runs its XLA strategy
+# (tests/test_integrations_lightning.py).
+@pytest.mark.newest_torch_only
 def test_ddp_spawn_checkpoints_resumes_and_hands_the_weights_back_tied(tmp_path: Path) -> None:
     output = run_example(tmp_path, "ddp_spawn")
     # The main process checked the weights the workers handed back through TiedCheckpointIO.
@@ -82,7 +85,7 @@ if __name__ == "__main__":
 """
 
 
-# 9 s: on the newest-torch stack only (Lightning's DDP on torch 2.9 runs in the spawn test).
+# On the newest-torch stack only (see the spawn test).
 @pytest.mark.newest_torch_only
 def test_ddp_spawn_without_checkpoints_hands_back_weights_and_copies_view_buffers(tmp_path: Path) -> None:
     # The reported failure: with no checkpointing, fit failed at its very end, when rank 0 hands
