@@ -33,7 +33,7 @@ from tiekit.checkpoint.streaming import STAGING_BYTES, RowPart, release_freed_me
 from tiekit.collective import collective_gather, ranks
 from tiekit.dcp.chunks import Located, locate_rows, row_chunks
 from tiekit.dcp.layout import Marker, check_files, committed_save_id, file_ends, read_marker
-from tiekit.dcp.saving import _distributed, _raise_anywhere, process_group_needed
+from tiekit.dcp.saving import _distributed, _raise_anywhere, process_group_needed, refuse_different_folders
 from tiekit.dcp.state import destination, parameters_by_name, running_dcp, unwrap, xla_spmd
 from tiekit.errors import CheckpointError
 from tiekit.header import FileIdentity, TensorEntry
@@ -87,9 +87,9 @@ def load_sharded(
     removed files.
     """
     root = Path(os.path.abspath(os.fspath(path)))
-    needed = process_group_needed(ranks(), _distributed(), "load_sharded", root)
+    needed = process_group_needed(ranks(), _distributed(), "load_sharded", root, "The model is untouched")
     if needed is not None:
-        raise CheckpointError(str(needed).replace("Nothing was written", "The model is untouched"))
+        raise needed
     inner = unwrap(model)
     replaced: Exception | None = None
     for _ in range(READ_ATTEMPTS):
@@ -143,10 +143,8 @@ def _read(inner: nn.Module, root: Path, optimizer: torch.optim.Optimizer | None,
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         error = exc
     shared = _raise_anywhere(error, f"{root}: load", share=(os.fspath(root), reading[0] if reading else None))
-    paths, found = [p for p, _ in shared], [s for _, s in shared]
-    if len(set(paths)) > 1:
-        shown = "; ".join(f"rank {r}: {p}" for r, p in enumerate(paths))
-        raise CheckpointError(f"load_sharded needs the same folder on every rank ({shown})")
+    refuse_different_folders([p for p, _ in shared], "load_sharded")
+    found = [s for _, s in shared]
     if len(set(found)) > 1:  # a commit between two ranks' reads of the marker
         raise _Replaced(f"{root}: the ranks found different saves committed ({', '.join(map(str, found))})")
     assert marker is not None and source is not None and staged is not None

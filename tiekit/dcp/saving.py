@@ -201,10 +201,7 @@ def _prepare(model: nn.Module, root: Path, optimizer: Any, extra: Any) -> tuple[
     if any rank failed."""
     # One gather for both (each costs a round trip of every rank): the folders, and rank 0's id.
     found = collective_gather((os.fspath(root), uuid.uuid4().hex[:16] if _rank() == 0 else None))
-    paths = [p for p, _ in found]
-    if any(p != paths[0] for p in paths):
-        shown = "; ".join(f"rank {r}: {p}" for r, p in enumerate(paths))
-        raise CheckpointError(f"save_sharded needs the same folder on every rank ({shown})")
+    refuse_different_folders([p for p, _ in found], "save_sharded")
     save_id = str(found[0][1])
     state: SaveState | None = None
     error: Exception | None = None
@@ -282,10 +279,21 @@ def _raise_anywhere(error: BaseException | None, what: str, share: Any = None) -
     raise CheckpointError(failure_message(what, errors)) from error
 
 
-def process_group_needed(where: Ranks, distributed: bool, what: str, root: Path) -> CheckpointError | None:
+def refuse_different_folders(paths: list[str], what: str) -> None:
+    """`CheckpointError` unless every rank's folder (``paths``, in rank order, as gathered) is the
+    same. Local."""
+    if len(set(paths)) > 1:
+        shown = "; ".join(f"rank {r}: {p}" for r, p in enumerate(paths))
+        raise CheckpointError(f"{what} needs the same folder on every rank ({shown})")
+
+
+def process_group_needed(
+    where: Ranks, distributed: bool, what: str, root: Path, unchanged: str = "Nothing was written"
+) -> CheckpointError | None:
     """The error for a sharded save or load among ranks DCP cannot coordinate: several ranks and
-    no torch.distributed process group (each would write or read as the only rank). Local: every
-    rank finds the same, so all raise before any collective."""
+    no torch.distributed process group (each would write or read as the only rank), ending with
+    ``unchanged`` (what the refusal left as it was). Local: every rank finds the same, so all
+    raise before any collective."""
     if where.world == 1 or distributed:
         return None
     start = f"{root}: {what} runs torch.distributed.checkpoint"
@@ -293,14 +301,14 @@ def process_group_needed(where: Ranks, distributed: bool, what: str, root: Path)
         return CheckpointError(
             f"{start}, which needs one process per rank; the {where.world} replicas here are threads of "
             "one process (torch_xla.launch on XLA:CPU). They hold the same weights: save them once, "
-            "with tiekit.collective_save_checkpoint (one file), instead"
+            f"with tiekit.collective_save_checkpoint (one file), instead. {unchanged}"
         )
     who = "hosts of this SPMD run" if where.kind == "spmd-hosts" else "XLA processes"
     return CheckpointError(
         f"{start}, which coordinates the {where.world} {who} through a torch.distributed process group, "
         "and there is none: call torch.distributed.init_process_group('gloo', init_method='xla://') in "
         "every process first (torch_xla's rendezvous; import torch_xla.distributed.xla_backend). "
-        "Nothing was written"
+        f"{unchanged}"
     )
 
 
