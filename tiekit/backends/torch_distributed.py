@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import time
+import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
@@ -13,9 +15,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]  # not in its __all__
+from torch.distributed.constants import default_pg_timeout
 
 from tiekit.backends.base import ALONE, Backend, batch_to
 from tiekit.collective import ranks
+from tiekit.errors import TiekitError
 
 
 class TorchBackend(Backend):
@@ -69,8 +74,9 @@ def local_ranks(rank: int, world: int, env: Mapping[str, str]) -> tuple[int, int
 
 
 def join_process_group(rank: int, world: int, port: int | None) -> torch.device:
-    """Collective: this process's device, after joining the run's process group (``env://`` under
-    torchrun, else ``tcp://127.0.0.1:<port>``) unless one is up already; waits for every process."""
+    """Collective: this process's device, after joining the run's process group (under torchrun:
+    its store, see `collective_store_of_this_launch`; else ``tcp://127.0.0.1:<port>``) unless one
+    is up already; waits for every process."""
     local_rank, local_world = local_ranks(rank, world, os.environ)
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     device, group_backend = process_device(local_rank, local_world, cuda_count)
@@ -79,10 +85,66 @@ def join_process_group(rank: int, world: int, port: int | None) -> torch.device:
     else:
         # As torchrun does: processes sharing a host's cores should not each use all of them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // (local_world or 1)))
-    if not dist.is_initialized():
-        init = "env://" if port is None else f"tcp://127.0.0.1:{port}"
-        dist.init_process_group(group_backend, init_method=init, rank=rank, world_size=world)
+    if dist.is_initialized():
+        return device
+    if port is not None:
+        dist.init_process_group(group_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        store, witness = collective_store_of_this_launch(rank, default_pg_timeout)
+        dist.init_process_group(group_backend, store=store, rank=rank, world_size=world)
+        dist.barrier()  # nccl joins lazily: past this, every rank has read the witness
+        del witness
+    else:
+        dist.init_process_group(group_backend, init_method="env://", rank=rank, world_size=world)
     return device
+
+
+LAUNCH_KEY = "tiekit/launch"  # in torchrun's store: "<witness port> <nonce>" of the latest launch's rank 0
+
+
+def collective_store_of_this_launch(rank: int, timeout: timedelta) -> tuple[Store, TCPStore | None]:
+    """Collective (waits for rank 0): torchrun's store, under a prefix no earlier launch of these
+    workers used, and on rank 0 the witness store to keep until every rank has joined the group.
+
+    torchrun keeps its store through the restarts of ``--max-restarts``, and torch's ``env://``
+    (2.9 to 2.14 at least) joins the default group in it without a prefix per restart, so a
+    restarted rank could read the gloo address a rank of the failed launch published, its process
+    gone, and fail ("Connection refused") or leave the others waiting. ``TORCHELASTIC_RESTART_COUNT``
+    is not the same on every node (pytorch issue 108158), so the prefix is a nonce rank 0 draws;
+    a rank tells this launch's nonce from one an earlier launch left by reading it back from a
+    store rank 0 hosts meanwhile (the witness): the rank 0 of an earlier launch is dead.
+    """
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent = TCPStore(host, port, is_master=False, timeout=timeout)
+    if rank == 0:
+        nonce = uuid.uuid4().hex
+        witness = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        witness.set("nonce", nonce)
+        agent.set(LAUNCH_KEY, f"{witness.port} {nonce}")
+        return PrefixStore(f"tiekit/{nonce}", agent), witness
+    deadline = time.monotonic() + timeout.total_seconds()
+    published = ""
+    while time.monotonic() < deadline:
+        published = agent.get(LAUNCH_KEY).decode()  # waits for the first launch's rank 0
+        witness_port, nonce = published.split()
+        if _witness_confirms(host, int(witness_port), nonce):
+            return PrefixStore(f"tiekit/{nonce}", agent), None
+        time.sleep(0.05)  # an earlier launch's announcement: wait for this launch's rank 0
+    raise TiekitError(
+        f"rank {rank}: rank 0 of this launch did not announce itself in torchrun's store at {host}:{port} "
+        f"within {timeout.total_seconds():g} s (the last announcement there, {published!r}, is not confirmed "
+        "by a live rank 0: an earlier launch's)"
+    )
+
+
+def _witness_confirms(host: str, port: int, nonce: str) -> bool:
+    try:
+        # A dead rank 0's port refuses at once; TCPStore would retry it, logging every attempt.
+        socket.create_connection((host, port), timeout=2).close()
+        witness = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=2))
+        return bool(witness.get("nonce").decode() == nonce)
+    except (OSError, RuntimeError):  # refused (its process is gone), or not a store holding a nonce
+        return False
 
 
 def collective_close_process_group() -> None:
