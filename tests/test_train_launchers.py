@@ -50,7 +50,8 @@ if own:
 started = time.time()
 try:
     options.setdefault("strategy", "ddp")
-    result = tiekit.fit(WeightSharingModule, dataset(256), loss_fn=F.mse_loss, batch_size=8,
+    size = options.pop("sizes", {}).get(str(rank), 256)  # {"1": 240}: rank 1's dataset is shorter
+    result = tiekit.fit(WeightSharingModule, dataset(size), loss_fn=F.mse_loss, batch_size=8,
                         progress=False, optimizer=functools.partial(torch.optim.AdamW, lr=1e-2), **options)
     record = dict(steps=result.steps, losses=len(result.losses), world=result.world_size,
                   checkpoint=str(result.checkpoint), digest=result.replica_digests[0], loss_values=list(result.losses),
@@ -213,6 +214,21 @@ def test_a_relative_sharded_checkpoint_dir_in_different_working_directories_is_r
         assert f"rank 1: '{tmp_path / 'rank1' / 'ckpt'}'" in record["message"]
         assert "a relative path names a folder in each rank's working directory" in record["message"]
     assert not any((tmp_path / f"rank{rank}" / "ckpt").exists() for rank in range(2))  # nothing saved
+
+
+@pytest.mark.newest_torch_only  # fit's start-up, the same code on both stacks: one torchrun is enough
+def test_ranks_given_datasets_of_different_lengths_are_refused_at_the_start(tmp_path: Path) -> None:
+    # Rank 1's epoch ended at step 15 and rank 0 waited in the all-reduce of step 16 for good (a
+    # hang past any timeout of this test: gloo's own is 30 minutes).
+    records = torchrun_one_node(tmp_path, "out", {"epochs": 1, "sizes": {"1": 240}}, timeout=60)
+    for record in records:
+        assert record.get("tiekit"), record
+        assert "the ranks of this run were given different train_data" in record["message"]
+        assert "rank 0: 128 samples in 16 batches; rank 1: 120 samples in 15 batches" in record["message"]
+        assert record["seconds"] < 30
+    # Shares of as many batches train (the last, short batch is dropped either way).
+    records = torchrun_one_node(tmp_path, "equal", {"max_steps": 3, "sizes": {"1": 260}}, timeout=60)
+    assert [(r.get("error"), r["steps"]) for r in records] == [(None, 3), (None, 3)]
 
 
 # -- 1. a failing save ------------------------------------------------------------------------------

@@ -10,14 +10,16 @@ the same order, in `tiekit.train.loop`); a run of one rank decides alone and wai
 2. `Coordinator.agree_on_model`: every rank built the same model (names, shapes, dtypes, ties),
    checked before it is moved or sharded: a rank whose model differs is a `TiekitError` on
    every rank naming what differs (FSDP2 would pair tensors of different sizes).
-3. `Coordinator.resume`: the checkpoint to resume from, decided on rank 0 (``"last"``: the newest
+3. `Coordinator.agree_on_data`: every rank's share of the training (and validation) data is as
+   long: a rank given a shorter dataset would end its epoch first and leave the others waiting.
+4. `Coordinator.resume`: the checkpoint to resume from, decided on rank 0 (``"last"``: the newest
    in rank 0's ``checkpoint_dir``), then opened by every rank: a rank that cannot (node-local
    folders) is a `TiekitError` on every rank naming it and the path. After the load, every
    rank must stand at the same step.
-4. `Coordinator.save`: one writer per checkpoint (rank 0; process index 0 under SPMD; every
+5. `Coordinator.save`: one writer per checkpoint (rank 0; process index 0 under SPMD; every
    rank its part of a sharded one), its failure raised on every rank: at once, or for a save
    written in the background at the next save or `Coordinator.finish_saves`.
-5. `abort`: a failing rank releases the launch threads waiting for it in a collective.
+6. `abort`: a failing rank releases the launch threads waiting for it in a collective.
 """
 
 from __future__ import annotations
@@ -99,6 +101,28 @@ class Coordinator:
             raise TiekitError(
                 f"{exc}. The model factory must build the same model, with the same ties, on every rank of a run"
             ) from exc
+
+    def agree_on_data(self, shares: dict[str, tuple[int, int]]) -> None:
+        """Collective: every rank's share of each dataset, ``{"train_data": (samples, batches)}``
+        per epoch, has as many batches; else a `TiekitError` on every rank naming the ranks and
+        their shares. Ranks given datasets of different lengths would end an epoch at different
+        steps, and the rank left over would wait in its next all-reduce for good."""
+        if self.ranks.world == 1:
+            return
+        gathered = self.gather(shares)
+        for what, (_, batches) in gathered[0].items():
+            differ = [r for r, other in enumerate(gathered) if other[what][1] != batches]
+            if differ:
+                shown = "; ".join(
+                    f"rank {r}: {gathered[r][what][0]} samples in {gathered[r][what][1]} batches"
+                    for r in [0, *differ[:7]]
+                )
+                raise TiekitError(
+                    f"the ranks of this run were given different {what}: each rank's share of one epoch is "
+                    f"{shown}. Pass the same dataset on every rank: fit gives each rank its share (a "
+                    "DistributedSampler); ranks whose epochs end at different steps would wait for each other "
+                    "for good"
+                )
 
     def resume(
         self, cfg: FitConfig, model: nn.Module, optimizer: torch.optim.Optimizer, backend: Backend

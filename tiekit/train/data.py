@@ -71,6 +71,11 @@ class ReplicaLoader:
         self.sampler.start(epoch, skip_batches * self.batch_size)
         return self.loader
 
+    def epoch_share(self, drop_last: bool) -> tuple[int, int]:
+        """(samples, batches) one epoch gives this replica."""
+        batches = self.batches_per_epoch(drop_last)  # from the start of the epoch
+        return len(self.sampler), batches
+
     def batches_per_epoch(self, drop_last: bool) -> int:
         """Batches one epoch yields on this replica (from the start of the epoch)."""
         self.sampler.start(0)

@@ -122,6 +122,10 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
     # Validation keeps its short last batch (one more graph on XLA, compiled once): no padded
     # duplicates in the mean.
     val = None if job.val_data is None else _loader(job, job.val_data, backend, shuffle=False, drop_last=False)
+    shares = {"train_data": train.epoch_share(cfg.drop_last)}
+    if val is not None:
+        shares["val_data"] = val.epoch_share(False)
+    coordinator.agree_on_data(shares)  # else a rank ending its epoch first leaves the others waiting
     position = coordinator.resume(cfg, model, optimizer, backend)  # rank 0 chooses, every rank loads
     backend.end_step()  # XLA: run the set-up's pending work (a resume's copies) through the gate
     per_epoch = train.batches_per_epoch(cfg.drop_last)
