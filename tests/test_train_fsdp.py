@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from launching import EXAMPLES, base_env, run_ok
 from models import WeightSharingModule, gpt2, llama, t5
 from test_train import DropoutNet, data, same, weights
-from test_train_launchers import torchrun_one_node
+from test_train_launchers import dataset, torchrun_one_node
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
@@ -62,6 +62,32 @@ def test_fsdp_on_two_processes_trains_step_by_step_like_ddp_and_returns_the_call
     expected = reference.model.state_dict()
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6)
+
+
+def seeded_by_rank() -> WeightSharingModule:
+    """A model factory seeding each rank its own way (as scripts do for dropout), so the ranks'
+    initial weights differ."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0  # 0: fit's own result
+    torch.manual_seed(1000 * rank)
+    return WeightSharingModule()
+
+
+def test_fsdp_starts_every_rank_from_rank_0s_weights_as_ddp_does() -> None:
+    # FSDP2 shards each process's own values: before, a model initialised differently on each rank
+    # trained as a mixture of them (rank 0's rows of one weight, rank 1's of another), where DDP
+    # starts every rank from rank 0's.
+    torch.manual_seed(0)
+    rank_0, rank_1 = (
+        WeightSharingModule().state_dict(),
+        (torch.manual_seed(1000), WeightSharingModule())[1].state_dict(),
+    )
+    assert not any(torch.equal(rank_0[k], rank_1[k]) for k in rank_0)  # a mixture would show
+    kw: dict[str, Any] = {"loss_fn": F.mse_loss, "max_steps": 1, "progress": False, "devices": 2, "batch_size": 8}
+    sgd_standing_still = functools.partial(torch.optim.SGD, lr=0.0)
+    result = tiekit.fit(seeded_by_rank, dataset(64), strategy="fsdp", optimizer=sgd_standing_still, **kw)
+    assert result.ties_kept and result.model.layer_3.weight is result.model.layer_1.weight
+    for name, value in result.model.state_dict().items():
+        assert torch.equal(value, rank_0[name]), name
 
 
 @pytest.mark.parametrize(

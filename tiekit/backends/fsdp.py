@@ -12,6 +12,8 @@ from tiekit.backends.torch_distributed import TorchBackend
 from tiekit.plan import TiePlan
 from tiekit.retie import move
 
+BROADCAST_BUCKET_BYTES = 250 * 2**20  # DDP's bucket for the same broadcast
+
 
 class FsdpBackend(TorchBackend):
     """One of ``world`` processes training an FSDP2-sharded model (``fit(strategy="fsdp")``)."""
@@ -24,9 +26,17 @@ class FsdpBackend(TorchBackend):
         self.name = "fsdp"
 
     def place(self, model: nn.Module, dtype: torch.dtype | None, plan: TiePlan) -> None:
+        """Collective: moved, rank 0's parameters and buffers broadcast to every process (as DDP
+        does when it wraps a model; FSDP2 would shard each process's own values, so a model
+        initialised differently on each rank trained as a mixture of them), then sharded."""
+        import torch.distributed as dist
+        from torch.distributed.utils import _sync_module_states
+
         from tiekit.sharding import shard
 
         move(model, self.device, dtype=dtype, plan=plan)
+        # named_parameters names each tie group once: one broadcast per shared tensor, ties kept.
+        _sync_module_states(model, dist.group.WORLD, BROADCAST_BUCKET_BYTES, 0, ())
         shard(model)
 
     def wrap(self, model: nn.Module) -> nn.Module:
