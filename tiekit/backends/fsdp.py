@@ -36,7 +36,9 @@ class FsdpBackend(TorchBackend):
 
         move(model, self.device, dtype=dtype, plan=plan)
         # named_parameters names each tie group once: one broadcast per shared tensor, ties kept.
-        _sync_module_states(model, dist.group.WORLD, BROADCAST_BUCKET_BYTES, 0, ())
+        world = dist.group.WORLD
+        assert world is not None  # joined in the backend's set-up
+        _sync_module_states(model, world, BROADCAST_BUCKET_BYTES, 0, ())
         shard(model)
 
     def wrap(self, model: nn.Module) -> nn.Module:
