@@ -65,12 +65,17 @@ def replica(index):
     sys.addaudithook(audit) if index == 0 else None
     for run in range(10):
         ckpt = dict(checkpoint_dir=folder + "/ckpt", checkpoint_every=6) if run == 9 else {}
-        result = tiekit.fit(WeightSharingModule, dataset(256), loss_fn=F.mse_loss, strategy="xla", max_steps=12,
+        model, start = WeightSharingModule, None
+        if run == 0:  # a module each replica builds its own way: replica 0's weights go to every replica
+            torch.manual_seed(1000 * index)
+            model = WeightSharingModule()
+            start = [v.sum().item() for v in model.state_dict().values()]
+        result = tiekit.fit(model, dataset(256), loss_fn=F.mse_loss, strategy="xla", max_steps=12,
                             batch_size=8, precision="bf16-mixed", progress=False,
                             optimizer=functools.partial(torch.optim.AdamW, lr=1e-2), **ckpt)
         record(kind="fit", ordinal=index, run=run, steps=result.steps, world=result.world_size,
                digest=result.replica_digests[0], ties_kept=result.ties_kept, first=result.losses[:1],
-               last=result.losses[-1:], checkpoint=str(result.checkpoint))
+               last=result.losses[-1:], checkpoint=str(result.checkpoint), start=start)
 
 if __name__ == "__main__":
     torch_xla.launch(replica)
@@ -90,6 +95,8 @@ def test_ten_bf16_mixed_fits_inside_your_own_launch_never_race(tmp_path: Path) -
         pair = [r for r in fits if r["run"] == run]
         assert all(r["steps"] == 12 and r["world"] == 2 and r["ties_kept"] for r in pair)
         assert pair[0]["digest"] == pair[1]["digest"]  # each replica ends bit-identical to its peer
+    first = sorted((r for r in fits if r["run"] == 0), key=lambda r: r["ordinal"])
+    assert first[0]["start"] != first[1]["start"]  # built apart, trained as one (before: digests differed)
     assert all(r["last"][0] < r["first"][0] for r in fits if r["ordinal"] == 0)
     # The run's checkpoints: written once each, by ordinal 0; both replicas name the last one.
     renames = [r for r in records if r["kind"] == "rename"]

@@ -11,11 +11,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch import nn
 
 from tiekit.backends.base import ALONE
 from tiekit.backends.xla import XlaBackend, xla_device_count_hint, xla_module, xla_replica, xla_replicas
 from tiekit.collective import ranks
 from tiekit.devices import resolve_device, xla
+from tiekit.plan import TiePlan
 
 
 @contextmanager
@@ -182,6 +184,22 @@ def xla_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step()
 
 
+def xla_broadcast_from_replica_0(tensors: list[torch.Tensor]) -> None:
+    """Collective (lazy: the next step of every replica runs it): replica 0's values of the
+    floating-point ``tensors`` written into every replica's, in place (torch_xla's broadcast, an
+    all-reduce; XLA:CPU's refuses 16-bit floats, so those cross as float32 there)."""
+    xm = xla_module("torch_xla.core.xla_model")
+    xr = xla_module("torch_xla.runtime")
+    floats = [t for t in tensors if t.is_floating_point()]
+    widen = xr.device_type() == "CPU"
+    with torch.no_grad():
+        sent = [t.float() if widen and t.dtype in (torch.bfloat16, torch.float16) else t for t in floats]
+        xm.collective_broadcast(sent)
+        for t, value in zip(floats, sent, strict=True):
+            if value is not t:
+                t.copy_(value)
+
+
 def xla_all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """Sum of ``t`` over the XLA replicas (lazy; the caller ends the step to run it)."""
     xm = xla_module("torch_xla.core.xla_model")
@@ -210,6 +228,16 @@ class XlaReplicaBackend(XlaBackend):
 
     def step_sync(self, run_id: str) -> Callable[[], None]:
         return xla_step_sync(run_id)
+
+    def place(self, model: nn.Module, dtype: torch.dtype | None, plan: TiePlan) -> None:
+        """Moved, ties kept; with several replicas, collective: every replica then takes replica
+        0's weights and buffers, as DDP does (run by the set-up's step). A model built differently
+        in each replica (seeded by ordinal inside your own torch_xla.launch) would otherwise train
+        apart for good, its gradients averaged over weights that differ."""
+        super().place(model, dtype, plan)
+        if self.replica_count > 1:
+            # parameters() names each tie group once: one broadcast per shared tensor.
+            xla_broadcast_from_replica_0([*model.parameters(), *model.buffers()])
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.replica_count == 1:
