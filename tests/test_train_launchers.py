@@ -51,6 +51,8 @@ started = time.time()
 try:
     options.setdefault("strategy", "ddp")
     size = options.pop("sizes", {}).get(str(rank), 256)  # {"1": 240}: rank 1's dataset is shorter
+    if rank in options.pop("validating", []):  # [1]: val_data on rank 1 only
+        options.setdefault("val_data", dataset(64))
     result = tiekit.fit(WeightSharingModule, dataset(size), loss_fn=F.mse_loss, batch_size=8,
                         progress=False, optimizer=functools.partial(torch.optim.AdamW, lr=1e-2), **options)
     record = dict(steps=result.steps, losses=len(result.losses), world=result.world_size,
@@ -226,9 +228,13 @@ def test_ranks_given_datasets_of_different_lengths_are_refused_at_the_start(tmp_
         assert "the ranks of this run were given different train_data" in record["message"]
         assert "rank 0: 128 samples in 16 batches; rank 1: 120 samples in 15 batches" in record["message"]
         assert record["seconds"] < 30
-    # Shares of as many batches train (the last, short batch is dropped either way).
-    records = torchrun_one_node(tmp_path, "equal", {"max_steps": 3, "sizes": {"1": 260}}, timeout=60)
-    assert [(r.get("error"), r["steps"]) for r in records] == [(None, 3), (None, 3)]
+    # Shares of as many batches pass (the last, short batch is dropped either way); val_data
+    # passed on one rank only is refused (rank 1 would have validated, with an all-reduce, alone).
+    options = {"max_steps": 3, "sizes": {"1": 260}, "validating": [1]}
+    records = torchrun_one_node(tmp_path, "equal", options, timeout=60)
+    for record in records:
+        assert record.get("tiekit"), record
+        assert "val_data was passed to fit on rank(s) 1 but not on rank(s) 0" in record["message"]
 
 
 # -- 1. a failing save ------------------------------------------------------------------------------

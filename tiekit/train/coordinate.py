@@ -103,14 +103,23 @@ class Coordinator:
             ) from exc
 
     def agree_on_data(self, shares: dict[str, tuple[int, int]]) -> None:
-        """Collective: every rank's share of each dataset, ``{"train_data": (samples, batches)}``
-        per epoch, has as many batches; else a `TiekitError` on every rank naming the ranks and
-        their shares. Ranks given datasets of different lengths would end an epoch at different
-        steps, and the rank left over would wait in its next all-reduce for good."""
+        """Collective: every rank was given each dataset, and its share of it,
+        ``{"train_data": (samples, batches)}`` per epoch, has as many batches; else a `TiekitError`
+        on every rank naming the ranks and their shares. Ranks given datasets of different
+        lengths would end an epoch at different steps, and the rank left over would wait in its
+        next all-reduce for good."""
         if self.ranks.world == 1:
             return
         gathered = self.gather(shares)
-        for what, (_, batches) in gathered[0].items():
+        for what in sorted(set().union(*gathered)):  # train_data first
+            lacking = [r for r, other in enumerate(gathered) if what not in other]
+            if lacking:
+                given = [r for r, other in enumerate(gathered) if what in other]
+                raise TiekitError(
+                    f"{what} was passed to fit on rank(s) {_ranks(given)} but not on rank(s) {_ranks(lacking)}: "
+                    "pass it on every rank or on none (each rank takes its share, and the ranks sum their losses)"
+                )
+            batches = gathered[0][what][1]
             differ = [r for r, other in enumerate(gathered) if other[what][1] != batches]
             if differ:
                 shown = "; ".join(
@@ -295,6 +304,11 @@ def join(job: Job, backend: Backend) -> Coordinator:
                 f"the ranks of this run passed fit different {name} ({shown}); it must be the same on every rank{why}"
             )
     return Coordinator(where, str(gathered[0][0]))
+
+
+def _ranks(ranks: list[int]) -> str:
+    shown = ", ".join(str(r) for r in ranks[:8])
+    return shown if len(ranks) <= 8 else f"{shown} and {len(ranks) - 8} more"
 
 
 def abort(backend: Backend, reason: str) -> None:
