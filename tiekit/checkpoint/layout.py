@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -33,6 +34,6 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def name_list(items: list[str], limit: int = 8) -> str:
+def name_list(items: Sequence[object], limit: int = 8) -> str:
     shown = ", ".join(repr(n) for n in items[:limit])
     return f"{shown} and {len(items) - limit} more" if len(items) > limit else shown

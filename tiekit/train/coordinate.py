@@ -37,6 +37,7 @@ from tiekit.agreement import collective_check_same_model
 from tiekit.backends.base import Backend
 from tiekit.checkpoint.deferred import DeferredCopies
 from tiekit.checkpoint.direct import FileImage
+from tiekit.checkpoint.layout import name_list
 from tiekit.checkpoint.saving import save_checkpoint_reusing
 from tiekit.collective import (
     Ranks,
@@ -116,7 +117,7 @@ class Coordinator:
             if lacking:
                 given = [r for r, other in enumerate(gathered) if what in other]
                 raise TiekitError(
-                    f"{what} was passed to fit on rank(s) {_ranks(given)} but not on rank(s) {_ranks(lacking)}: "
+                    f"{what} was passed to fit on rank(s) {name_list(given)} but not on rank(s) {name_list(lacking)}: "
                     "pass it on every rank or on none (each rank takes its share, and the ranks sum their losses)"
                 )
             batches = gathered[0][what][1]
@@ -304,11 +305,6 @@ def join(job: Job, backend: Backend) -> Coordinator:
                 f"the ranks of this run passed fit different {name} ({shown}); it must be the same on every rank{why}"
             )
     return Coordinator(where, str(gathered[0][0]))
-
-
-def _ranks(ranks: list[int]) -> str:
-    shown = ", ".join(str(r) for r in ranks[:8])
-    return shown if len(ranks) <= 8 else f"{shown} and {len(ranks) - 8} more"
 
 
 def abort(backend: Backend, reason: str) -> None:
