@@ -47,7 +47,15 @@ rank = int(os.environ["RANK"])
 own = options.pop("own_folder", None)  # "{rank}" -> this process's folder
 if own:
     os.chdir(own.format(rank=rank))
+control = options.pop("control", False)
 started = time.time()
+
+
+def gloo_threads():  # this process's gloo worker threads (torch names them): alive while a group is
+    tasks = [f"/proc/self/task/{t}/comm" for t in os.listdir("/proc/self/task")]
+    return sum(open(task).read().strip() == "pt_gloo_runloop" for task in tasks)
+
+
 try:
     options.setdefault("strategy", "ddp")
     size = options.pop("sizes", {}).get(str(rank), 256)  # {"1": 240}: rank 1's dataset is shorter
@@ -61,7 +69,21 @@ try:
                   weights={k: v.tolist() for k, v in result.model.state_dict().items()})
 except Exception as exc:
     record = dict(error=type(exc).__name__, tiekit=isinstance(exc, tiekit.TiekitError), message=str(exc))
-record.update(rank=rank, cwd=os.getcwd(), seconds=time.time() - started)
+    record.update(gloo_threads_while_failing=gloo_threads())  # the traceback, and its frames, still alive
+record.update(rank=rank, cwd=os.getcwd(), seconds=time.time() - started, gloo_threads=gloo_threads())
+if control:  # torch alone: a destroyed group lives on, its threads too, while a traceback holds DDP
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    def fails(model):
+        raise RuntimeError("in the step")
+
+    dist.init_process_group("gloo")
+    try:
+        fails(DistributedDataParallel(torch.nn.Linear(2, 2)))
+    except RuntimeError:
+        dist.destroy_process_group()
+        record["control_gloo_threads_while_failing"] = gloo_threads()
 with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
     json.dump(record, f)
 """
@@ -110,6 +132,17 @@ def _wait(processes: list[subprocess.Popen[str]], timeout: float) -> list[str]:
     return outputs
 
 
+def _launch_failure(output: str, out: Path) -> str:
+    """What a failed torchrun launch's ranks printed, without the agent's own traceback (its
+    report of the failure, which would fill an assertion message's tail), and which ranks reported
+    a result first: a rank dying after its report died at exit, not in fit."""
+    reported = sorted(p.stem for p in out.glob("rank-*.json"))
+    agent = output.rfind("Traceback (most recent call last):", 0, output.find("ChildFailedError"))
+    ranks, trailer = (output[:agent], output[agent:]) if agent >= 0 else (output, "")
+    causes = [line.strip() for line in trailer.splitlines() if "exitcode" in line or "rank  " in line]
+    return f"reported before the failure: {reported}; agent: {causes}\n{ranks[-6000:]}"
+
+
 def _records(out: Path, world: int = 2) -> list[dict[str, Any]]:
     files = sorted(out.glob("rank-*.json"))
     assert len(files) == world, f"{len(files)} of {world} ranks reported"
@@ -126,7 +159,7 @@ def torchrun_one_node(tmp_path: Path, name: str, options: dict[str, Any], timeou
     command += ["--master-port", str(_free_port()), str(script), str(out), json.dumps(options)]
     process = _start(command, cwd=tmp_path)
     output = _wait([process], timeout)[0]
-    assert process.returncode == 0, output[-3000:]
+    assert process.returncode == 0, _launch_failure(output, out)
     return _records(out)
 
 
@@ -243,13 +276,18 @@ def test_ranks_given_datasets_of_different_lengths_are_refused_at_the_start(tmp_
 def test_a_save_that_fails_on_the_writer_raises_on_every_rank(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")  # root ignores permissions, but not a file in the path
-    options = {"checkpoint_dir": str(blocker / "ckpt"), "checkpoint_every": 4, "max_steps": 12}
+    options = {"checkpoint_dir": str(blocker / "ckpt"), "checkpoint_every": 4, "max_steps": 12, "control": True}
     records = torchrun_one_node(tmp_path, "out", options)
     path = str(blocker / "ckpt" / "step-00000004.safetensors")
     for record in records:
         assert record.get("error") == "CheckpointError", record
         assert path in record["message"] and "Not a directory" in record["message"]
         assert record["seconds"] < 60  # raised at step 4 on both, nobody waits for a timeout
+        # The group fit made is gone, its threads joined, while the error is still being handled:
+        # left to interpreter exit, a gloo thread releasing a collective's tensors then needs the
+        # GIL and aborts the process ("terminate called without an active exception", torch 2.14).
+        assert record["gloo_threads_while_failing"] == 0, record
+        assert record["control_gloo_threads_while_failing"] > 0, record  # torch alone keeps them
     assert "rank 0" in records[1]["message"]  # rank 1 says whose save failed
 
 
@@ -388,7 +426,7 @@ def test_fit_rejoins_and_resumes_when_torchrun_restarts_the_workers(tmp_path: Pa
         command += ["--master-port", str(_free_port()), str(script), str(out), how]
         process = _start(command, cwd=out)
         output = _wait([process], timeout=150)[0]
-        assert process.returncode == 0, output[-5000:]
+        assert process.returncode == 0, _launch_failure(output, out)
         assert "failed (exitcode: -9) local_rank: 1" in output  # the first launch's rank 1 was killed
         return output, out
 

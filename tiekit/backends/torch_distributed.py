@@ -7,6 +7,7 @@ import contextlib
 import os
 import socket
 import time
+import traceback
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from datetime import timedelta
@@ -147,16 +148,44 @@ def _witness_confirms(host: str, port: int, nonce: str) -> bool:
         return False
 
 
-def collective_close_process_group() -> None:
+def collective_close_process_group(failure: BaseException | None = None) -> None:
     """Collective: close the process group fit made (under torchrun, or in the processes it spawned;
-    a group you made stays yours).
+    a group you made stays yours). ``failure``: the exception fit is raising, if any.
+
     Left open, torch 2.14's processes abort at exit ("terminate called without an active
     exception"), and so do they when one closes the group while a peer still uses its store: the
-    ranks first meet (for at most 10 s: a rank that died is the launcher's to report)."""
+    ranks first meet (for at most 10 s: a rank that died is the launcher's to report). Closing is
+    not enough while something still holds the group: its gloo threads live on, and one that
+    releases a collective's tensors during interpreter exit needs the GIL and aborts the process.
+    A failure's traceback holds the wrapped model (DDP keeps its group), so the locals of
+    tiekit's and torch's frames in it are dropped first (yours keep theirs, for post-mortem
+    debugging): the group then goes, its threads joined, here."""
+    if failure is not None:
+        drop_library_locals(failure)
     if dist.get_backend() == "gloo":
         with contextlib.suppress(RuntimeError):
             dist.monitored_barrier(timeout=timedelta(seconds=10), wait_all_ranks=True)
     dist.destroy_process_group()
+
+
+_LIBRARY_CODE = (os.path.dirname(os.path.dirname(__file__)) + os.sep, os.path.dirname(torch.__file__) + os.sep)
+
+
+def drop_library_locals(failure: BaseException) -> None:
+    """Local: clear the locals of tiekit's and torch's finished frames in ``failure``'s traceback
+    and in those of its causes (see `collective_close_process_group`)."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [failure]
+    while pending:
+        exc = pending.pop()
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        pending += [exc.__cause__, exc.__context__]
+        for frame, _ in traceback.walk_tb(exc.__traceback__):
+            if frame.f_code.co_filename.startswith(_LIBRARY_CODE):
+                with contextlib.suppress(RuntimeError):  # a frame still running (the caller's)
+                    frame.clear()
 
 
 def free_port() -> int:

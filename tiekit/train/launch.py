@@ -43,6 +43,7 @@ from tiekit.backends.fsdp import FsdpBackend
 from tiekit.backends.torch_distributed import (
     TorchBackend,
     collective_close_process_group,
+    drop_library_locals,
     free_port,
     join_process_group,
 )
@@ -171,12 +172,16 @@ def _processes(job: Job, requested: int | str) -> tuple[list[Outcome], nn.Module
     if all(k in os.environ for k in _TORCHRUN):  # started by torchrun: this process is one rank
         created = not dist.is_initialized()
         try:
-            return _here(
+            outcomes = _here(
                 job, _process_backend(job.strategy, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None)
             )
-        finally:
+        except BaseException as exc:
             if created and dist.is_initialized():
-                collective_close_process_group()
+                collective_close_process_group(exc)
+            raise
+        if created and dist.is_initialized():
+            collective_close_process_group()
+        return outcomes
     if isinstance(requested, str) and requested != "auto":
         raise TiekitError(f'strategy="{job.strategy}" takes devices="auto" or a number of processes, not {requested!r}')
     world = requested if isinstance(requested, int) else max(1, torch.cuda.device_count())
@@ -226,6 +231,7 @@ def _process_entry(rank: int, job: Job, world: int, port: int) -> None:
         assert job.result_dir is not None
         error = {"type": type(exc).__name__, "message": str(exc)}
         (job.result_dir / f"error-{rank}.json").write_text(json.dumps(error), encoding="utf-8")
+        drop_library_locals(exc)  # the group goes with the model holding it (see collective_close_process_group)
         dist.destroy_process_group()  # peers may be gone: no meeting
         raise
     # The ranks meet before leaving: a process whose peer closed the group under it could abort
