@@ -178,6 +178,8 @@ def _processes(job: Job, requested: int | str) -> tuple[list[Outcome], nn.Module
         except BaseException as exc:
             if created and dist.is_initialized():
                 collective_close_process_group(exc)
+            else:  # your group: it goes when you destroy it, not with this traceback
+                drop_library_locals(exc)
             raise
         if created and dist.is_initialized():
             collective_close_process_group()
