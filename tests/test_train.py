@@ -121,6 +121,19 @@ def test_checkpoint_keep_deletes_the_runs_older_checkpoints_once_a_newer_is_comp
     assert len(list(tmp_path.iterdir())) == 5
 
 
+def test_checkpoint_keep_with_resume_last_keeps_n_in_the_folder_over_every_launch(tmp_path: Path) -> None:
+    # A job restarted or resubmitted with resume="last": each launch continues the folder.
+    kw: dict[str, Any] = {"batch_size": 4, "checkpoint_dir": tmp_path, "checkpoint_every": 2, **CPU}
+    tiekit.fit(DropoutNet, data(), max_steps=5, **kw)  # 2, 4, 5: no keep, all stay
+    for launch, steps in enumerate([9, 13]):
+        tiekit.fit(DropoutNet, data(), max_steps=steps, checkpoint_keep=2, resume="last", **kw)
+        expected = [["step-00000008", "step-00000009"], ["step-00000012", "step-00000013"]][launch]
+        assert sorted(p.stem for p in tmp_path.iterdir()) == expected
+    # resume=<path> branches off: the folder's checkpoints, the one resumed from included, stay.
+    tiekit.fit(DropoutNet, data(), max_steps=15, checkpoint_keep=1, resume=tmp_path / "step-00000012.safetensors", **kw)
+    assert sorted(p.stem for p in tmp_path.iterdir()) == ["step-00000012", "step-00000013", "step-00000015"]
+
+
 @pytest.mark.parametrize("keep", [0, -1, 1.5, True])
 def test_checkpoint_keep_must_be_a_positive_integer(tmp_path: Path, keep: Any) -> None:
     with pytest.raises(tiekit.TiekitError, match="checkpoint_keep"):

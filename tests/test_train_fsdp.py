@@ -160,6 +160,15 @@ def test_fsdp_checkpoints_are_sharded_folders_that_resume_bit_identically(tmp_pa
     first = tiekit.fit(DropoutNet, data(), max_steps=7, checkpoint_dir=tmp_path, checkpoint_every=5, **kw)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000005", "step-00000007"]
     assert first.checkpoint == tmp_path / "step-00000007" and tiekit.dcp.is_sharded_checkpoint(first.checkpoint)
+
+    # The control: the weights and optimizer state alone (no data position, no RNG states) do not
+    # continue the run.
+    naive = DropoutNet()
+    optimizer = ADAMW(naive.parameters())
+    tiekit.load_sharded(naive, first.checkpoint, optimizer=optimizer)
+    restarted = tiekit.fit(naive, data(), max_steps=6, **kw)
+    assert not same(weights(restarted.model), weights(straight.model))
+
     resumed = tiekit.fit(
         DropoutNet,
         data(),
@@ -170,20 +179,12 @@ def test_fsdp_checkpoints_are_sharded_folders_that_resume_bit_identically(tmp_pa
         resume="last",
         **kw,
     )
-    # This run wrote 10 and 13 and kept its newest; the first run's folders are not its to delete.
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000005", "step-00000007", "step-00000013"]
+    # This run wrote 10 and 13 and, continuing the folder (resume="last"), kept the newest of all.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000013"]
 
     assert resumed.steps == 13 and resumed.losses == straight.losses[7:]
     assert same(weights(resumed.model), weights(straight.model))
     assert resumed.model.c.weight is resumed.model.a.weight
-
-    # The control: the weights and optimizer state alone (no data position, no RNG states) do not
-    # continue the run.
-    naive = DropoutNet()
-    optimizer = ADAMW(naive.parameters())
-    tiekit.load_sharded(naive, first.checkpoint, optimizer=optimizer)
-    restarted = tiekit.fit(naive, data(), max_steps=6, **kw)
-    assert not same(weights(restarted.model), weights(straight.model))
 
 
 def test_an_fsdp_checkpoint_loads_into_a_plain_model_with_its_tie(tmp_path: Path) -> None:

@@ -425,8 +425,8 @@ if launch == 1:  # rank 1 joins first: what it finds in the store, rank 0 of a d
 if how == "torch":  # what fit did before: torch's env:// in torchrun's store
     dist.init_process_group("gloo", init_method="env://")
 result = tiekit.fit(WeightSharingModule, DiesOnRank1(), loss_fn=F.mse_loss, strategy="ddp", batch_size=8,
-                    max_steps=16, checkpoint_dir="ckpt", checkpoint_every=4, resume="last", progress=False,
-                    optimizer=functools.partial(torch.optim.AdamW, lr=1e-2))
+                    max_steps=16, checkpoint_dir="ckpt", checkpoint_every=4, checkpoint_keep=2, resume="last",
+                    progress=False, optimizer=functools.partial(torch.optim.AdamW, lr=1e-2))
 record(f"rank-{rank}.json", dict(steps=result.steps, losses=len(result.losses), digest=result.replica_digests[0],
                                  ties=result.model.layer_3.weight is result.model.layer_1.weight))
 """
@@ -466,6 +466,9 @@ def test_fit_rejoins_and_resumes_when_torchrun_restarts_the_workers(tmp_path: Pa
     assert records[0]["losses"] in (8, 12), records  # resumed from step 8 (or 4, its save still under way)
     assert records[0]["digest"] == records[1]["digest"]
     assert "Connection refused" not in output
+    # checkpoint_keep=2 over both launches: the restarted one continued the folder.
+    kept = sorted(p.name for p in (out / "ckpt").glob("step-*.safetensors"))
+    assert kept == ["step-00000012.safetensors", "step-00000016.safetensors"], kept
 
 
 # -- 5. which GPU a DDP process uses -----------------------------------------------------------------

@@ -91,7 +91,8 @@ def fit(
     (sharded strategies: `tiekit.save_sharded` folders), written in the background while
     training goes on unless ``checkpoint_async=False``; fit returns once the last is complete.
     ``checkpoint_keep``: keep only the N newest checkpoints this run wrote, deleting an older one
-    once a newer one is complete (default: keep all).
+    once a newer one is complete (default: keep all); with ``resume="last"`` the checkpoints
+    already in ``checkpoint_dir`` count as the run's (restarts keep N in the folder).
     ``resume``: a checkpoint path or "last". ``drop_last``: drop the short last batch (else it is
     padded on XLA so every step has one shape). ``progress``: tqdm bar on the master;
     ``log_dir``: ``metrics.csv`` (and TensorBoard logs when installed).

@@ -85,7 +85,7 @@ class Coordinator:
     staging: FileImage | None = None
     copying: DeferredCopies | None = None
     pending_path: Path | None = None  # where the save in flight (on any rank) goes
-    written: list[Path] = field(default_factory=list)  # this run's complete checkpoints, oldest first
+    written: list[Path] = field(default_factory=list)  # this run's complete checkpoints, oldest first (see resume)
 
     def gather(self, value: Any) -> list[Any]:
         """Collective: every rank's ``value`` in rank order (``[value]`` in a run of one rank)."""
@@ -155,6 +155,11 @@ class Coordinator:
         if failed:
             raise TiekitError(_unreadable(path, failed, cfg, self.ranks.world))
         self.last_saved = path
+        if cfg.resume == "last" and self.ranks.is_writer:
+            # The run continues the folder (a torchrun restart, a resubmitted job): the checkpoints
+            # in it count as this run's for checkpoint_keep, or every launch would leave N more.
+            assert cfg.checkpoint_dir is not None  # FitConfig.check
+            self.written = state.checkpoints_in(cfg.checkpoint_dir)
         sharded = backend.sharded_checkpoints
         if self.ranks.world == 1:
             return state.resume(path, model, optimizer, backend.devices_in_run, backend.device, sharded=sharded)

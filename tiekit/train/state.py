@@ -45,16 +45,22 @@ def checkpoint_path(folder: Path, step: int, *, sharded: bool = False) -> Path:
     return folder / (f"step-{step:08d}" if sharded else f"step-{step:08d}.safetensors")
 
 
-def last_checkpoint(folder: Path) -> Path | None:
-    """The checkpoint of ``folder`` with the highest step, or None. A sharded folder counts only
-    once committed (its marker written): a save killed half way is never resumed from."""
+def checkpoints_in(folder: Path) -> list[Path]:
+    """The checkpoints of ``folder``, oldest step first: the files, and the sharded folders once
+    committed (their marker written), so a save killed half way is never taken for one."""
     found = [(int(m.group(1)), p) for p in folder.glob("step-*.safetensors") if (m := _STEP_FILE.fullmatch(p.name))]
     found += [
         (int(m.group(1)), p)
         for p in folder.glob("step-*")
         if (m := _STEP_FOLDER.fullmatch(p.name)) and is_sharded_checkpoint(p)
     ]
-    return max(found)[1] if found else None
+    return [p for _, p in sorted(found)]
+
+
+def last_checkpoint(folder: Path) -> Path | None:
+    """The checkpoint of ``folder`` with the highest step (see `checkpoints_in`), or None."""
+    found = checkpoints_in(folder)
+    return found[-1] if found else None
 
 
 def remove_checkpoint(path: Path) -> None:
