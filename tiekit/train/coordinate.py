@@ -146,7 +146,8 @@ class Coordinator:
         """
         if cfg.resume is None:
             return state.Position()
-        chosen = self.gather(_choose(cfg) if self.ranks.rank == 0 else None)[0]
+        choice, continued = _choose(cfg) if self.ranks.rank == 0 else (None, [])
+        chosen = self.gather(choice)[0]
         if chosen is None:
             return state.Position()  # resume="last" and nothing saved yet: every rank starts fresh
         path = Path(chosen)
@@ -155,11 +156,10 @@ class Coordinator:
         if failed:
             raise TiekitError(_unreadable(path, failed, cfg, self.ranks.world))
         self.last_saved = path
-        if cfg.resume == "last" and self.ranks.is_writer:
-            # The run continues the folder (a torchrun restart, a resubmitted job): the checkpoints
-            # in it count as this run's for checkpoint_keep, or every launch would leave N more.
-            assert cfg.checkpoint_dir is not None  # FitConfig.check
-            self.written = state.checkpoints_in(cfg.checkpoint_dir)
+        # With "last" the run continues the folder (a torchrun restart, a resubmitted job): its
+        # checkpoints count as this run's for checkpoint_keep, or every launch would leave N more.
+        # Rank 0 listed them when it chose, and rank 0 is the writer, the one that deletes.
+        self.written = continued
         sharded = backend.sharded_checkpoints
         if self.ranks.world == 1:
             return state.resume(path, model, optimizer, backend.devices_in_run, backend.device, sharded=sharded)
@@ -319,14 +319,15 @@ def abort(backend: Backend, reason: str) -> None:
         abort_thread_collectives(reason)
 
 
-def _choose(cfg: FitConfig) -> str | None:
+def _choose(cfg: FitConfig) -> tuple[str | None, list[Path]]:
     """Rank 0's choice: the checkpoint named by ``resume``, or for ``"last"`` the newest in its
-    ``checkpoint_dir`` (None: nothing saved yet)."""
+    ``checkpoint_dir`` (None: nothing saved yet); and for ``"last"`` every checkpoint there,
+    oldest first (the run continues them)."""
     if cfg.resume == "last":
         assert cfg.checkpoint_dir is not None  # FitConfig.check
-        last = state.last_checkpoint(cfg.checkpoint_dir)
-        return None if last is None else str(last)
-    return str(cfg.resume)
+        found = state.checkpoints_in(cfg.checkpoint_dir)
+        return (str(found[-1]) if found else None), found
+    return str(cfg.resume), []
 
 
 def _cannot_open(path: Path) -> str | None:
