@@ -79,7 +79,7 @@ def test_a_background_save_holds_the_state_of_its_call_not_of_its_write(tmp_path
 def test_a_loop_saving_in_the_background_stages_every_checkpoint_into_the_same_memory(tmp_path: Path) -> None:
     """fit's way (save_checkpoint_reusing): the second save copies into the first one's file
     image once that is written; without it every save takes new memory (the control)."""
-    from tiekit.checkpoint.direct import FileImage
+    from tiekit.checkpoint.image import FileImage
     from tiekit.checkpoint.saving import save_checkpoint_reusing
 
     model, optimizer = trained()

@@ -1,5 +1,6 @@
 """`tiekit.checkpoint.direct.write_safetensors`: the bytes safetensors writes, from the tensors' own
-memory, past the page cache where the file system allows (real files, read back by safetensors)."""
+memory, past the page cache where the file system allows (real files, read back by safetensors);
+and `tiekit.checkpoint.image`, the same bytes written from a file image."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 import tiekit
 from tiekit.checkpoint import direct
+from tiekit.checkpoint import image as file_image
 from tiekit.checkpoint.direct import write_safetensors
 
 METADATA = {"tiekit.plan": '{"groups":[]}', "format": "pt", "long": "x" * 5000}
@@ -211,8 +213,8 @@ def test_write_buffers_are_reused_by_the_next_file_of_any_thread(tmp_path: Path)
     assert (tmp_path / "b").read_bytes() == b"x" * 10
 
 
-def filled_image(tensors: dict[str, torch.Tensor], path: Path, reuse: Any = None) -> direct.FileImage:
-    image = direct.image_for(tensors, path, METADATA, reuse=reuse)
+def filled_image(tensors: dict[str, torch.Tensor], path: Path, reuse: Any = None) -> file_image.FileImage:
+    image = file_image.image_for(tensors, path, METADATA, reuse=reuse)
     for name, value in tensors.items():
         image.tensors[name].copy_(value)
     return image
@@ -248,7 +250,7 @@ def test_a_file_image_is_written_as_the_file_safetensors_writes(
 
     monkeypatch.setattr(os, "pwrite", pwrite)
     buffers = list(direct._free_buffers)
-    direct.write_image(image, ours, direct=direct_io)
+    file_image.write_image(image, ours, direct=direct_io)
     monkeypatch.undo()
     assert direct._free_buffers == buffers  # no aligned write buffer taken: written from the image
     assert flags and all(f == (direct_io and direct_capable(tmp_path)) for f in flags)
@@ -270,19 +272,19 @@ def test_a_file_image_refused_o_direct_writes_the_same_bytes_buffered(
     tensors = state()
     image = filled_image(tensors, tmp_path / "a.safetensors")
     refused = refuse_direct_opens(monkeypatch, errno.EINVAL)
-    direct.write_image(image, tmp_path / "a.safetensors")
+    file_image.write_image(image, tmp_path / "a.safetensors")
     monkeypatch.undo()
     assert refused == [os.fspath(tmp_path / "a.safetensors")]
-    direct.write_image(image, tmp_path / "b.safetensors")
+    file_image.write_image(image, tmp_path / "b.safetensors")
     assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
 
 
 def test_a_file_image_is_reused_only_for_the_same_layout_with_room_for_the_header(tmp_path: Path) -> None:
     tensors = state()
     path = tmp_path / "x.safetensors"
-    image = direct.image_for(tensors, path, METADATA)
-    assert direct.image_for(tensors, path, {**METADATA, "step": "123456"}, reuse=image) is image
-    direct.write_image(image, path)
+    image = file_image.image_for(tensors, path, METADATA)
+    assert file_image.image_for(tensors, path, {**METADATA, "step": "123456"}, reuse=image) is image
+    file_image.write_image(image, path)
     with safe_open(path, "pt") as f:
         assert f.metadata() == {**METADATA, "step": "123456"}  # the reused image holds the new header
     path.unlink()
@@ -291,10 +293,10 @@ def test_a_file_image_is_reused_only_for_the_same_layout_with_room_for_the_heade
     renamed = {**tensors, "more": torch.ones(1)}
     longer = {**METADATA, "long": "x" * (image.head + 1)}
     for other, metadata in ((reshaped, METADATA), (retyped, METADATA), (renamed, METADATA), (tensors, longer)):
-        fresh = direct.image_for(other, path, metadata, reuse=image)
+        fresh = file_image.image_for(other, path, metadata, reuse=image)
         assert fresh is not image and fresh.memory.data_ptr() != image.memory.data_ptr()
     with pytest.raises(tiekit.CheckpointError, match=r"tensor 'z' has dtype torch\.complex64"):
-        direct.image_for({"z": torch.ones(2, dtype=torch.complex64)}, path, {})
+        file_image.image_for({"z": torch.ones(2, dtype=torch.complex64)}, path, {})
 
 
 @pytest.mark.parametrize("take_back", [True, False], ids=["taken-back", "control-not-taken-back"])
@@ -305,29 +307,29 @@ def test_a_lent_image_taken_back_mid_write_still_writes_the_values_it_held(tmp_p
     tensors = state()  # 8.4 + 4.2 MB: the write goes in several chunks
     path = tmp_path / "lent.safetensors"
     image = filled_image(tensors, path)
-    lent = direct.LentMemory(image)
+    lent = file_image.LentMemory(image)
     first_chunk_done, go_on = threading.Event(), threading.Event()
     chunk_written = lent.written
 
     def written(end: int) -> None:
         chunk_written(end)
-        if end == direct.LENT_CHUNK:
+        if end == file_image.LENT_CHUNK:
             first_chunk_done.set()
             go_on.wait(60)  # the writer stands between its first and second chunk
 
     lent.written = written  # type: ignore[method-assign]
-    writer = threading.Thread(target=direct.write_image, args=(image, path), kwargs={"lent": lent})
+    writer = threading.Thread(target=file_image.write_image, args=(image, path), kwargs={"lent": lent})
     writer.start()
     assert first_chunk_done.wait(60)
     if take_back:
         lent.take_back()
-        assert lent.copied == image.memory.numel() - direct.LENT_CHUNK  # only what was not yet written
+        assert lent.copied == image.memory.numel() - file_image.LENT_CHUNK  # only what was not yet written
     for view in image.tensors.values():  # the optimizer step changes the state living in the image
         view.zero_() if view.dtype == torch.bool else view.add_(1)
     go_on.set()
     writer.join(60)
     back = load_file(path)
-    second = [k for k, v in image.tensors.items() if (v.data_ptr() - image.memory.data_ptr()) >= direct.LENT_CHUNK]
+    second = [k for k, v in image.tensors.items() if (v.data_ptr() - image.memory.data_ptr()) >= file_image.LENT_CHUNK]
     assert second  # tensors written in the second chunk, after the state changed
     for name in second:
         assert torch.equal(back[name], tensors[name]) is take_back, name
@@ -337,8 +339,8 @@ def test_a_lent_image_written_before_it_is_taken_back_copies_nothing(tmp_path: P
     tensors = state()
     path = tmp_path / "lent.safetensors"
     image = filled_image(tensors, path)
-    lent = direct.LentMemory(image)
-    direct.write_image(image, path, lent=lent)
+    lent = file_image.LentMemory(image)
+    file_image.write_image(image, path, lent=lent)
     lent.close()
     lent.take_back()
     assert lent.copied == 0

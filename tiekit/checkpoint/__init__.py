@@ -26,6 +26,7 @@ load against the model), `loading` (committing it), `reads` (bytes into tensors)
 `tiekit.collective` coordinates ranks.
 """
 
+from tiekit.checkpoint.contents import declared_ties
 from tiekit.checkpoint.layout import (
     CHECKPOINT_NAME,
     INDEX_SUFFIX,
@@ -35,7 +36,7 @@ from tiekit.checkpoint.layout import (
     WEIGHTS_NAME,
 )
 from tiekit.checkpoint.loading import LoadResult, load_checkpoint, load_model
-from tiekit.checkpoint.saving import declared_ties, save_checkpoint, save_model
+from tiekit.checkpoint.saving import save_checkpoint, save_model
 from tiekit.checkpoint.source import Source, open_source
 
 __all__ = [

@@ -11,7 +11,7 @@ A single-file save can go further and need no copy at all: `settle` moves the pa
 optimizer state into the save's file image (``adopt``), so training goes on in that memory and
 the next save into the same image writes them from where they are. That save's `settle` then
 takes the image back from the writer before the optimizer step changes it
-(`tiekit.checkpoint.direct.LentMemory`: it waits for the chunk being written, and copies aside
+(`tiekit.checkpoint.image.LentMemory`: it waits for the chunk being written, and copies aside
 only what is not yet written).
 
 Every in-place write bumps a tensor's version counter. The counters are read when the save is
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tiekit.checkpoint.direct import LentMemory
+from tiekit.checkpoint.image import LentMemory
 from tiekit.errors import CheckpointError
 
 #: How often the writer looks whether the training thread it waits for still exists.

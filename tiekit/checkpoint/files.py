@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from tiekit.checkpoint.direct import FileImage, LentMemory, write_image, write_safetensors
+from tiekit.checkpoint.direct import write_safetensors
+from tiekit.checkpoint.image import FileImage, LentMemory, write_image
 from tiekit.checkpoint.layout import INDEX_SUFFIX, PLAN_KEY, SAVE_ID_KEY, nbytes
 from tiekit.errors import CheckpointError
 from tiekit.header import read_json
@@ -49,7 +50,7 @@ def write_single(
     """Write ``state`` (host tensors, or their `FileImage`) as the safetensors file ``target``,
     atomically; ``before_publish`` runs once the file is written (and synced) and before it
     replaces ``target``: its exception leaves the previous file in place. ``lent``: the image is
-    training state, written as `tiekit.checkpoint.direct.write_image` says."""
+    training state, written as `tiekit.checkpoint.image.write_image` says."""
     _prepare_folder(target)
     _commit_file(target, lambda tmp: _save_tensors(state, tmp, header, durable, lent), durable, before_publish)
     # A sharded save that this file now replaces: drop it, or a loader might still pick it.

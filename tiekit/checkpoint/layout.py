@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+
+from tiekit.errors import CheckpointError
 
 PathLike = str | os.PathLike[str]
 Device = torch.device | str | int | None
@@ -37,3 +40,21 @@ def nbytes(t: torch.Tensor) -> int:
 def name_list(items: Sequence[object], limit: int = 8) -> str:
     shown = ", ".join(repr(n) for n in items[:limit])
     return f"{shown} and {len(items) - limit} more" if len(items) > limit else shown
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes of a ``max_shard_size``: an int, or a string like ``"5GB"``, ``"500MiB"``, ``"1000000"``."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    elif isinstance(size, str):
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", size.upper().replace("IB", "iB"))
+        if match is None:
+            raise CheckpointError(f"max_shard_size {size!r} is not a size like 5GB, 500MiB or 1000000")
+        number, unit, binary = match.groups()
+        base = 1024 if binary else 1000
+        value = int(float(number) * base ** "_KMGT".index(unit or "_"))
+    else:
+        raise CheckpointError(f"max_shard_size must be an int or a string, not {type(size).__name__}")
+    if value <= 0:
+        raise CheckpointError(f"max_shard_size must be positive, got {size!r}")
+    return value

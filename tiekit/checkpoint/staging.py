@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from tiekit.analyze import dtype_name, find_ties
+from tiekit.checkpoint.contents import declared_ties
 from tiekit.checkpoint.layout import name_list
 from tiekit.checkpoint.reads import read_tensor
-from tiekit.checkpoint.saving import declared_ties
 from tiekit.checkpoint.source import Source
 from tiekit.errors import CheckpointError, TieError
 from tiekit.header import TensorEntry

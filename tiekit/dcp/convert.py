@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from tiekit.analyze import dtype_name, find_ties
-from tiekit.checkpoint.layout import INDEX_SUFFIX, WEIGHTS_NAME, PathLike
+from tiekit.checkpoint.contents import declared_ties
+from tiekit.checkpoint.layout import INDEX_SUFFIX, WEIGHTS_NAME, PathLike, parse_size
 from tiekit.checkpoint.reads import read_tensor
-from tiekit.checkpoint.saving import _parse_size, declared_ties
 from tiekit.checkpoint.source import open_source
 from tiekit.dcp.chunks import read_rows, row_chunks
 from tiekit.dcp.layout import (
@@ -253,7 +253,7 @@ def _to_safetensors(
     for existing in (file, file.with_name(file.name + INDEX_SUFFIX)):
         if existing.exists():
             raise CheckpointError(f"{existing}: exists; convert writes a new checkpoint (remove it first)")
-    limit = None if max_shard_size is None else _parse_size(max_shard_size)
+    limit = None if max_shard_size is None else parse_size(max_shard_size)
     kept = TiePlan(plan.groups, plan.unique_count, plan.total_count)
     return write_safetensors(file, specs, kept, _batches(source, specs, checks), limit)
 

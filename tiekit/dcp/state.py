@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from tiekit.analyze import dtype_name
-from tiekit.checkpoint.saving import encode_training_state
+from tiekit.checkpoint.contents import encode_training_state
 from tiekit.errors import CheckpointError
 from tiekit.plan import TiePlan
 

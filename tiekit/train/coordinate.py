@@ -36,7 +36,7 @@ import tiekit
 from tiekit.agreement import collective_check_same_model
 from tiekit.backends.base import Backend
 from tiekit.checkpoint.deferred import DeferredCopies
-from tiekit.checkpoint.direct import FileImage
+from tiekit.checkpoint.image import FileImage
 from tiekit.checkpoint.layout import name_list
 from tiekit.checkpoint.saving import save_checkpoint_reusing
 from tiekit.collective import (
