@@ -54,8 +54,9 @@ def refused(path: Path, pattern: str, model: nn.Module | None = None) -> None:
     model.head.weight = nn.Parameter(model.embed.weight.detach() + 1)  # untied: a load must not re-tie it
     optimizer = torch.optim.AdamW(model.parameters())
     before, state, files = snapshot(model), optimizer.state_dict(), files_of(path)
-    with pytest.raises(tiekit.CheckpointError, match=pattern):
+    with pytest.raises(tiekit.CheckpointError, match=pattern) as raised:
         tiekit.load_sharded(model, path, optimizer=optimizer)
+    assert "replaced by a newer save" not in str(raised.value)  # nothing committed under the load: no retries
     assert_unchanged(model, before)
     assert model.head.weight is not model.embed.weight
     assert optimizer.state_dict() == state
@@ -109,6 +110,17 @@ def test_dcp_metadata_of_another_model_is_refused_before_unpickling(saved: Path,
     tiekit.save_sharded(nn.Linear(3, 3), tmp_path / "other")
     shutil.copy(save_folder(tmp_path / "other") / ".metadata", save_folder(saved) / ".metadata")
     refused(saved, r"save-\w+/\.metadata: not the DCP metadata of save .* key 'metadata_sha256'")
+
+
+def test_a_save_folder_or_its_dcp_metadata_gone_is_named_without_retrying(saved: Path, tmp_path: Path) -> None:
+    """The marker names a save whose files are gone though nothing replaced it: the load reports
+    that, once (it used to read it again, as if a newer save had been committed under it, and say so)."""
+    damaged = tmp_path / "damaged"
+    shutil.copytree(saved, damaged)
+    (save_folder(damaged) / ".metadata").unlink()
+    refused(damaged, r"save-\w+/\.metadata: missing \(the DCP metadata of save")
+    shutil.rmtree(save_folder(damaged))
+    refused(damaged, r"damaged/tiekit-dcp\.json: the save folder .*/damaged/save-\w+ it names is missing")
 
 
 def test_a_checkpoint_of_another_model_names_the_keys(tmp_path: Path) -> None:

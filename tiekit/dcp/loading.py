@@ -93,7 +93,7 @@ def load_sharded(
     inner = unwrap(model)
     replaced: Exception | None = None
     for _ in range(READ_ATTEMPTS):
-        reading: list[str] = []  # the save this attempt reads, once its marker is read
+        reading: list[str | None] = []  # the save the marker named when this attempt read it
         try:
             read = _read(inner, root, optimizer, reading)
         except _Replaced as exc:
@@ -118,10 +118,11 @@ def load_sharded(
     )
 
 
-def _read(inner: nn.Module, root: Path, optimizer: torch.optim.Optimizer | None, reading: list[str]) -> _Read:
+def _read(inner: nn.Module, root: Path, optimizer: torch.optim.Optimizer | None, reading: list[str | None]) -> _Read:
     """Collective: one attempt of `load_sharded`, up to the model taking what was read (its
-    weights read in place, or into the new tensors of a meta model). Appends the save id it reads
-    to ``reading``; `_Replaced` on every rank if the ranks found different saves committed."""
+    weights read in place, or into the new tensors of a meta model). Appends to ``reading`` the save
+    id the marker names (before it is validated); `_Replaced` on every rank if the ranks found
+    different saves committed."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.state_dict_loader import load
 
@@ -129,8 +130,11 @@ def _read(inner: nn.Module, root: Path, optimizer: torch.optim.Optimizer | None,
     marker = source = staged = metadata = None
     side: dict[str, torch.Tensor] = {}
     try:
+        # What the marker names before it is validated: a marker naming a folder a newer commit has
+        # removed fails to validate, and that failure is a replacement only if the marker changed.
+        reading.append(committed_save_id(root))
         marker = read_marker(root)
-        reading.append(marker.save_id)
+        reading[0] = marker.save_id
         metadata = _dcp_metadata(marker)
         source = _source(marker, metadata)
         try:
@@ -182,7 +186,7 @@ def _read(inner: nn.Module, root: Path, optimizer: torch.optim.Optimizer | None,
     return _Read(marker, staged, fresh, extra, restore)
 
 
-def _collective_replaced(root: Path, reading: list[str]) -> bool:
+def _collective_replaced(root: Path, reading: list[str | None]) -> bool:
     """Collective: whether every rank now finds one save committed in ``root`` that some rank was
     not reading (so the load may have failed on a save replaced under it: worth another attempt).
     A failure while every rank read the save still committed is the checkpoint's own."""
