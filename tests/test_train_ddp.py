@@ -9,6 +9,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -142,3 +143,35 @@ def test_a_replica_killed_on_its_way_out_after_every_replica_reported_is_a_warni
         result = tiekit.fit(AbortsAtExit, data, strategy="ddp", devices=2, **kw)
     assert (result.steps, result.world_size, result.replicas_identical, result.ties_kept) == (3, 2, True, True)
     assert result.model.layer_3.weight is result.model.layer_1.weight
+
+
+class FailsOnReplica1(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Replica 1 raises in its third batch, and takes a few seconds to exit after it (an exit
+    handler, as a process with much to tear down has); replica 0 meanwhile fails in the group it
+    broke, and exits first."""
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(64, 32, generator=generator), torch.randn(64, 10, generator=generator)
+        self.read = 0
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.read += 1
+        if torch.distributed.get_rank() == 1 and self.read > 8:
+            atexit.register(time.sleep, 3)
+            raise ValueError("sample cannot be read on replica 1")
+        return self.x[i], self.y[i]
+
+
+def test_the_replica_that_failed_first_is_named_not_the_one_that_exited_first() -> None:
+    """torch reports the first replica whose exit it sees: here replica 0, whose error is the broken
+    group's ("Connection closed by peer"), which says nothing of the cause."""
+    kw: dict[str, Any] = {"loss_fn": F.mse_loss, "max_steps": 6, "batch_size": 4, "progress": False, "shuffle": False}
+    with pytest.raises(tiekit.TiekitError) as raised:
+        tiekit.fit(WeightSharingModule, FailsOnReplica1(), strategy="ddp", devices=2, **kw)
+    message = str(raised.value)
+    assert message.startswith("replica 1 (process "), message
+    assert "failed: ValueError: sample cannot be read on replica 1 (then replica 0 failed too)" in message, message

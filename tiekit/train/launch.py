@@ -24,6 +24,7 @@ import json
 import os
 import pickle
 import tempfile
+import time
 import warnings
 from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
@@ -231,7 +232,7 @@ def _process_entry(rank: int, job: Job, world: int, port: int) -> None:
         _report(job, outcome, model, host_leader=rank == 0)  # spawned here: all on this host
     except BaseException as exc:
         assert job.result_dir is not None
-        error = {"type": type(exc).__name__, "message": str(exc)}
+        error = {"type": type(exc).__name__, "message": str(exc), "time": time.time(), "pid": os.getpid()}
         (job.result_dir / f"error-{rank}.json").write_text(json.dumps(error), encoding="utf-8")
         drop_library_locals(exc)  # the group goes with the model holding it (see collective_close_process_group)
         dist.destroy_process_group()  # peers may be gone: no meeting
@@ -308,40 +309,48 @@ def _collect(job: Job) -> tuple[list[Outcome], nn.Module]:
     return outcomes, model
 
 
-def _replica_error(job: Job, rank: int) -> tuple[str, str]:
-    """(error class name, message) replica ``rank`` reported before it raised (its error file)."""
+def _replica_errors(job: Job) -> dict[int, dict[str, Any]]:
+    """The errors the replicas reported before they raised (their error files), the first first."""
     assert job.result_dir is not None
-    path = job.result_dir / f"error-{rank}.json"
-    if not path.is_file():
-        return "", "see its traceback above"
-    error: dict[str, str] = json.loads(path.read_text(encoding="utf-8"))
-    return error["type"], f"{error['type']}: {error['message']}"
+    found = {
+        int(p.stem.split("-")[1]): json.loads(p.read_text(encoding="utf-8"))
+        for p in job.result_dir.glob("error-*.json")
+    }
+    return dict(sorted(found.items(), key=lambda item: item[1]["time"]))
 
 
 def _failure(job: Job, exc: Exception) -> TiekitError:
     """The error `fit` raises when a spawned replica failed (``exc``: torch's report) and torch
     stopped the others: which replica, how (its error, the signal that killed it), and the last
-    checkpoint. A tiekit error of the replica keeps its class (`CheckpointError`...)."""
+    checkpoint. A tiekit error of the replica keeps its class (`CheckpointError`...).
+
+    The replica named is the first to report an error: once one fails, the others fail in the
+    broken group ("Connection closed by peer"), and torch reports whichever exit it saw first.
+    A replica killed by a signal is named as torch reports it (it could not report)."""
     from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
     assert isinstance(exc, ProcessException)
+    errors = _replica_errors(job)
     kind = TiekitError
+    index, pid = exc.error_index, getattr(exc, "error_pid", getattr(exc, "pid", "?"))  # renamed in torch 2.10
     if isinstance(exc, ProcessExitedException) and exc.signal_name:
         how = f"was killed by signal {exc.signal_name}"
+        others = [f"replica {r}: {e['type']}: {e['message']}" for r, e in errors.items() if r != index]
+        how += f" (replicas reported errors too: {'; '.join(others)})" if others else ""
+    elif errors:
+        index, error = next(iter(errors.items()))
+        pid, kind = error["pid"], _TIEKIT_ERRORS.get(error["type"], TiekitError)
+        how = f"failed: {error['type']}: {error['message']}"
+        later = [str(r) for r in errors if r != index]
+        how += f" (then replica {', '.join(later)} failed too)" if later else ""
     elif isinstance(exc, ProcessExitedException):
-        how = f"exited with code {exc.exit_code}"
-        assert job.result_dir is not None
-        if not (job.result_dir / f"error-{exc.error_index}.json").is_file():  # died outside fit's replica code
-            how += " without reporting an error (its output above says why)"
-    else:
-        name, message = _replica_error(job, exc.error_index)
-        kind = _TIEKIT_ERRORS.get(name, TiekitError)
-        how = f"failed: {message}"
+        how = f"exited with code {exc.exit_code} without reporting an error (its output above says why)"
+    else:  # raised before its replica ran (joining the group)
+        how = "failed: see its traceback above"
     folder = job.config.checkpoint_dir
     last = None if folder is None or not folder.is_dir() else state.last_checkpoint(folder)
     saved = "" if folder is None else f"; the last checkpoint: {last or 'none written'}"
-    pid = getattr(exc, "error_pid", getattr(exc, "pid", "?"))  # torch renamed pid to error_pid (2.10+)
-    return kind(f"replica {exc.error_index} (process {pid}) {how}; the run stopped its other replicas{saved}")
+    return kind(f"replica {index} (process {pid}) {how}; the run stopped its other replicas{saved}")
 
 
 _TIEKIT_ERRORS: dict[str, type[TiekitError]] = {e.__name__: e for e in (TiekitError, CheckpointError, TieError)}
