@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from models import WeightSharingModule
 from packaging.version import Version
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 import tiekit
 from tiekit.backends.torch_distributed import local_ranks, process_device
@@ -41,7 +42,7 @@ import functools, json, os, sys, time
 import torch, torch.nn.functional as F
 import tiekit
 from models import WeightSharingModule
-from test_train_launchers import dataset
+from test_train_launchers import FailsAfter, dataset
 
 out, options = sys.argv[1], json.loads(sys.argv[2])
 rank = int(os.environ["RANK"])
@@ -58,7 +59,8 @@ def gloo_threads():  # this process's gloo worker threads (torch names them): al
 
 
 def fit():
-    return tiekit.fit(WeightSharingModule, dataset(size), loss_fn=F.mse_loss, batch_size=8,
+    data = FailsAfter(dataset(size), failing["after"]) if failing.get("rank") == rank else dataset(size)
+    return tiekit.fit(WeightSharingModule, data, loss_fn=F.mse_loss, batch_size=8,
                       progress=False, optimizer=functools.partial(torch.optim.AdamW, lr=1e-2), **options)
 
 
@@ -71,6 +73,7 @@ def own_group(prefix):  # a group made by the script, in torchrun's store under 
 
 options.setdefault("strategy", "ddp")
 size = options.pop("sizes", {}).get(str(rank), 256)  # {"1": 240}: rank 1's dataset is shorter
+failing = options.pop("failing", {})  # {"rank": 1, "after": 16}: its dataset raises after 16 samples
 try:
     if rank in options.pop("validating", []):  # [1]: val_data on rank 1 only
         options.setdefault("val_data", dataset(64))
@@ -80,7 +83,8 @@ try:
                   ties=result.model.layer_3.weight is result.model.layer_1.weight, strategy=result.strategy,
                   weights={k: v.tolist() for k, v in result.model.state_dict().items()})
 except Exception as exc:
-    record = dict(error=type(exc).__name__, tiekit=isinstance(exc, tiekit.TiekitError), message=str(exc))
+    record = dict(error=type(exc).__name__, tiekit=isinstance(exc, tiekit.TiekitError), message=str(exc),
+                  notes=getattr(exc, "__notes__", []))
     record.update(gloo_threads_while_failing=gloo_threads())  # the traceback, and its frames, still alive
 record.update(rank=rank, cwd=os.getcwd(), seconds=time.time() - started, gloo_threads=gloo_threads())
 if control:
@@ -113,6 +117,22 @@ def dataset(size: int = 256) -> TensorDataset:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(size, 32, generator=generator)
     return TensorDataset(x, x @ torch.randn(32, 10, generator=generator) / 32**0.5)
+
+
+class FailsAfter(Dataset[tuple[torch.Tensor, ...]]):
+    """``data`` whose sample ``after`` + 1 (counting every read) raises `ValueError`."""
+
+    def __init__(self, data: TensorDataset, after: int) -> None:
+        self.data, self.after, self.read = data, after, 0
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        self.read += 1
+        if self.read > self.after:
+            raise ValueError(f"sample {i} cannot be read")
+        return tuple(self.data[i])
 
 
 def _env() -> dict[str, str]:
@@ -351,6 +371,24 @@ if __name__ == "__main__":
         error = dict(type=type(exc).__name__, tiekit=isinstance(exc, tiekit.TiekitError), message=str(exc))
     print("RECORD " + json.dumps(dict(error=error, at=time.time())), flush=True)
 """
+
+
+def test_a_rank_that_raises_while_the_other_waits_in_the_all_reduce_ends_the_launch(tmp_path: Path) -> None:
+    """Rank 1's data fails in its third batch while rank 0 waits for it in the gradient all-reduce.
+    fit on rank 1 meets the others before closing the group for at most 10 s, on every rank: gloo's
+    monitored_barrier, which fit used, bounds only rank 0's wait, so rank 1 waited there for the
+    group's timeout (30 minutes) and rank 0 in the all-reduce, and the launch hung (the harness
+    fails it after 120 s). Rank 0 then fails in the group rank 1 closed, its error noting rank 1's."""
+    started = time.monotonic()
+    records = torchrun_one_node(tmp_path, "failing", {"failing": {"rank": 1, "after": 16}, "max_steps": 8})
+    assert time.monotonic() - started < 90
+    first, second = records
+    cause = f"ValueError: {second['message']}"
+    assert second["error"] == "ValueError" and re.fullmatch(r"sample \d+ cannot be read", second["message"]), second
+    assert second["notes"] == [] and first["error"] == "RuntimeError", first  # gloo's, from the all-reduce
+    assert first["notes"] == [f"tiekit: rank 1 failed before this rank (this failure may follow from it): {cause}"], (
+        first
+    )
 
 
 def test_a_killed_ddp_worker_ends_fit_within_seconds_and_the_last_checkpoint_loads(tmp_path: Path) -> None:

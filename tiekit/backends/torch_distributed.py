@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import socket
 import time
@@ -154,18 +155,52 @@ def collective_close_process_group(failure: BaseException | None = None) -> None
 
     Left open, torch 2.14's processes abort at exit ("terminate called without an active
     exception"), and so do they when one closes the group while a peer still uses its store: the
-    ranks first meet (for at most 10 s: a rank that died is the launcher's to report). Closing is
+    ranks first meet (for at most 10 s on every rank: a rank that died, or that waits in a
+    collective the failing rank will never join, is the launcher's to stop). Closing is
     not enough while something still holds the group: its gloo threads live on, and one that
     releases a collective's tensors during interpreter exit needs the GIL and aborts the process.
     A failure's traceback holds the wrapped model (DDP keeps its group), so the locals of
     tiekit's and torch's frames in it are dropped first (yours keep theirs, for post-mortem
     debugging): the group then goes, its threads joined, here."""
+    closing = f"tiekit/closing/{next(_closings)}"
     if failure is not None:
         drop_library_locals(failure)
-    if dist.get_backend() == "gloo":
-        with contextlib.suppress(RuntimeError):
-            dist.monitored_barrier(timeout=timedelta(seconds=10), wait_all_ranks=True)
+        _note_first_failure(f"{closing}/first-failure", failure)
+    _collective_meet(f"{closing}/ranks", timeout=10.0)
     dist.destroy_process_group()
+
+
+_closings = itertools.count()  # every rank closes the same groups in the same order: keys agree
+
+
+def _note_first_failure(key: str, failure: BaseException) -> None:
+    """Local: record this rank's failure at ``key`` of the group's store unless another rank's is
+    there; if one is, add a note naming it to ``failure``. When one rank fails, the others fail
+    after it with the process group's own errors ("Connection closed by peer" in the gradient
+    all-reduce), which say nothing of the cause, and torchrun may name any of them as the root
+    cause (the ranks exit together)."""
+    mine = f"rank {dist.get_rank()}: {type(failure).__name__}: {failure}"[:1000]
+    with contextlib.suppress(RuntimeError, OSError, NotImplementedError):  # the store's host is gone
+        first = dist.distributed_c10d._get_default_store().compare_set(key, "", mine).decode(errors="replace")
+        if first != mine:
+            who, what = first.split(": ", 1)
+            failure.add_note(f"tiekit: {who} failed before this rank (this failure may follow from it): {what}")
+
+
+def _collective_meet(key: str, timeout: float) -> None:
+    """Collective, bounded: every rank of the default group counts itself in at ``key`` of the
+    group's store and waits until all have, or ``timeout`` seconds. gloo's ``monitored_barrier``
+    bounds only rank 0's wait: a failing rank other than 0 waited in it for the group's timeout
+    (30 minutes) while rank 0 waited in the gradient all-reduce that rank would never join, so
+    torchrun, which stops the job when a rank exits, never saw the failure."""
+    store = dist.distributed_c10d._get_default_store()
+    world = dist.get_world_size()
+    deadline = time.monotonic() + timeout
+    with contextlib.suppress(RuntimeError, OSError):  # the store's host (a spawned rank 0) has gone
+        arrived = store.add(key, 1)
+        while arrived < world and time.monotonic() < deadline:
+            time.sleep(0.01)
+            arrived = store.add(key, 0)
 
 
 _LIBRARY_CODE = (os.path.dirname(os.path.dirname(__file__)) + os.sep, os.path.dirname(torch.__file__) + os.sep)
