@@ -13,6 +13,7 @@ from models import gpt2
 from safetensors import safe_open
 from torch import nn
 
+import tiekit
 from tiekit import CheckpointError, load_checkpoint, load_model, save_checkpoint, save_model
 
 IDS = torch.tensor([[1, 5, 9, 2, 7, 3, 4, 8]])
@@ -132,6 +133,21 @@ def test_unstorable_extra_is_refused_before_writing(tmp_path: Path) -> None:
     assert torch.equal(extra["a"][4][1], torch.ones(2)) and torch.equal(
         extra["b"]["c"], torch.zeros(1, dtype=torch.int64)
     )
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single-file", "sharded"])
+def test_extra_keys_that_derive_the_same_tensor_key_keep_both_tensors(tmp_path: Path, sharded: bool) -> None:
+    """``{"a/b": x, "a": {"b": y}}`` derives the key ``extra/value/a/b`` twice; y used to replace x
+    in the file, and both loaded as y, silently."""
+    extra = {"a/b": torch.ones(2), "a": {"b": torch.zeros(2)}, "a/b#2": torch.full((2,), 2.0)}
+    if sharded:
+        tiekit.save_sharded(model(0), tmp_path / "ck", extra=extra)
+        loaded = tiekit.load_sharded(model(1), tmp_path / "ck").extra
+    else:
+        save_checkpoint(tmp_path / "c.safetensors", model=model(0), extra=extra)
+        loaded = load_checkpoint(tmp_path / "c.safetensors", model=model(1))["extra"]
+    assert torch.equal(loaded["a/b"], torch.ones(2)) and torch.equal(loaded["a"]["b"], torch.zeros(2))
+    assert torch.equal(loaded["a/b#2"], torch.full((2,), 2.0))
 
 
 def test_no_pickle_in_the_checkpoint_modules() -> None:

@@ -30,8 +30,12 @@ def encode(value: Any, key: str, tensors: dict[str, torch.Tensor], *, fallback: 
     """JSON for ``value``, its tensors moved into ``tensors`` under keys derived from ``key``;
     ``fallback`` stores what the codec cannot (else `CheckpointError` naming ``key``)."""
     if isinstance(value, torch.Tensor):
-        tensors[key] = value.detach()
-        return {"__tensor__": key}
+        stored, n = key, 1
+        while stored in tensors:  # {"a/b": x, "a": {"b": y}} derive one key twice: y goes under "a/b#2"
+            n += 1
+            stored = f"{key}#{n}"
+        tensors[stored] = value.detach()
+        return {"__tensor__": stored}
     if value is None or isinstance(value, bool | int | float | str):
         return value
     if isinstance(value, tuple):
