@@ -266,6 +266,23 @@ def test_validation_loss_is_the_mean_over_every_validation_sample() -> None:
     assert result.val_losses[-1] == pytest.approx(expected, rel=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("epochs", "max_steps", "expected"),
+    [(1, None, (5, 1)), (1, 5, (5, 1)), (2, 5, (5, 1)), (None, 10, (10, 2)), (None, 7, (7, 1)), (3, 12, (12, 2))],
+)
+def test_an_epoch_that_max_steps_ends_with_its_last_batch_is_validated_and_counted(
+    epochs: int | None, max_steps: int | None, expected: tuple[int, int]
+) -> None:
+    """40 samples in batches of 8: 5 steps per epoch. max_steps=5 trains the same epoch as
+    epochs=1; it used to skip its validation and count 0 epochs."""
+    result = tiekit.fit(
+        nn.Linear(8, 8), data(), val_data=data(16), loss_fn=F.mse_loss, epochs=epochs, max_steps=max_steps,
+        batch_size=8, **CPU,
+    )  # fmt: skip
+    steps, validated = expected
+    assert (result.steps, result.epochs, len(result.val_losses)) == (steps, validated, validated)
+
+
 def test_metrics_csv_and_a_progress_bar(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     result = tiekit.fit(
         DropoutNet(), data(), max_steps=7, batch_size=4, log_dir=tmp_path, log_every=3, **{**CPU, "progress": True}

@@ -150,7 +150,7 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
     watch_transfers = backend.is_master and backend.compiles
     try:
         while (limit is None or epoch < limit) and (cfg.max_steps is None or step < cfg.max_steps):
-            done = skip
+            done, stopped = skip, False
             for batch in backend.batches(train.epoch(epoch, skip)):
                 before = backend.host_transfers() if watch_transfers else 0
                 loss = train_step(
@@ -164,14 +164,15 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
                         coordinator.save(cfg, model, optimizer, state.Position(epoch, done, step), backend)
                     saved_at = step
                 if cfg.max_steps is not None and step >= cfg.max_steps:
+                    stopped = True
                     break
-            else:  # the epoch ran to its end: validate, next epoch
-                if val is not None:
-                    with log.outside_steps():
-                        log.validation(step, epoch, _validate(model, val, backend, precision, cfg.loss_fn))
-                epoch, skip, done = epoch + 1, 0, 0
-                continue
-            break  # max_steps reached inside the epoch
+            if stopped and done < per_epoch:
+                break  # max_steps reached inside the epoch
+            # The epoch ran to its end (max_steps may have ended it with its last batch): validate, next epoch.
+            if val is not None:
+                with log.outside_steps():
+                    log.validation(step, epoch, _validate(model, val, backend, precision, cfg.loss_fn))
+            epoch, skip, done = epoch + 1, 0, 0
         log.stop_clock()
         if cfg.checkpoint_dir is not None and saved_at != step:
             with log.outside_steps():
