@@ -50,6 +50,7 @@ from tiekit.backends.torch_distributed import (
 )
 from tiekit.backends.xla_replicas import XlaReplicaBackend, xla_launch
 from tiekit.backends.xla_spmd import SpmdBackend
+from tiekit.collective import collective_gather
 from tiekit.errors import CheckpointError, TieError, TiekitError
 from tiekit.train import state
 from tiekit.train.config import Job, Outcome
@@ -86,8 +87,14 @@ def run(job: Job) -> tuple[list[Outcome], nn.Module]:
 
 
 def _here(job: Job, backend: Backend) -> tuple[list[Outcome], nn.Module]:
+    """This process's replica, trained here, and every replica's outcome in rank order: with
+    several processes (torchrun, your own ``torch_xla.launch``, SPMD hosts), collective (each
+    sends its outcome once trained), so that every rank's result holds every replica's digest
+    and rank 0's losses (only rank 0 logs them)."""
     outcome, model = run_replica(job, backend)
-    return [outcome], model
+    if backend.ranks.world == 1:
+        return [outcome], model
+    return collective_gather(outcome), model
 
 
 def _single_backend(requested: int | str) -> Backend:
