@@ -79,7 +79,9 @@ try:
         options.setdefault("val_data", dataset(64))
     result = fit()
     record = dict(steps=result.steps, losses=len(result.losses), world=result.world_size,
-                  checkpoint=str(result.checkpoint), digest=result.replica_digests[0], loss_values=list(result.losses),
+                  checkpoint=str(result.checkpoint), digest=result.replica_digests[rank],
+                  loss_values=list(result.losses), digests=list(result.replica_digests),
+                  identical=result.replicas_identical,
                   ties=result.model.layer_3.weight is result.model.layer_1.weight, strategy=result.strategy,
                   weights={k: v.tolist() for k, v in result.model.state_dict().items()})
 except Exception as exc:
@@ -202,12 +204,13 @@ def torchrun_one_node(tmp_path: Path, name: str, options: dict[str, Any], timeou
     return _records(out)
 
 
-def seed_checkpoint(folder: Path, steps: int) -> Path:
+def seed_checkpoint(folder: Path, steps: int, seed: int = 0) -> Path:
     """A single-process run of ``steps`` steps writing its checkpoint into ``folder/ckpt``."""
     kw: dict[str, Any] = {"loss_fn": F.mse_loss, "batch_size": 8, "progress": False, "optimizer": ADAMW}
     result = tiekit.fit(
-        WeightSharingModule, dataset(256), devices="cpu", max_steps=steps, checkpoint_dir=folder / "ckpt", **kw
-    )
+        WeightSharingModule, dataset(256), devices="cpu", max_steps=steps, checkpoint_dir=folder / "ckpt", seed=seed,
+        **kw,
+    )  # fmt: skip
     assert result.checkpoint is not None
     return result.checkpoint
 
@@ -237,10 +240,33 @@ def test_resume_from_a_checkpoint_only_rank_0_has_fails_on_every_rank_under_torc
     (tmp_path / "node1" / "ckpt").mkdir()
     shutil.copy(tmp_path / "node0" / "ckpt" / "step-00000010.safetensors", tmp_path / "node1" / "ckpt")
     records = torchrun_one_node(tmp_path, "both", options)
-    assert [(r.get("error"), r["steps"], r["losses"]) for r in records] == [(None, 15, 5), (None, 15, 0)]
-    assert records[0]["digest"] == records[1]["digest"]
+    # Every rank's result holds every replica's digest and rank 0's losses (only rank 0 logs them);
+    # each used to hold its own digest only (replicas_identical held whatever the replicas did)
+    # and rank 1 no losses.
+    assert [(r.get("error"), r["steps"], r["losses"]) for r in records] == [(None, 15, 5), (None, 15, 5)]
+    assert records[0]["digests"] == records[1]["digests"] == [records[0]["digest"], records[1]["digest"]]
+    assert records[0]["digest"] == records[1]["digest"] and records[1]["identical"]
+    assert records[0]["loss_values"] == records[1]["loss_values"]
     assert sorted(os.listdir(tmp_path / "node0" / "ckpt")) == ["step-00000010.safetensors", "step-00000015.safetensors"]
     assert sorted(os.listdir(tmp_path / "node1" / "ckpt")) == ["step-00000010.safetensors"]
+
+
+def test_ranks_holding_different_checkpoints_of_the_same_step_refuse_to_resume(tmp_path: Path) -> None:
+    """Node-local folders with a step-10 file each, written by two different runs: the ranks loaded
+    the same step, so fit went on; DDP's broadcast at the wrap made the weights equal again, but
+    rank 1 kept the other run's optimizer moments and RNG states, and the replicas drifted apart."""
+    seed_checkpoint(tmp_path / "node0", 10)
+    seed_checkpoint(tmp_path / "node1", 10, seed=5)
+    options = {"checkpoint_dir": LOCAL, "checkpoint_every": 5, "resume": "last", "max_steps": 15}
+    options["own_folder"] = str(tmp_path / "node{rank}")
+    before = {n: sorted(os.listdir(tmp_path / n / "ckpt")) for n in ("node0", "node1")}
+    records = torchrun_one_node(tmp_path, "different", options)
+    for record in records:
+        assert record.get("tiekit"), record
+        assert f"resume: the ranks did not all load the same {LOCAL}/step-00000010.safetensors" in record["message"]
+        runs = re.findall(r"rank (\d): step 10 \(epoch 0, batch 10\) written by run (\w+)", record["message"])
+        assert [rank for rank, _ in runs] == ["0", "1"] and runs[0][1] != runs[1][1], record["message"]
+    assert {n: sorted(os.listdir(tmp_path / n / "ckpt")) for n in ("node0", "node1")} == before
 
 
 def test_two_torchrun_nodes_with_different_checkpoints_refuse_to_resume(tmp_path: Path) -> None:

@@ -172,7 +172,7 @@ class Coordinator:
         if isinstance(loaded, str) or len(set(outcomes)) > 1:
             shown = "; ".join(f"rank {r}: {_loaded(o)}" for r, o in enumerate(outcomes))
             raise TiekitError(
-                f"resume: the ranks did not all load {path} at the same step ({shown}); each read its own "
+                f"resume: the ranks did not all load the same {path} ({shown}); each read its own "
                 "copy of it: every rank must resume from the same checkpoint"
             )
         return loaded
@@ -190,13 +190,13 @@ class Coordinator:
         path = state.checkpoint_path(cfg.checkpoint_dir, at.step, sharded=backend.sharded_checkpoints)
         blocking = not cfg.checkpoint_async
         if backend.sharded_checkpoints:
-            sharded = state.sharded_contents(model, optimizer, at, backend.devices_in_run, backend.device)
+            sharded = state.sharded_contents(model, optimizer, at, backend.devices_in_run, backend.device, self.run_id)
             # As below: the parameters and optimizer state are copied beside the next step.
             self.pending, self.sharded_staging, self.copying = save_sharded_staged(
                 path=path, blocking=blocking, staging=self.sharded_staging, defer=True, **sharded
             )
         else:
-            contents = state.contents(model, optimizer, at, backend.devices_in_run, backend.device)
+            contents = state.contents(model, optimizer, at, backend.devices_in_run, backend.device, self.run_id)
             if not blocking:
                 if self.ranks.is_writer:
                     # The parameters and optimizer state are copied beside the next step's forward and
@@ -356,7 +356,7 @@ def _unreadable(path: Path, failed: list[tuple[int, str]], cfg: FitConfig, world
 def _loaded(outcome: state.Position | str) -> str:
     if isinstance(outcome, str):
         return outcome
-    return f"step {outcome.step} (epoch {outcome.epoch}, batch {outcome.batches})"
+    return f"step {outcome.step} (epoch {outcome.epoch}, batch {outcome.batches}) written by run {outcome.run}"
 
 
 def _comparable(value: Any) -> Any:

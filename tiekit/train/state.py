@@ -33,11 +33,14 @@ _STEP_FOLDER = re.compile(r"step-(\d+)")
 
 @dataclass(frozen=True)
 class Position:
-    """Where a run stands: ``step`` optimizer steps done, ``batches`` of them in epoch ``epoch``."""
+    """Where a run stands: ``step`` optimizer steps done, ``batches`` of them in epoch ``epoch``;
+    ``run``: the id of the run that wrote the checkpoint it was loaded from (None: not loaded, or
+    written before tiekit recorded it)."""
 
     epoch: int = 0
     batches: int = 0
     step: int = 0
+    run: str | None = None
 
 
 def checkpoint_path(folder: Path, step: int, *, sharded: bool = False) -> Path:
@@ -84,26 +87,33 @@ def contents(
     position: Position,
     world_size: int,
     device: torch.device,
+    run: str,
 ) -> dict[str, Any]:
-    """The keywords of `tiekit.save_checkpoint` for a training checkpoint at ``position``: the
-    model, the optimizer, the step, and (``extra``) the data position and this replica's RNG
-    states. Local: the caller decides who writes."""
+    """The keywords of `tiekit.save_checkpoint` for a training checkpoint at ``position`` of the
+    run ``run`` (its id): the model, the optimizer, the step, and (``extra``) the data position,
+    the run id and this replica's RNG states. Local: the caller decides who writes."""
     extra = {
         "epoch": position.epoch,
         "batches": position.batches,
         "world_size": world_size,
+        "run": run,
         "rng": _rng_states(device),
     }
     return {"model": model, "optimizer": optimizer, "step": position.step, "extra": extra}
 
 
 def sharded_contents(
-    model: nn.Module, optimizer: torch.optim.Optimizer, position: Position, world_size: int, device: torch.device
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    position: Position,
+    world_size: int,
+    device: torch.device,
+    run: str,
 ) -> dict[str, Any]:
     """The keywords of `tiekit.save_sharded` for a training checkpoint at ``position`` (as
     `contents`). The RNG states go as JSON lists: stored in rank 0's marker, so the restored
     states are rank 0's, as with one writer (tensors would be DCP items any rank may write)."""
-    extra = contents(model, optimizer, position, world_size, device)["extra"]
+    extra = contents(model, optimizer, position, world_size, device, run)["extra"]
     extra["rng"] = _as_lists(extra["rng"])
     return {"model": model, "optimizer": optimizer, "extra": {**extra, "step": position.step}}
 
@@ -145,7 +155,10 @@ def resume(
             stacklevel=3,
         )
     _set_rng_states(extra["rng"], device)
-    return Position(int(extra["epoch"]), int(extra["batches"]), int(record["step"]))
+    run = extra.get("run")
+    return Position(
+        int(extra["epoch"]), int(extra["batches"]), int(record["step"]), run if isinstance(run, str) else None
+    )
 
 
 def _as_lists(value: Any) -> Any:
