@@ -16,7 +16,7 @@ import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -280,6 +280,7 @@ def save_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
             found["shape"] = None
         except tiekit.CheckpointError as exc:
             found["shape"] = str(exc)
+        found.update(declared_and_sharded())
         dist.barrier()  # rank 0 has removed the folder its refused save made
         found["new_folder_exists"] = fresh_folder.exists()
         found["marker"] = json.loads((folder / tiekit.dcp.MARKER_NAME).read_text())["save_id"]
@@ -297,6 +298,32 @@ def save_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
         metadata = FileSystemReader(folder / marker["folder"]).read_metadata()
         found["control_stored"] = sorted(k for k in metadata.state_dict_metadata if not k.startswith("optimizer"))
         found["control_plan"] = [list(g.names) for g in tiekit.TiePlan.from_dict(marker["plan"]).groups]
+        return found
+
+    def declared_and_sharded() -> dict[str, Any]:
+        """A model that declares its tie (as transformers' do), sharded, rank 1's tie broken before:
+        the save compares the declared tie's two tensors. torch.equal of two DTensors is an
+        all-reduce, which rank 1 alone started: both ranks waited for good. Equal values save as
+        one tie group (as unsharded); values that differ on rank 1 are refused on every rank."""
+
+        class Declared(tiekit.TPUMixin, shard_fsdp2.TiedLM):
+            tied_weights: ClassVar[dict[str, str]] = {"head.weight": "embed.weight"}
+
+        found: dict[str, Any] = {}
+        for case in ("equal", "changed"):
+            torch.manual_seed(0)
+            model = Declared(VOCAB, DIM)
+            if RANK == 1:
+                model.head.weight = nn.Parameter(model.head.weight.detach() + (case == "changed"))
+            tiekit.shard(model)
+            folder = OUT / f"declared-{case}"
+            try:
+                tiekit.save_sharded(model, folder)
+                reloaded = tied_lm()
+                tiekit.load_sharded(reloaded, folder)
+                found[f"declared_{case}"] = {"tied": reloaded.head.weight is reloaded.embed.weight}
+            except tiekit.CheckpointError as exc:
+                found[f"declared_{case}"] = {"refused": str(exc)}
         return found
 
     def not_shared(model: nn.Module) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from torch import nn
 from tiekit import devices
 from tiekit.analyze import find_ties
 from tiekit.checkpoint.codec import Fallback, encode
+from tiekit.checkpoint.deferred import local_part
 from tiekit.checkpoint.layout import PLAN_KEY, nbytes
 from tiekit.checkpoint.optimizer import optimizer_record
 from tiekit.errors import CheckpointError, TieError
@@ -43,8 +44,14 @@ def _same_values(model: nn.Module, target: str, source: str) -> bool:
         return True
     if a.shape != b.shape or a.dtype != b.dtype or a.is_meta or b.is_meta or a.device != b.device:
         return False
+    if getattr(a, "placements", None) != getattr(b, "placements", None):
+        return False  # sharded differently (or one not at all): kept apart, nothing lost
+    # Local: torch.equal of two DTensors is an all-reduce, which a rank whose tie alone is broken
+    # would start by itself (every other rank found the tie whole), and wait in for good. Each
+    # rank compares its shards; ranks that conclude differently save different plans, which the
+    # sharded save refuses on every rank.
     with torch.no_grad():
-        return bool(torch.equal(a, b))
+        return bool(torch.equal(local_part(a), local_part(b)))
 
 
 def declared_ties(model: nn.Module) -> dict[str, str]:
