@@ -72,6 +72,7 @@ def own_group(prefix):  # a group made by the script, in torchrun's store under 
 
 
 options.setdefault("strategy", "ddp")
+options["strategy"] = options.pop("strategies", {}).get(str(rank), options["strategy"])  # {"1": "fsdp"}
 size = options.pop("sizes", {}).get(str(rank), 256)  # {"1": 240}: rank 1's dataset is shorter
 failing = options.pop("failing", {})  # {"rank": 1, "after": 16}: its dataset raises after 16 samples
 try:
@@ -314,6 +315,16 @@ def test_a_relative_sharded_checkpoint_dir_in_different_working_directories_is_r
         assert f"rank 1: '{tmp_path / 'rank1' / 'ckpt'}'" in record["message"]
         assert "a relative path names a folder in each rank's working directory" in record["message"]
     assert not any((tmp_path / f"rank{rank}" / "ckpt").exists() for rank in range(2))  # nothing saved
+
+
+@pytest.mark.newest_torch_only  # fit's start-up, the same code on both stacks: one torchrun is enough
+def test_ranks_given_different_strategies_are_refused_at_the_start(tmp_path: Path) -> None:
+    # Rank 0 ("ddp") waited in fit's data check and rank 1 ("fsdp") in FSDP's broadcast of the
+    # weights, each for the other (gloo's timeout: 30 minutes; this test's: 60 s).
+    records = torchrun_one_node(tmp_path, "out", {"strategies": {"1": "fsdp"}, "max_steps": 2}, timeout=60)
+    for record in records:
+        assert record.get("tiekit"), record
+        assert "passed fit different strategy (rank 0: 'ddp'; rank 1: 'fsdp')" in record["message"], record
 
 
 @pytest.mark.newest_torch_only  # fit's start-up, the same code on both stacks: one torchrun is enough

@@ -290,13 +290,14 @@ def join(job: Job, backend: Backend) -> Coordinator:
         needed = process_group_needed(where, grouped, "fit", Path(str(cfg.checkpoint_dir or cfg.resume)))
         if needed is not None:
             raise TiekitError(f"{needed} (strategy={backend.name!r} writes sharded checkpoints)")
-    options = {name: _comparable(getattr(job.config, name)) for name in SHARED_OPTIONS}
+    # The strategy first: ranks that differ there would wait in different collectives from here on.
+    options = {"strategy": job.strategy, **{name: _comparable(getattr(job.config, name)) for name in SHARED_OPTIONS}}
     folder_shared = backend.sharded_checkpoints and cfg.checkpoint_dir is not None
     if folder_shared:  # every rank writes into the folder: one absolute path, whatever each one's cwd
         options["checkpoint_dir"] = os.path.abspath(str(cfg.checkpoint_dir))
     gathered = collective_gather((job.run_id, options))
     first = gathered[0][1]
-    for name in SHARED_OPTIONS:
+    for name in options:
         differ = [r for r, (_, other) in enumerate(gathered) if other[name] != first[name]]
         if differ:
             shown = "; ".join(f"rank {r}: {gathered[r][1][name]!r}" for r in [0, *differ[:7]])
