@@ -140,6 +140,38 @@ def test_plain_dcp_folder_merges_equal_tied_names_and_refuses_different_ones(
     assert "lm_head.weight" in kept.stored and not kept.merged
 
 
+def test_a_source_that_records_no_ties_converts_to_checkpoints_that_record_none(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A plain DCP folder or safetensors file of a tied model stores both names (equal values) and
+    no plan; converted without ``plan``, the result records no plan either, and loads into the
+    model (its ties taken, the equal copy accepted), as the source does. It recorded an empty
+    plan ("no ties"), which the loaders of a tied model refused."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    model = gpt2()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    save(state, storage_writer=FileSystemWriter(tmp_path / "plain"), no_dist=True)
+    save_file(state, tmp_path / "plain.safetensors")
+    converted = [
+        tiekit.convert(tmp_path / "plain", tmp_path / "from-dcp.safetensors"),
+        tiekit.convert(tmp_path / "plain", tmp_path / "from-dcp", max_shard_size="40KB"),  # HF-style shards
+        tiekit.convert(tmp_path / "plain.safetensors", tmp_path / "sharded"),  # a save_sharded folder
+    ]
+    for result in converted:
+        assert "lm_head.weight" in result.stored and not result.merged  # nothing merged without a plan
+        first = Path(result.files[0])
+        sharded = first.name == "tiekit-dcp.json"
+        target = first.parent if sharded or len(result.files) > 1 else first
+        loaded = untied_gpt2()
+        (tiekit.load_sharded if sharded else tiekit.load_model)(loaded, target)
+        assert loaded.lm_head.weight is loaded.transformer.wte.weight and equal(loaded, model), target
+        code, out, _ = run(capsys, "inspect", str(target))
+        assert code == 0 and "tie plan: none recorded" in out, out
+
+
 def test_inspect_and_verify_read_sharded_folders(
     saved: tuple[nn.Module, Path], factory: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

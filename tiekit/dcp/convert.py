@@ -171,19 +171,21 @@ def _dcp_read(folder: Path) -> Callable[[list[str]], dict]:
     return read
 
 
-def _plan(given: TiePlan | nn.Module | None, recorded: TiePlan | None) -> TiePlan:
+def _plan(given: TiePlan | nn.Module | None, recorded: TiePlan | None) -> TiePlan | None:
+    """The plan the destination records: ``given``, else the source's; None when neither says
+    anything (a plain DCP folder or safetensors file): the destination records no plan either,
+    so a loader takes the model's ties and accepts their equal copies, as for the source. An
+    empty plan would say "no ties", which a tied model's loader refuses."""
     if isinstance(given, nn.Module):
         given = find_ties(given, declared=declared_ties(given) or None)
-    if given is not None:
-        return given
-    return recorded if recorded is not None else TiePlan((), 0, 0)
+    return given if given is not None else recorded
 
 
-def _layout(source: _Reader, plan: TiePlan) -> tuple[list[Spec], tuple[str, ...], dict[str, str]]:
+def _layout(source: _Reader, plan: TiePlan | None) -> tuple[list[Spec], tuple[str, ...], dict[str, str]]:
     """The specs to write (tied names dropped), the dropped names, and {dropped: source} to compare."""
     stored = {s[0]: s for s in source.specs}
     checks: dict[str, str] = {}
-    for group in plan.groups:
+    for group in plan.groups if plan is not None else ():
         present = [m for m in group.members if m.name in stored and m.view is None]
         if not present:
             continue
@@ -244,7 +246,7 @@ def whole(value: Value) -> torch.Tensor:
 def _to_safetensors(
     source: _Reader,
     specs: list[Spec],
-    plan: TiePlan,
+    plan: TiePlan | None,
     checks: dict[str, str],
     target: Path,
     max_shard_size: int | str | None,
@@ -254,11 +256,11 @@ def _to_safetensors(
         if existing.exists():
             raise CheckpointError(f"{existing}: exists; convert writes a new checkpoint (remove it first)")
     limit = None if max_shard_size is None else parse_size(max_shard_size)
-    kept = TiePlan(plan.groups, plan.unique_count, plan.total_count)
+    kept = None if plan is None else TiePlan(plan.groups, plan.unique_count, plan.total_count)
     return write_safetensors(file, specs, kept, _batches(source, specs, checks), limit)
 
 
-def _to_dcp(source: _Reader, specs: list[Spec], plan: TiePlan, checks: dict[str, str], root: Path) -> list[Path]:
+def _to_dcp(source: _Reader, specs: list[Spec], plan: TiePlan | None, checks: dict[str, str], root: Path) -> list[Path]:
     if (root / MARKER_NAME).exists() or (root.exists() and not root.is_dir()):
         raise CheckpointError(f"{root}: holds a checkpoint already; convert writes a new one (remove it first)")
     save_id = uuid.uuid4().hex[:16]

@@ -77,7 +77,7 @@ class Marker:
     where: str  # the marker file, for messages
     folder: Path  # the save folder of DCP files
     save_id: str
-    plan: TiePlan
+    plan: TiePlan | None  # None: no ties recorded (converted from a file that records none)
     tensors: Mapping[str, tuple[tuple[int, ...], str]]  # key -> (global shape, dtype name)
     files: Mapping[str, int]  # file name in the save folder -> size in bytes
     metadata_sha256: str
@@ -95,7 +95,7 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_marker(root: Path, folder: Path, save_id: str, plan: TiePlan, record: Mapping[str, Any]) -> None:
+def write_marker(root: Path, folder: Path, save_id: str, plan: TiePlan | None, record: Mapping[str, Any]) -> None:
     """The commit: describe the finished save folder and publish the marker atomically (fsynced).
 
     Until ``os.replace`` puts it in place, the previous marker (and its save folder) is the
@@ -124,7 +124,7 @@ def write_marker(root: Path, folder: Path, save_id: str, plan: TiePlan, record: 
         "folder": folder.name,
         "files": files,
         "metadata_sha256": file_sha256(folder / DCP_METADATA),
-        "plan": plan.to_dict(),
+        "plan": None if plan is None else plan.to_dict(),
         **record,
     }
     text = json.dumps(body, separators=(",", ":"))
@@ -197,7 +197,7 @@ def read_marker(path: PathLike) -> Marker:
         if not isinstance(tensors, dict):
             raise CheckpointError(f"{where}: key 'tensors' is not an object")
         table = {str(k): (tuple(int(d) for d in v[0]), str(v[1])) for k, v in tensors.items()}
-        plan = TiePlan.from_dict(raw["plan"])
+        plan = None if raw["plan"] is None else TiePlan.from_dict(raw["plan"])
     except TieError as exc:
         raise CheckpointError(f"{where}: key 'plan': {exc}") from exc
     except (KeyError, TypeError, ValueError, IndexError) as exc:

@@ -295,7 +295,7 @@ def _source(marker: Marker, metadata: Any) -> Source:
             nbytes *= d
         entry = (files.get(key, os.fspath(marker.folder)), TensorEntry(key, dtype, shape, 0, nbytes))
         (side if key.startswith(("optimizer/", "extra/")) else entries)[key] = entry
-    for group in marker.plan.groups:
+    for group in marker.plan.groups if marker.plan is not None else ():
         if group.source not in entries:
             raise CheckpointError(
                 f"{marker.where}: key 'plan' names {group.source!r} (source of {', '.join(group.names[1:])}), "

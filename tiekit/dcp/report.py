@@ -49,7 +49,7 @@ def _inspect_sharded(path: PathLike, check_values: bool) -> FileReport:
         "world_size": str(marker.record.get("world_size")),
         "torch": str(marker.record.get("torch")),
     }
-    raw_version = marker.plan.to_dict()["version"]
+    raw_version = None if marker.plan is None else marker.plan.to_dict()["version"]
     return FileReport(
         path=os.fspath(Path(path)),
         files=files,
@@ -57,8 +57,8 @@ def _inspect_sharded(path: PathLike, check_values: bool) -> FileReport:
         side_tensors=side_count,
         side_bytes=side_bytes,
         plan=marker.plan,
-        plan_origin="tiekit",
-        plan_version=int(raw_version),
+        plan_origin="tiekit" if marker.plan is not None else "none",
+        plan_version=None if raw_version is None else int(raw_version),
         checkpoint_version=int(marker.record.get("version", 1)) if side_count else None,
         metadata=shown,
         identical=_identical(marker.folder, tensors) if check_values else None,

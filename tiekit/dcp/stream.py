@@ -84,14 +84,15 @@ def _write_file(
 def write_safetensors(
     target: Path,
     specs: Sequence[Spec],
-    plan: TiePlan,
+    plan: TiePlan | None,
     tensors: Iterator[tuple[str, Value]],
     max_shard_size: int | None = None,
 ) -> list[Path]:
     """Write ``tensors`` (yielded in ``specs`` order) as one tied safetensors file ``target``, or
     as Hugging Face style shards of at most ``max_shard_size`` bytes plus ``<target>.index.json``
-    (written last: the commit). Returns the files written. Local."""
-    header = {"format": "pt", PLAN_KEY: plan.to_json()}
+    (written last: the commit). ``plan`` None: no tie plan recorded (the loader then takes the
+    model's ties, as for any plain file). Returns the files written. Local."""
+    header = {"format": "pt"} if plan is None else {"format": "pt", PLAN_KEY: plan.to_json()}
     target.parent.mkdir(parents=True, exist_ok=True)
     total = sum(nbytes(s) for s in specs)
     if max_shard_size is None or total <= max_shard_size:
@@ -118,7 +119,8 @@ def write_safetensors(
             os.replace(work / file, target.parent / file)
         _fsync(target.parent)
         index = {
-            "metadata": {"format": "pt", "total_size": total, SAVE_ID_KEY: save_id, PLAN_KEY: plan.to_dict()},
+            "metadata": {"format": "pt", "total_size": total, SAVE_ID_KEY: save_id}
+            | ({} if plan is None else {PLAN_KEY: plan.to_dict()}),
             "weight_map": {s[0]: file for file, part in zip(files, shards, strict=True) for s in part},
         }
         text = json.dumps(index, indent=2)
