@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,17 @@ def test_resume_continues_bit_identically(tmp_path: Path) -> None:
     tiekit.load_checkpoint(tmp_path / "step-00000007.safetensors", model=naive, optimizer=optimizer)
     restarted = tiekit.fit(naive, data(), max_steps=16, **kw)
     assert not same(weights(restarted.model), weights(straight.model))
+
+
+def test_a_resume_with_another_batch_size_says_the_position_is_taken_in_the_new_batches(tmp_path: Path) -> None:
+    kw: dict[str, Any] = {**CPU, "checkpoint_dir": tmp_path, "seed": 1}
+    tiekit.fit(DropoutNet, data(), max_steps=3, batch_size=4, **kw)  # 3 of 10 batches of 4: sample 12 next
+    with pytest.warns(UserWarning, match=r"saved by a run with batch_size=4 per replica, with batch_size=8: its "):
+        resumed = tiekit.fit(DropoutNet, data(), max_steps=5, batch_size=8, resume="last", **kw)
+    assert resumed.steps == 5
+    with warnings.catch_warnings():  # the same batch size: nothing to say
+        warnings.simplefilter("error")
+        tiekit.fit(DropoutNet, data(), max_steps=7, batch_size=8, resume="last", **kw)
 
 
 def test_checkpoints_are_tied_and_reload_into_a_fresh_model(tmp_path: Path) -> None:

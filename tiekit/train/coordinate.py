@@ -77,6 +77,7 @@ class Coordinator:
 
     ranks: Ranks
     run_id: str
+    batch_size: int = 0  # per replica, as the data loader batches: what a checkpoint's position counts in
     last_saved: Path | None = None
     pending: SaveHandle | None = None  # this rank's background save, if one is under way
     # The host memory of the last background save, copied into by the next one once that save
@@ -162,10 +163,14 @@ class Coordinator:
         self.written = continued
         sharded = backend.sharded_checkpoints
         if self.ranks.world == 1:
-            return state.resume(path, model, optimizer, backend.devices_in_run, backend.device, sharded=sharded)
+            return state.resume(
+                path, model, optimizer, backend.devices_in_run, self.batch_size, backend.device, sharded=sharded
+            )
         loaded: state.Position | str
         try:
-            loaded = state.resume(path, model, optimizer, backend.devices_in_run, backend.device, sharded=sharded)
+            loaded = state.resume(
+                path, model, optimizer, backend.devices_in_run, self.batch_size, backend.device, sharded=sharded
+            )
         except TiekitError as exc:  # reported to every rank below (a failed load changes nothing)
             loaded = f"{type(exc).__name__}: {exc}"
         outcomes = self.gather(loaded)
@@ -190,13 +195,17 @@ class Coordinator:
         path = state.checkpoint_path(cfg.checkpoint_dir, at.step, sharded=backend.sharded_checkpoints)
         blocking = not cfg.checkpoint_async
         if backend.sharded_checkpoints:
-            sharded = state.sharded_contents(model, optimizer, at, backend.devices_in_run, backend.device, self.run_id)
+            sharded = state.sharded_contents(
+                model, optimizer, at, backend.devices_in_run, self.batch_size, backend.device, self.run_id
+            )
             # As below: the parameters and optimizer state are copied beside the next step.
             self.pending, self.sharded_staging, self.copying = save_sharded_staged(
                 path=path, blocking=blocking, staging=self.sharded_staging, defer=True, **sharded
             )
         else:
-            contents = state.contents(model, optimizer, at, backend.devices_in_run, backend.device, self.run_id)
+            contents = state.contents(
+                model, optimizer, at, backend.devices_in_run, self.batch_size, backend.device, self.run_id
+            )
             if not blocking:
                 if self.ranks.is_writer:
                     # The parameters and optimizer state are copied beside the next step's forward and

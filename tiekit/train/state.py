@@ -86,16 +86,19 @@ def contents(
     optimizer: torch.optim.Optimizer,
     position: Position,
     world_size: int,
+    batch_size: int,
     device: torch.device,
     run: str,
 ) -> dict[str, Any]:
     """The keywords of `tiekit.save_checkpoint` for a training checkpoint at ``position`` of the
-    run ``run`` (its id): the model, the optimizer, the step, and (``extra``) the data position,
-    the run id and this replica's RNG states. Local: the caller decides who writes."""
+    run ``run`` (its id): the model, the optimizer, the step, and (``extra``) the data position
+    (with the replicas and batch size it counts in), the run id and this replica's RNG states.
+    Local: the caller decides who writes."""
     extra = {
         "epoch": position.epoch,
         "batches": position.batches,
         "world_size": world_size,
+        "batch_size": batch_size,
         "run": run,
         "rng": _rng_states(device),
     }
@@ -107,13 +110,14 @@ def sharded_contents(
     optimizer: torch.optim.Optimizer,
     position: Position,
     world_size: int,
+    batch_size: int,
     device: torch.device,
     run: str,
 ) -> dict[str, Any]:
     """The keywords of `tiekit.save_sharded` for a training checkpoint at ``position`` (as
     `contents`). The RNG states go as JSON lists: stored in rank 0's marker, so the restored
     states are rank 0's, as with one writer (tensors would be DCP items any rank may write)."""
-    extra = contents(model, optimizer, position, world_size, device, run)["extra"]
+    extra = contents(model, optimizer, position, world_size, batch_size, device, run)["extra"]
     extra["rng"] = _as_lists(extra["rng"])
     return {"model": model, "optimizer": optimizer, "extra": {**extra, "step": position.step}}
 
@@ -123,6 +127,7 @@ def resume(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     world_size: int,
+    batch_size: int,
     device: torch.device,
     *,
     sharded: bool = False,
@@ -151,6 +156,15 @@ def resume(
         warnings.warn(
             f"resuming {path}, saved by a run on {extra.get('world_size')} replica(s), on {world_size}: "
             "the data order differs from the original run from here on",
+            UserWarning,
+            stacklevel=3,
+        )
+    saved_batch = extra.get("batch_size")  # None: saved before tiekit recorded it
+    if saved_batch is not None and saved_batch != batch_size:
+        warnings.warn(
+            f"resuming {path}, saved by a run with batch_size={saved_batch} per replica, with batch_size="
+            f"{batch_size}: its position in the epoch ({extra['batches']} batches) is taken in batches of "
+            f"{batch_size}, so the rest of this epoch skips or repeats samples; the data order differs from here on",
             UserWarning,
             stacklevel=3,
         )
