@@ -163,14 +163,10 @@ class Coordinator:
         self.written = continued
         sharded = backend.sharded_checkpoints
         if self.ranks.world == 1:
-            return state.resume(
-                path, model, optimizer, backend.devices_in_run, self.batch_size, backend.device, sharded=sharded
-            )
+            return state.resume(path, model, optimizer, self.training_run(backend), backend.device, sharded=sharded)
         loaded: state.Position | str
         try:
-            loaded = state.resume(
-                path, model, optimizer, backend.devices_in_run, self.batch_size, backend.device, sharded=sharded
-            )
+            loaded = state.resume(path, model, optimizer, self.training_run(backend), backend.device, sharded=sharded)
         except TiekitError as exc:  # reported to every rank below (a failed load changes nothing)
             loaded = f"{type(exc).__name__}: {exc}"
         outcomes = self.gather(loaded)
@@ -181,6 +177,10 @@ class Coordinator:
                 "copy of it: every rank must resume from the same checkpoint"
             )
         return loaded
+
+    def training_run(self, backend: Backend) -> state.TrainingRun:
+        """What this run's checkpoints record of it. Local."""
+        return state.TrainingRun(self.run_id, backend.devices_in_run, self.batch_size)
 
     def save(
         self, cfg: FitConfig, model: nn.Module, optimizer: torch.optim.Optimizer, at: state.Position, backend: Backend
@@ -195,17 +195,13 @@ class Coordinator:
         path = state.checkpoint_path(cfg.checkpoint_dir, at.step, sharded=backend.sharded_checkpoints)
         blocking = not cfg.checkpoint_async
         if backend.sharded_checkpoints:
-            sharded = state.sharded_contents(
-                model, optimizer, at, backend.devices_in_run, self.batch_size, backend.device, self.run_id
-            )
+            sharded = state.sharded_contents(model, optimizer, at, self.training_run(backend), backend.device)
             # As below: the parameters and optimizer state are copied beside the next step.
             self.pending, self.sharded_staging, self.copying = save_sharded_staged(
                 path=path, blocking=blocking, staging=self.sharded_staging, defer=True, **sharded
             )
         else:
-            contents = state.contents(
-                model, optimizer, at, backend.devices_in_run, self.batch_size, backend.device, self.run_id
-            )
+            contents = state.contents(model, optimizer, at, self.training_run(backend), backend.device)
             if not blocking:
                 if self.ranks.is_writer:
                     # The parameters and optimizer state are copied beside the next step's forward and

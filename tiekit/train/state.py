@@ -81,43 +81,40 @@ def remove_checkpoint(path: Path) -> None:
         warnings.warn(f"checkpoint_keep: could not delete the old checkpoint {path}: {exc}", stacklevel=2)
 
 
+@dataclass(frozen=True)
+class TrainingRun:
+    """What a training checkpoint records of the run beside its position: the run's id, and the
+    replicas and per-replica batch size its position counts in."""
+
+    run_id: str
+    world_size: int
+    batch_size: int
+
+
 def contents(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    position: Position,
-    world_size: int,
-    batch_size: int,
-    device: torch.device,
-    run: str,
+    model: nn.Module, optimizer: torch.optim.Optimizer, position: Position, run: TrainingRun, device: torch.device
 ) -> dict[str, Any]:
-    """The keywords of `tiekit.save_checkpoint` for a training checkpoint at ``position`` of the
-    run ``run`` (its id): the model, the optimizer, the step, and (``extra``) the data position
-    (with the replicas and batch size it counts in), the run id and this replica's RNG states.
-    Local: the caller decides who writes."""
+    """The keywords of `tiekit.save_checkpoint` for a training checkpoint at ``position`` of
+    ``run``: the model, the optimizer, the step, and (``extra``) the data position, the run's
+    facts and this replica's RNG states. Local: the caller decides who writes."""
     extra = {
         "epoch": position.epoch,
         "batches": position.batches,
-        "world_size": world_size,
-        "batch_size": batch_size,
-        "run": run,
+        "world_size": run.world_size,
+        "batch_size": run.batch_size,
+        "run": run.run_id,
         "rng": _rng_states(device),
     }
     return {"model": model, "optimizer": optimizer, "step": position.step, "extra": extra}
 
 
 def sharded_contents(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    position: Position,
-    world_size: int,
-    batch_size: int,
-    device: torch.device,
-    run: str,
+    model: nn.Module, optimizer: torch.optim.Optimizer, position: Position, run: TrainingRun, device: torch.device
 ) -> dict[str, Any]:
     """The keywords of `tiekit.save_sharded` for a training checkpoint at ``position`` (as
     `contents`). The RNG states go as JSON lists: stored in rank 0's marker, so the restored
     states are rank 0's, as with one writer (tensors would be DCP items any rank may write)."""
-    extra = contents(model, optimizer, position, world_size, batch_size, device, run)["extra"]
+    extra = contents(model, optimizer, position, run, device)["extra"]
     extra["rng"] = _as_lists(extra["rng"])
     return {"model": model, "optimizer": optimizer, "extra": {**extra, "step": position.step}}
 
@@ -126,14 +123,15 @@ def resume(
     path: Path,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    world_size: int,
-    batch_size: int,
+    run: TrainingRun,
     device: torch.device,
     *,
     sharded: bool = False,
 ) -> Position:
     """Load ``path`` (a file, or a sharded folder: then collective, as `tiekit.load_sharded`) into
-    ``model`` and ``optimizer``, restore the RNG states; the saved `Position`."""
+    ``model`` and ``optimizer`` of ``run``, restore the RNG states; the saved `Position` (a
+    `UserWarning` when it counts in other replicas or batches than ``run``'s)."""
+    world_size, batch_size = run.world_size, run.batch_size
     if is_sharded_checkpoint(path):
         extra = load_sharded(model, path, optimizer=optimizer).extra
         record = {"extra": extra, "step": extra.get("step") if isinstance(extra, dict) else None}
@@ -169,9 +167,9 @@ def resume(
             stacklevel=3,
         )
     _set_rng_states(extra["rng"], device)
-    run = extra.get("run")
+    writer = extra.get("run")
     return Position(
-        int(extra["epoch"]), int(extra["batches"]), int(record["step"]), run if isinstance(run, str) else None
+        int(extra["epoch"]), int(extra["batches"]), int(record["step"]), writer if isinstance(writer, str) else None
     )
 
 
