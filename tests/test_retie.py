@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
@@ -188,6 +189,28 @@ def test_verify_rejects_unknown_on_error() -> None:
 def test_move_requires_a_target() -> None:
     with pytest.raises(ValueError, match="needs a device, a dtype"):
         tiekit.move(WeightSharingModule())
+
+
+def test_a_declared_tie_applied_by_a_move_leaves_the_optimizer_one_parameter_with_the_sources_state(
+    tmp_path: Path,
+) -> None:
+    """Two separate tensors, an optimizer over both, a declared tie: after the move they are one
+    parameter, and so is the optimizer's entry (the embedding's, with its state). The optimizer kept
+    the old head tensor beside it, with a misleading warning, and save_checkpoint refused it."""
+    model = nn.Module()
+    model.embed, model.head = nn.Embedding(32, 8), nn.Linear(8, 32, bias=False)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model.head(model.embed(torch.tensor([1, 2]))).sum().backward()
+    optimizer.step()
+    embed_state = {k: v.clone() for k, v in optimizer.state[model.embed.weight].items()}
+    plan = find_ties(model, declared={"head.weight": "embed.weight"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TieWarning)  # nothing in the optimizer is a stranger
+        tiekit.move(model, "cpu", optimizer=optimizer, plan=plan)
+    assert model.head.weight is model.embed.weight
+    assert optimizer.param_groups[0]["params"] == [model.embed.weight]
+    assert all(torch.equal(optimizer.state[model.embed.weight][k], v) for k, v in embed_state.items())
+    tiekit.save_checkpoint(tmp_path / "c.safetensors", model=model, optimizer=optimizer)
 
 
 def test_move_rebinds_an_optimizer_by_name_and_warns_about_strangers() -> None:

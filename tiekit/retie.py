@@ -244,9 +244,22 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, names: 
     """Re-point ``optimizer``'s params and state at the model's current parameters.
 
     ``names`` maps ``id(old_param)`` to its name, taken before the move while the old
-    parameters were alive.
+    parameters were alive. Names are looked up with their aliases, so two old tensors that
+    are now one tied parameter (a declared tie applied by the move) become one entry: the one
+    under the parameter's first name keeps its place and state, the duplicate goes (an
+    optimizer holding a parameter twice would step it twice, and cannot be saved).
     """
-    current = dict(model.named_parameters())
+    current = dict(model.named_parameters(remove_duplicate=False))
+    first_name = {id(p): name for name, p in model.named_parameters()}
+    # Which old tensor keeps each new parameter: the one under its first name, else the first met.
+    keeper: dict[int, int] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = names.get(id(p))
+            if name is not None and name in current:
+                new = current[name]
+                if id(new) not in keeper or first_name.get(id(new)) == name:
+                    keeper[id(new)] = id(p)
     state = optimizer.state
     unknown = 0
     for group in optimizer.param_groups:
@@ -258,8 +271,10 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, names: 
                 rebound.append(p)
                 continue
             new = current[name]
-            if p in state:
-                old_state = state.pop(p)
+            old_state = state.pop(p, None)
+            if keeper[id(new)] != id(p):
+                continue  # the duplicate of a tied parameter, and its stale state
+            if old_state is not None:
                 state[new] = {k: _state_to(v, new, k) for k, v in old_state.items()}
             rebound.append(new)
         group["params"] = rebound
