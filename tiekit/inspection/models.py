@@ -68,8 +68,8 @@ def load_factory(spec: str) -> Callable[[], Any]:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         raise FactoryError(f"cannot import {module_name!r} (from {cwd} or sys.path): {exc}") from exc
-    except Exception as exc:  # any error in the user's module is reported, not a crash
-        raise FactoryError(f"importing {module_name!r} failed: {one_line(exc)}") from exc
+    except (Exception, SystemExit) as exc:  # any error in the user's module is reported, not a crash
+        raise FactoryError(f"importing {module_name!r} failed: {one_line(exc)}{_exited(exc)}") from exc
     target: Any = module
     for part in attr_path.split("."):
         try:
@@ -93,13 +93,22 @@ def build_model(spec: str, *, meta: bool = True) -> BuiltModel:
             return BuiltModel(_module(model, spec), spec, "meta")
         except FactoryError:
             raise
+        except SystemExit as exc:  # sys.exit, or argparse reading tiekit's command line: not worth a retry
+            raise FactoryError(f"{spec}() failed: {one_line(exc)}{_exited(exc)}") from exc
         except Exception as exc:  # noqa: BLE001 - whatever the factory does on meta, retry as written
             note = f"the factory failed on the meta device ({one_line(exc)}), so it was built on the CPU"
     try:
         model = factory()
-    except Exception as exc:  # the user's factory: report it in one line
-        raise FactoryError(f"{spec}() failed: {one_line(exc)}") from exc
+    except (Exception, SystemExit) as exc:  # the user's factory: report it in one line
+        raise FactoryError(f"{spec}() failed: {one_line(exc)}{_exited(exc)}") from exc
     return BuiltModel(_module(model, spec), spec, "cpu", note)
+
+
+def _exited(exc: BaseException) -> str:
+    """What a factory that exited the process (``sys.exit``, argparse) did, told apart from tiekit's own exit."""
+    if not isinstance(exc, SystemExit):
+        return ""
+    return " (it exited, as sys.exit and argparse do: a factory must build the model without reading the command line)"
 
 
 def _module(value: Any, spec: str) -> nn.Module:
