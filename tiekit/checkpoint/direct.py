@@ -29,32 +29,38 @@ import numpy as np
 import torch
 
 from tiekit.errors import CheckpointError
+from tiekit.header import DTYPES
 
 BLOCK = 4096  # O_DIRECT wants buffer, offset and length aligned to the device's block (512 or 4096)
 CHUNK = 8 << 20  # bytes per write
 _MAX_WRITE = 1 << 30  # Linux writes at most 2 GiB - 4 KiB per call
 
-# safetensors' dtype codes and torch's names, in its writer's order (its Rust enum, compared in
-# reverse): a file's tensors are sorted by this, then by name, which keeps each one aligned.
-_CODES = {
-    "U64": "uint64",
-    "I64": "int64",
-    "F64": "float64",
-    "F32": "float32",
-    "U32": "uint32",
-    "I32": "int32",
-    "BF16": "bfloat16",
-    "F16": "float16",
-    "U16": "uint16",
-    "I16": "int16",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "I8": "int8",
-    "U8": "uint8",
-    "BOOL": "bool",
-}
-_DTYPES = {getattr(torch, name): code for code, name in _CODES.items() if hasattr(torch, name)}
-_RANK = {code: rank for rank, code in enumerate(_CODES)}
+# safetensors' dtype codes in its writer's order (its Rust enum, compared in reverse; read from the
+# files safetensors 0.8 writes): a file's tensors are sorted by this, then by name, which keeps
+# each one aligned. Every code safetensors stores: `tiekit.header` reads them all.
+_ORDER = (
+    "U64",
+    "I64",
+    "F64",
+    "C64",
+    "F32",
+    "U32",
+    "I32",
+    "BF16",
+    "F16",
+    "U16",
+    "I16",
+    "F8_E5M2FNUZ",
+    "F8_E4M3FNUZ",
+    "F8_E8M0",
+    "F8_E4M3",
+    "F8_E5M2",
+    "I8",
+    "U8",
+    "BOOL",
+)
+_DTYPES = {DTYPES[code]: code for code in _ORDER if code in DTYPES}  # those this torch has
+_RANK = {code: rank for rank, code in enumerate(_ORDER)}
 
 # What a file system without O_DIRECT (tmpfs on older kernels, some FUSE and network ones) answers.
 _REFUSED = {errno.EINVAL, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
@@ -99,7 +105,7 @@ def aligned(size: int) -> torch.Tensor:
 
 
 def ordered(tensors: Mapping[str, torch.Tensor], path: Path) -> list[tuple[str, torch.Tensor]]:
-    """The tensors in safetensors' order (`_CODES`, then name); refuses what safetensors cannot hold."""
+    """The tensors in safetensors' order (`_ORDER`, then name); refuses what safetensors cannot hold."""
     seen: dict[tuple[int, int], str] = {}
     for name, t in tensors.items():
         if t.device.type != "cpu":
