@@ -318,6 +318,22 @@ def test_a_relative_sharded_checkpoint_dir_in_different_working_directories_is_r
     assert not any((tmp_path / f"rank{rank}" / "ckpt").exists() for rank in range(2))  # nothing saved
 
 
+@pytest.mark.newest_torch_only  # fit's own logic, the same on both stacks: one run keeps CI short
+def test_a_checkpoint_every_rank_fails_to_load_is_reported_as_that_failure(tmp_path: Path) -> None:
+    # The ranks all read one file and all refused it alike; the error said they "did not all load
+    # the same" file, "each read its own copy" (probe).
+    (tmp_path / "ckpt").mkdir()
+    tiekit.save_model(WeightSharingModule(), tmp_path / "ckpt" / "step-00000005.safetensors")  # weights only
+    options = {"checkpoint_dir": str(tmp_path / "ckpt"), "resume": "last", "max_steps": 8}
+    records = torchrun_one_node(tmp_path, "out", options, timeout=60)
+    for record in records:
+        assert record.get("tiekit"), record
+        assert record["message"].startswith(
+            f"resume: every rank failed to load {tmp_path / 'ckpt' / 'step-00000005.safetensors'}: CheckpointError: "
+        ), record["message"]
+        assert record["message"].endswith("step-00000005.safetensors: holds no optimizer state")
+
+
 @pytest.mark.newest_torch_only  # fit's start-up, the same code on both stacks: one torchrun is enough
 def test_ranks_given_different_strategies_are_refused_at_the_start(tmp_path: Path) -> None:
     # Rank 0 ("ddp") waited in fit's data check and rank 1 ("fsdp") in FSDP's broadcast of the

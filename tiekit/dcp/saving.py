@@ -298,10 +298,15 @@ def process_group_needed(
         return None
     start = f"{root}: {what} runs torch.distributed.checkpoint"
     if where.kind == "xla-threads":
+        instead = (
+            "save them once, with tiekit.collective_save_checkpoint (one file), instead"
+            if what.startswith("save")
+            else "load the folder in one replica (devices=1), or convert it to one file with tiekit.convert "
+            "and load that"
+        )
         return CheckpointError(
             f"{start}, which needs one process per rank; the {where.world} replicas here are threads of "
-            "one process (torch_xla.launch on XLA:CPU). They hold the same weights: save them once, "
-            f"with tiekit.collective_save_checkpoint (one file), instead. {unchanged}"
+            f"one process (torch_xla.launch on XLA:CPU). They hold the same weights: {instead}. {unchanged}"
         )
     who = "hosts of this SPMD run" if where.kind == "spmd-hosts" else "XLA processes"
     return CheckpointError(

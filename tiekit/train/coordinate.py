@@ -170,6 +170,8 @@ class Coordinator:
         except TiekitError as exc:  # reported to every rank below (a failed load changes nothing)
             loaded = f"{type(exc).__name__}: {exc}"
         outcomes = self.gather(loaded)
+        if all(isinstance(o, str) for o in outcomes) and len(set(outcomes)) == 1:  # the same failure everywhere
+            raise TiekitError(f"resume: every rank failed to load {path}: {loaded}")
         if isinstance(loaded, str) or len(set(outcomes)) > 1:
             shown = "; ".join(f"rank {r}: {_loaded(o)}" for r, o in enumerate(outcomes))
             raise TiekitError(
