@@ -520,7 +520,7 @@ if how == "torch":  # what fit did before: torch's env:// in torchrun's store
 result = tiekit.fit(WeightSharingModule, DiesOnRank1(), loss_fn=F.mse_loss, strategy="ddp", batch_size=8,
                     max_steps=16, checkpoint_dir="ckpt", checkpoint_every=4, checkpoint_keep=2, resume="last",
                     progress=False, optimizer=functools.partial(torch.optim.AdamW, lr=1e-2))
-record(f"rank-{rank}.json", dict(steps=result.steps, losses=len(result.losses), digest=result.replica_digests[0],
+record(f"rank-{rank}.json", dict(steps=result.steps, losses=len(result.losses), digest=result.replica_digests[rank],
                                  ties=result.model.layer_3.weight is result.model.layer_1.weight))
 """
 

@@ -74,7 +74,8 @@ def replica(index):
                             batch_size=8, precision="bf16-mixed", progress=False,
                             optimizer=functools.partial(torch.optim.AdamW, lr=1e-2), **ckpt)
         record(kind="fit", ordinal=index, run=run, steps=result.steps, world=result.world_size,
-               digest=result.replica_digests[0], ties_kept=result.ties_kept, first=result.losses[:1],
+               digest=result.replica_digests[index], digests=list(result.replica_digests),
+               ties_kept=result.ties_kept, first=result.losses[:1],
                last=result.losses[-1:], checkpoint=str(result.checkpoint), start=start)
 
 if __name__ == "__main__":
@@ -95,6 +96,7 @@ def test_ten_bf16_mixed_fits_inside_your_own_launch_never_race(tmp_path: Path) -
         pair = [r for r in fits if r["run"] == run]
         assert all(r["steps"] == 12 and r["world"] == 2 and r["ties_kept"] for r in pair)
         assert pair[0]["digest"] == pair[1]["digest"]  # each replica ends bit-identical to its peer
+        assert pair[0]["digests"] == pair[1]["digests"] == [pair[0]["digest"]] * 2  # and every result says so
     first = sorted((r for r in fits if r["run"] == 0), key=lambda r: r["ordinal"])
     assert first[0]["start"] != first[1]["start"]  # built apart, trained as one (before: digests differed)
     assert all(r["last"][0] < r["first"][0] for r in fits if r["ordinal"] == 0)
