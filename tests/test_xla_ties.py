@@ -160,6 +160,18 @@ def test_view_buffers_follow_their_source_on_xla(xla_device: torch.device) -> No
     assert not model.wt.requires_grad
 
 
+def test_planning_views_on_xla_warns_and_a_plan_made_before_keeps_them(xla_device: torch.device) -> None:
+    plan = tiekit.find_ties(ViewBuffers())
+    model = tiekit.move(ViewBuffers(), xla_device)
+    # On XLA the views share a storage but their geometry is hidden: planning there cannot keep them.
+    with pytest.warns(tiekit.TieWarning, match=r"w, wt, ws, wv share one XLA storage .*find_ties before"):
+        tiekit.move(model, "cpu")
+    assert model.wt.data_ptr() != model.w.data_ptr()  # the tie is gone, as the warning said
+    kept = tiekit.move(tiekit.move(ViewBuffers(), xla_device, plan=plan), "cpu", plan=plan)
+    assert kept.wt.untyped_storage().data_ptr() == kept.w.untyped_storage().data_ptr()
+    assert torch.equal(kept.ws, kept.w[:, 2:5])
+
+
 def test_find_ties_on_xla_tensors_does_not_crash(xla_device: torch.device) -> None:
     model = MixinWeightSharingModule().to(xla_device)
     plan = tiekit.find_ties(model, check_values=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import operator
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,7 +28,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from tiekit import devices
-from tiekit.errors import TieError
+from tiekit.errors import TieError, TieWarning
 from tiekit.plan import MemberKind, TieGroup, TieMember, TiePlan, ViewGeometry, strided_extent
 from tiekit.slots import Walk, resolve, walk_slots
 
@@ -57,6 +58,7 @@ def find_ties(
     shared = _shared_storages(walk.tensors, distinct)
     first = _slots_at(walk, set(extra).union(*shared))
     groups = _identity_and_storage_groups(first, extra, shared)
+    _warn_of_hidden_views(shared, first)
     unique_params = _unique_parameters(walk, extra)
     if declared:
         groups, unique_params = _merge_declared(model, walk, groups, declared, unique_params)
@@ -184,6 +186,21 @@ def _identity_and_storage_groups(
     for cluster in clusters:
         groups.append(_view_group(cluster, first, extra))
     return groups
+
+
+def _warn_of_hidden_views(shared: list[list[int]], first: dict[int, _Slot]) -> None:
+    """Distinct tensors of one XLA storage are views whose tie the plan cannot record (see
+    `_overlapping_clusters`); said aloud, since a move or save planned from it stores them apart."""
+    for keys in shared:
+        if any(first[k][2].device.type == "xla" for k in keys):
+            names = ", ".join(first[k][0] for k in sorted(keys))
+            warnings.warn(
+                f"{names} share one XLA storage (views of one another), but XLA hides view geometry, so "
+                "this plan leaves their tie out and a move or save planned from it stores them apart: "
+                "make the plan with tiekit.find_ties before the model goes to XLA and pass it as plan=",
+                TieWarning,
+                stacklevel=3,
+            )
 
 
 def _overlapping_clusters(keys: list[int], first: dict[int, _Slot]) -> list[list[int]]:
