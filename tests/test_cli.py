@@ -263,6 +263,12 @@ def test_console_script_error_is_one_line_and_debug_shows_the_traceback(tmp_path
     )
     assert result.returncode == 1
     assert "Traceback (most recent call last)" in result.stderr and "TargetError" in result.stderr
+    # `python -m tiekit` is the same command; a path that exists but is no file is named as such.
+    result = subprocess.run(
+        [sys.executable, "-m", "tiekit", "inspect", os.devnull], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.splitlines()[0] == f"tiekit: error: {os.devnull}: not a regular file"
 
 
 def test_file_errors_version_and_usage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

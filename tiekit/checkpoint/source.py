@@ -52,7 +52,8 @@ def open_source(path: PathLike, preferred: tuple[str, ...] = (WEIGHTS_NAME, WEIG
     if target.is_dir():
         target = _pick_in_folder(target, preferred)
     if not target.is_file():
-        raise CheckpointError(f"{target}: no such checkpoint file")
+        what = "not a regular file" if target.exists() else "no such checkpoint file"
+        raise CheckpointError(f"{target}: {what}")
     if target.name.endswith(".json"):
         return _open_index(target)
     header = read_header(target)
