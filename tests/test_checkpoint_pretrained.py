@@ -78,3 +78,20 @@ def test_a_folder_without_transformers_config_gets_no_hint(tmp_path: Path) -> No
         tiekit.load_model(nn.Linear(3, 5, bias=False), tmp_path)
     assert "save_pretrained" not in str(info.value)
     assert re.search(r"unexpected 'bias'", str(info.value))
+
+
+def test_a_tied_save_loaded_into_a_model_built_untied_names_the_config_tie(tmp_path: Path) -> None:
+    from models import gpt2
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gpt2().save_pretrained(tmp_path)  # type: ignore[operator]
+    untied = gpt2(tie_word_embeddings=False)
+    head = untied.lm_head.weight.detach().clone()  # type: ignore[union-attr,operator]
+    with pytest.raises(tiekit.CheckpointError) as info:
+        tiekit.load_model(untied, tmp_path)
+    message = str(info.value)
+    assert "missing 'lm_head.weight'" in message
+    assert "ties lm_head.weight to transformer.wte.weight when its config says so" in message
+    assert "renames or re-lays" not in message  # not the key-renaming hint: nothing was renamed
+    assert torch.equal(untied.lm_head.weight, head)  # type: ignore[union-attr,arg-type]

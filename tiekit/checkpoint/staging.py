@@ -91,7 +91,7 @@ def stage(model: nn.Module, source: Source, *, strict: bool, device: torch.devic
         problems += [f"unexpected {name_list(unexpected)}"] if unexpected else []
         raise CheckpointError(
             f"{where}: does not match {type(model).__name__}: {'; '.join(problems)} (load with strict=False to "
-            f"accept){_pretrained_hint(where, model)}"
+            f"accept){_untied_hint(model, missing, entries) or _pretrained_hint(where, model)}"
         )
 
     for name in expected:
@@ -104,6 +104,25 @@ def stage(model: nn.Module, source: Source, *, strict: bool, device: torch.devic
         except TieError as exc:
             raise CheckpointError(f"{where}: cannot re-tie {type(model).__name__}: {exc}") from exc
     return Staged(tuple(retie_groups), tuple(loads), anchor, tuple(missing), tuple(unexpected), device, dtype == "file")
+
+
+def _untied_hint(model: nn.Module, missing: list[str], entries: Mapping[str, Any]) -> str:
+    """Why a tie target is missing when the model class ties it only by config: transformers'
+    ``_tied_weights_keys`` hold for a config with ``tie_word_embeddings`` (the default), whose
+    saves leave the target out; a model built untied then finds it missing."""
+    declared = getattr(type(model), "_tied_weights_keys", None)
+    if not isinstance(declared, Mapping):
+        return ""
+    untied = [(t, s) for t, s in declared.items() if t in missing and s in entries and t not in declared_ties(model)]
+    if not untied:
+        return ""
+    pairs = ", ".join(f"{t} to {s}" for t, s in untied)
+    return (
+        f". {type(model).__name__} ties {pairs} when its config says so (tie_word_embeddings, the default), and "
+        "this file was saved from such a model, so it stores the source alone; this model was built untied. Build "
+        "it with the config the file was saved with (its config.json), or load with strict=False and copy the "
+        "source into the target"
+    )
 
 
 def _pretrained_hint(where: str, model: nn.Module) -> str:
