@@ -183,6 +183,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.newest_torch_only
 def test_ranks_that_find_different_saves_committed_all_read_the_newer_one(tmp_path: Path) -> None:
     """A commit lands between two ranks' reads of the marker. Rank 0 then fails on the old save's
     removed files, or (its metadata already read) the ranks compare what they found: either way

@@ -142,6 +142,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 '''
 
 
+@pytest.mark.newest_torch_only
 def test_a_hidden_barrier_in_save_model_fails_the_test(tmp_path: Path) -> None:
     # The rank-0 pattern with the old save_model: rank 0 waits in the save's barrier while
     # rank 1 waits in the user's; they pair up, and the next collectives do not: a hang, which
@@ -233,6 +234,7 @@ else:
 """
 
 
+@pytest.mark.newest_torch_only
 def test_a_rank_that_never_calls_the_collective_is_an_error_after_its_timeout(tmp_path: Path) -> None:
     (tmp_path / "missing.py").write_text(MISSING_RANK)
     runs = run_together(

@@ -219,6 +219,7 @@ def seed_checkpoint(folder: Path, steps: int, seed: int = 0) -> Path:
 # -- 1. resume="last" with node-local folders ---------------------------------------------------
 
 
+@pytest.mark.newest_torch_only
 def test_resume_from_a_checkpoint_only_rank_0_has_fails_on_every_rank_under_torchrun(tmp_path: Path) -> None:
     # Before: rank 0 resumed at step 10 and rank 1 started at step 0; DDP averaged their
     # gradients across different steps without a word, and rank 1 wrote a step-5 file of its own.
@@ -271,6 +272,7 @@ def test_ranks_holding_different_checkpoints_of_the_same_step_refuse_to_resume(t
     assert {n: sorted(os.listdir(tmp_path / n / "ckpt")) for n in ("node0", "node1")} == before
 
 
+@pytest.mark.newest_torch_only
 def test_two_torchrun_nodes_with_different_checkpoints_refuse_to_resume(tmp_path: Path) -> None:
     # Two "nodes" (torchrun --nnodes=2, c10d rendezvous), each in its own folder: one holds step 10,
     # the other step 5. Whichever node the rendezvous makes rank 0, rank 1 lacks its newest file.
@@ -301,6 +303,7 @@ def test_two_torchrun_nodes_with_different_checkpoints_refuse_to_resume(tmp_path
         assert os.listdir(tmp_path / node / "ckpt") == [name]  # untouched
 
 
+@pytest.mark.newest_torch_only
 def test_a_relative_sharded_checkpoint_dir_in_different_working_directories_is_refused_at_the_start(
     tmp_path: Path,
 ) -> None:
@@ -366,6 +369,7 @@ def test_ranks_given_datasets_of_different_lengths_are_refused_at_the_start(tmp_
 # -- 1. a failing save ------------------------------------------------------------------------------
 
 
+@pytest.mark.newest_torch_only
 def test_a_save_that_fails_on_the_writer_raises_on_every_rank(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")  # root ignores permissions, but not a file in the path
