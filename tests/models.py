@@ -29,6 +29,17 @@ class MixinWeightSharingModule(tiekit.TPUMixin, WeightSharingModule):
     pass
 
 
+class DroppingWeightSharingModule(WeightSharingModule):
+    """The same with dropout on its input: its steps draw from the random generators a resume restores."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.drop(x))
+
+
 class ViewBuffers(nn.Module):
     """A parameter with buffers that are views of it: transposed, sliced and reshaped."""
 

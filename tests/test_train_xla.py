@@ -131,14 +131,25 @@ kw = dict(loss_fn=F.mse_loss, optimizer=opt, epochs=2, seed=3, progress=False, v
 torch.manual_seed(3)
 model = WeightSharingModule()
 run = tiekit.fit(model, dataset(128), strategy="xla", batch_size=8, **kw)
+# Resumed with dropout: the XLA generator state the checkpoint holds is every replica's next draw.
+import pathlib, tempfile
+from models import DroppingWeightSharingModule
+folder = pathlib.Path(tempfile.mkdtemp())
+dkw = dict(loss_fn=F.mse_loss, optimizer=opt, seed=3, progress=False, strategy="xla", batch_size=8)
+straight = tiekit.fit(DroppingWeightSharingModule, dataset(128), max_steps=6, **dkw)
+tiekit.fit(DroppingWeightSharingModule, dataset(128), max_steps=3, checkpoint_dir=folder, **dkw)
+resumed = tiekit.fit(DroppingWeightSharingModule, dataset(128), max_steps=6, resume=folder / "step-00000003.safetensors", **dkw)
+resume_same = all(torch.equal(a, b) for a, b in zip(straight.model.state_dict().values(), resumed.model.state_dict().values()))
 one = tiekit.fit(WeightSharingModule, dataset(128), strategy="single", devices="xla", batch_size=16, **kw)
 plain = copy.deepcopy(model).to(tiekit.devices.resolve_device("xla"))
+
 diff = max((a - b).abs().max().item() for a, b in zip(run.model.state_dict().values(), one.model.state_dict().values()))
 print(json.dumps(dict(
     strategy=run.strategy, world=run.world_size, steps=run.steps, one_steps=one.steps, one_world=one.world_size,
     digests=run.replica_digests, ties_kept=run.ties_kept, tied=model.layer_3.weight is model.layer_1.weight,
     compilations=run.compilations, one_compilations=one.compilations, max_diff=diff, losses=run.losses,
-    val=run.val_losses, one_val=one.val_losses,
+    val=run.val_losses, one_val=one.val_losses, resume_same=resume_same,
+    resume_losses=[straight.losses[3:], list(resumed.losses)], resumed_digests=resumed.replica_digests,
     plain_params=len(list(plain.parameters())), plain_tied=plain.layer_3.weight is plain.layer_1.weight,
 )))
 """
@@ -162,6 +173,9 @@ def test_xla_strategy_on_two_devices_matches_one_device_with_the_global_batch() 
     assert out["max_diff"] < 1e-5
     assert out["losses"][-1] < 0.8 * out["losses"][0]
     assert out["val"] == pytest.approx(out["one_val"], rel=1e-4)  # the mean over all 22 samples either way
+    # With dropout, resumed at step 3 of 6: bit-identical to the run that went straight through.
+    assert out["resume_same"] and out["resume_losses"][0] == out["resume_losses"][1], out["resume_losses"]
+    assert len(out["resumed_digests"]) == 2 and len(set(out["resumed_digests"])) == 1
 
 
 SPMD_JOB = """

@@ -252,7 +252,9 @@ class XlaBackend(Backend):
         return t
 
     def seed(self, seed: int) -> None:
-        xla_set_rng_state(seed + self.replica_rank)
+        # The same seed on every replica, as torch's generator on every DDP rank: a checkpoint
+        # holds the writer's state, and it is every replica's to resume with.
+        xla_set_rng_state(seed)
 
     def wait(self) -> None:
         xla_wait()

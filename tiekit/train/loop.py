@@ -128,7 +128,11 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
     coordinator.agree_on_data(shares)  # else a rank ending its epoch first leaves the others waiting
     coordinator.batch_size = train.batch_size
     position = coordinator.resume(cfg, model, optimizer, backend)  # rank 0 chooses, every rank loads
+    seeded = devices.device_rng_state(backend.device)  # as seeded, or as the checkpoint left it
     backend.end_step()  # XLA: run the set-up's pending work (a resume's copies) through the gate
+    # ... which advances XLA's generator, as every sync does: set it back, so that the first step
+    # draws from the state the checkpoint recorded, as the saving run's next step did.
+    devices.set_device_rng_state(backend.device, seeded)
     per_epoch = train.batches_per_epoch(cfg.drop_last)
     if position.batches >= per_epoch:  # saved after an epoch's last batch: next epoch
         position = state.Position(position.epoch + 1, 0, position.step)
