@@ -24,6 +24,7 @@ from torch import nn
 import tiekit
 from tiekit import CheckpointError, find_ties, load_model, save_model
 from tiekit.checkpoint import reads
+from tiekit.inspection import inspect_file
 
 IDS = torch.tensor([[1, 5, 9, 2, 7, 3]])
 
@@ -224,6 +225,40 @@ def test_view_buffers_are_rebuilt_as_views(tmp_path: Path) -> None:
         with torch.no_grad():
             target.w[0, 0] = 42.0
         assert target.wt[0, 0] == 42.0 and target.wv[0] == 42.0  # views of the parameter, not copies
+
+
+class SharedMask(nn.Module):
+    """A tied weight, and one non-persistent buffer every layer registers (a causal mask or a
+    rotary inv_freq built once): not in the state dict, so no file stores it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        mask = torch.tril(torch.ones(4, 4))
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+        for layer in self.layers:
+            layer.register_buffer("mask", mask, persistent=False)
+        self.layers[1].weight = self.layers[0].weight
+
+
+def test_a_shared_non_persistent_buffer_is_left_out_of_the_saved_plan(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    source = SharedMask()
+    save_model(source, tmp_path / "m.safetensors")
+    tiekit.save_checkpoint(tmp_path / "ckpt", model=source, step=1)
+    tiekit.save_sharded(source, tmp_path / "sharded")
+    tiekit.convert(tmp_path / "sharded", tmp_path / "converted.safetensors", plan=SharedMask())
+    for path in ("m.safetensors", "ckpt", "sharded", "converted.safetensors"):
+        torch.manual_seed(1)
+        target = SharedMask()
+        if path == "sharded":
+            tiekit.load_sharded(target, tmp_path / path)
+        else:
+            load_model(target, tmp_path / path)  # refused before: the plan named the unstored mask
+        assert_same_state(source, target)
+        assert target.layers[1].weight is target.layers[0].weight, path
+        assert target.layers[1].mask is target.layers[0].mask, path  # the model's own, untouched
+    plan = inspect_file(tmp_path / "m.safetensors").plan
+    assert plan is not None and [g.names for g in plan.groups] == [("layers.0.weight", "layers.1.weight")]
 
 
 class Declared(tiekit.TPUMixin, nn.Module):

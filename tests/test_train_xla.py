@@ -138,8 +138,11 @@ folder = pathlib.Path(tempfile.mkdtemp())
 dkw = dict(loss_fn=F.mse_loss, optimizer=opt, seed=3, progress=False, strategy="xla", batch_size=8)
 straight = tiekit.fit(DroppingWeightSharingModule, dataset(128), max_steps=6, **dkw)
 tiekit.fit(DroppingWeightSharingModule, dataset(128), max_steps=3, checkpoint_dir=folder, **dkw)
-resumed = tiekit.fit(DroppingWeightSharingModule, dataset(128), max_steps=6, resume=folder / "step-00000003.safetensors", **dkw)
-resume_same = all(torch.equal(a, b) for a, b in zip(straight.model.state_dict().values(), resumed.model.state_dict().values()))
+resumed = tiekit.fit(
+    DroppingWeightSharingModule, dataset(128), max_steps=6, resume=folder / "step-00000003.safetensors", **dkw
+)
+pairs = zip(straight.model.state_dict().values(), resumed.model.state_dict().values())
+resume_same = all(torch.equal(a, b) for a, b in pairs)
 one = tiekit.fit(WeightSharingModule, dataset(128), strategy="single", devices="xla", batch_size=16, **kw)
 plain = copy.deepcopy(model).to(tiekit.devices.resolve_device("xla"))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -33,9 +34,27 @@ def saving_plan(model: nn.Module) -> TiePlan:
     """
     declared = {t: s for t, s in declared_ties(model).items() if _same_values(model, t, s)}
     try:
-        return find_ties(model, declared=declared or None)
+        plan = find_ties(model, declared=declared or None)
     except TieError as exc:
         raise CheckpointError(f"cannot save {type(model).__name__}: {exc}") from exc
+    return stored_only(plan, set(model.state_dict(keep_vars=True)))
+
+
+def stored_only(plan: TiePlan, stored: set[str]) -> TiePlan:
+    """``plan`` without the names the file does not store (non-persistent buffers, such as a
+    rotary ``inv_freq`` one module shares with every layer): a group records the names that
+    read its stored tensor. A group whose source is not stored goes whole (its views are
+    relative to it); its stored members are then saved each under its own name."""
+    groups = []
+    for group in plan.groups:
+        if group.source not in stored:
+            continue
+        members = tuple(m for m in group.members if m.name in stored)
+        if len(members) > 1:
+            groups.append(group if len(members) == len(group.members) else replace(group, members=members))
+    if len(groups) == len(plan.groups):
+        return plan
+    return replace(plan, groups=tuple(groups))
 
 
 def _same_values(model: nn.Module, target: str, source: str) -> bool:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from tiekit.analyze import dtype_name, find_ties
-from tiekit.checkpoint.contents import declared_ties
+from tiekit.checkpoint.contents import declared_ties, stored_only
 from tiekit.checkpoint.layout import INDEX_SUFFIX, WEIGHTS_NAME, PathLike, parse_size
 from tiekit.checkpoint.reads import read_tensor
 from tiekit.checkpoint.source import open_source
@@ -177,7 +177,8 @@ def _plan(given: TiePlan | nn.Module | None, recorded: TiePlan | None) -> TiePla
     so a loader takes the model's ties and accepts their equal copies, as for the source. An
     empty plan would say "no ties", which a tied model's loader refuses."""
     if isinstance(given, nn.Module):
-        given = find_ties(given, declared=declared_ties(given) or None)
+        ties = find_ties(given, declared=declared_ties(given) or None)
+        given = stored_only(ties, set(given.state_dict(keep_vars=True)))
     return given if given is not None else recorded
 
 
