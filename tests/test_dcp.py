@@ -205,6 +205,7 @@ def test_a_save_of_ranks_whose_models_differ_is_refused_on_every_rank(runs: dict
         shape = "key 'embed.weight' is (4002, 128) float32 on rank 1, (4001, 128) float32 on rank 0. Nothing"
         assert differ in run["shape"] and shape in run["shape"], run["shape"]  # the only difference
         assert run["marker"] == run["first"] and run["loads_first"]
+        assert "load_sharded was given an optimizer on rank(s) 0 only" in run["optimizer_on_one_rank"]
         assert run["declared_equal"] == {"tied": True}, run["declared_equal"]
         assert differ in run["declared_changed"]["refused"], run["declared_changed"]
         # The control: without the check the ranks commit the untied model: rank 1's head.weight

@@ -68,7 +68,8 @@ class _Read:
 def load_sharded(
     model: nn.Module, path: PathLike, *, optimizer: torch.optim.Optimizer | None = None
 ) -> ShardedLoadResult:
-    """Collective: every rank calls it with the same ``path``. Load a `save_sharded` checkpoint into
+    """Collective: every rank calls it with the same ``path``, and an ``optimizer`` on every rank or
+    on none (else `CheckpointError` on every rank, nothing loaded). Load a `save_sharded` checkpoint into
     ``model`` (plain, DDP-wrapped, FSDP2-sharded, XLA SPMD-sharded, or on the meta device) and
     ``optimizer``. An XLA SPMD model is read in place by torch_xla's SPMD planner: each tied
     parameter stays one XLA tensor with its sharding.
@@ -118,6 +119,18 @@ def load_sharded(
     )
 
 
+def _refuse_some_optimizers(root: Path, passed: list[bool]) -> None:
+    """`CheckpointError` unless every rank passed an optimizer or none did (as gathered, in rank
+    order): the optimizer's state is read collectively, by those ranks only, so the others would
+    never join and the readers would wait for them until the process group's timeout. Local."""
+    if len(set(passed)) > 1:
+        with_optimizer = ", ".join(str(rank) for rank, p in enumerate(passed) if p)
+        raise CheckpointError(
+            f"{root}: load_sharded was given an optimizer on rank(s) {with_optimizer} only: pass one on every "
+            "rank or on none (nothing was loaded)"
+        )
+
+
 def _read(inner: nn.Module, root: Path, optimizer: torch.optim.Optimizer | None, reading: list[str | None]) -> _Read:
     """Collective: one attempt of `load_sharded`, up to the model taking what was read (its
     weights read in place, or into the new tensors of a meta model). Appends to ``reading`` the save
@@ -146,9 +159,11 @@ def _read(inner: nn.Module, root: Path, optimizer: torch.optim.Optimizer | None,
         side = _side_destinations(inner, marker, with_optimizer=optimizer is not None)
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         error = exc
-    shared = _raise_anywhere(error, f"{root}: load", share=(os.fspath(root), reading[0] if reading else None))
-    refuse_different_folders([p for p, _ in shared], "load_sharded")
-    found = [s for _, s in shared]
+    share = (os.fspath(root), reading[0] if reading else None, optimizer is not None)
+    shared = _raise_anywhere(error, f"{root}: load", share=share)
+    refuse_different_folders([p for p, _, _ in shared], "load_sharded")
+    _refuse_some_optimizers(root, [o for _, _, o in shared])
+    found = [s for _, s, _ in shared]
     if len(set(found)) > 1:  # a commit between two ranks' reads of the marker
         raise _Replaced(f"{root}: the ranks found different saves committed ({', '.join(map(str, found))})")
     assert marker is not None and source is not None and staged is not None
