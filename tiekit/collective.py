@@ -205,7 +205,12 @@ def _dist_gather(where: Ranks, value: Any, timeout: float) -> list[Any]:
         try:
             dist.monitored_barrier(timeout=timedelta(seconds=timeout), wait_all_ranks=True)
         except RuntimeError as exc:
-            raise TiekitError(f"rank {where.rank}: not every rank arrived within {timeout:g} s: {exc}") from exc
+            # Rank 0 waits up to `timeout`; the others wait for rank 0's answer, bounded by the
+            # process group's own timeout when that is shorter: name both bounds.
+            raise TiekitError(
+                f"rank {where.rank}: not every rank arrived within {timeout:g} s (or the process group's "
+                f"timeout, if shorter): {exc}"
+            ) from exc
     out: list[Any] = [None] * where.world
     dist.all_gather_object(out, value)
     return out
