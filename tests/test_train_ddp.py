@@ -176,3 +176,26 @@ def test_the_replica_that_failed_first_is_named_not_the_one_that_exited_first() 
     message = str(raised.value)
     assert message.startswith("replica 1 (process "), message
     assert "failed: ValueError: sample cannot be read on replica 1 (then replica 0 failed too)" in message, message
+
+
+def interrupted_at_the_third_batch(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A loss every replica is interrupted in, as by a SIGINT sent to the replicas alone."""
+    if interrupted_at_the_third_batch.calls == 2:  # type: ignore[attr-defined]
+        raise KeyboardInterrupt
+    interrupted_at_the_third_batch.calls += 1  # type: ignore[attr-defined]
+    return F.mse_loss(output, target)
+
+
+interrupted_at_the_third_batch.calls = 0  # type: ignore[attr-defined]
+
+
+@pytest.mark.newest_torch_only  # fit's own logic, the same on both stacks: one run keeps CI short
+def test_replicas_all_interrupted_are_reported_by_their_error_files() -> None:
+    """torch's spawn wrapper ends a replica interrupted by KeyboardInterrupt with exit code 0, so
+    no exit reports it; fit said the replicas "exited without reporting (see their output above)",
+    above which nothing was printed."""
+    kw: dict[str, Any] = {"max_steps": 6, "batch_size": 4, "progress": False}
+    with pytest.raises(tiekit.TiekitError) as raised:
+        data = TensorDataset(torch.randn(64, 32), torch.randn(64, 10))
+        tiekit.fit(WeightSharingModule, data, loss_fn=interrupted_at_the_third_batch, strategy="ddp", devices=2, **kw)
+    assert "failed: KeyboardInterrupt (then replica" in str(raised.value), str(raised.value)

@@ -301,6 +301,13 @@ def _collect(job: Job) -> tuple[list[Outcome], nn.Module]:
     assert job.result_dir is not None
     files = sorted(job.result_dir.glob("outcome-*.json"), key=lambda p: int(p.stem.split("-")[1]))
     if not files:
+        # Every replica ended without an outcome, yet without an error exit torch would report
+        # (its spawn wrapper exits 0 on KeyboardInterrupt): their error files say why.
+        errors = _replica_errors(job)
+        if errors:
+            index, error = next(iter(errors.items()))
+            kind = _TIEKIT_ERRORS.get(error["type"], TiekitError)
+            raise kind(f"replica {index} (process {error['pid']}) {_first_failure(errors)}")
         raise TiekitError(f"the {job.strategy!r} replicas exited without reporting (see their output above)")
     outcomes = []
     for path in files:
@@ -326,6 +333,18 @@ def _replica_errors(job: Job) -> dict[int, dict[str, Any]]:
     return dict(sorted(found.items(), key=lambda item: item[1]["time"]))
 
 
+def _first_failure(errors: dict[int, dict[str, Any]]) -> str:
+    """``failed: <the first error> (then replica ... failed too)``, from `_replica_errors`."""
+    index, error = next(iter(errors.items()))
+    later = [str(r) for r in errors if r != index]
+    return f"failed: {_described(error)}" + (f" (then replica {', '.join(later)} failed too)" if later else "")
+
+
+def _described(error: dict[str, Any]) -> str:
+    """``Type: message`` of a replica's error file (``Type`` alone for an empty message)."""
+    return f"{error['type']}: {error['message']}" if error["message"] else str(error["type"])
+
+
 def _failure(job: Job, exc: Exception) -> TiekitError:
     """The error `fit` raises when a spawned replica failed (``exc``: torch's report) and torch
     stopped the others: which replica, how (its error, the signal that killed it), and the last
@@ -342,14 +361,12 @@ def _failure(job: Job, exc: Exception) -> TiekitError:
     index, pid = exc.error_index, getattr(exc, "error_pid", getattr(exc, "pid", "?"))  # renamed in torch 2.10
     if isinstance(exc, ProcessExitedException) and exc.signal_name:
         how = f"was killed by signal {exc.signal_name}"
-        others = [f"replica {r}: {e['type']}: {e['message']}" for r, e in errors.items() if r != index]
+        others = [f"replica {r}: {_described(e)}" for r, e in errors.items() if r != index]
         how += f" (replicas reported errors too: {'; '.join(others)})" if others else ""
     elif errors:
         index, error = next(iter(errors.items()))
         pid, kind = error["pid"], _TIEKIT_ERRORS.get(error["type"], TiekitError)
-        how = f"failed: {error['type']}: {error['message']}"
-        later = [str(r) for r in errors if r != index]
-        how += f" (then replica {', '.join(later)} failed too)" if later else ""
+        how = _first_failure(errors)
     elif isinstance(exc, ProcessExitedException):
         how = f"exited with code {exc.exit_code} without reporting an error (its output above says why)"
     else:  # raised before its replica ran (joining the group)
