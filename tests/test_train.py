@@ -339,6 +339,25 @@ class Stream(IterableDataset[torch.Tensor]):
         return iter([torch.zeros(8)])
 
 
+def test_a_ddp_wrapped_model_not_returning_a_loss_is_named_by_its_own_class() -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from tiekit.train.loop import compute_loss
+
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        wrapped = DistributedDataParallel(NotALoss())
+        with pytest.raises(tiekit.TiekitError, match=r"^NotALoss.forward returned a tensor of shape \(2, 8\)"):
+            compute_loss(wrapped, (torch.randn(2, 8), torch.randn(2, 8)), None)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_loss_fn_returning_a_non_scalar_is_named() -> None:
+    with pytest.raises(tiekit.TiekitError, match=r"loss_fn MSELoss returned a tensor of shape \(4, 8\), not a scalar"):
+        tiekit.fit(nn.Linear(8, 8), data(), loss_fn=nn.MSELoss(reduction="none"), batch_size=4, **CPU)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

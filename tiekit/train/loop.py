@@ -21,6 +21,7 @@ from torch import nn
 from tiekit import devices
 from tiekit.analyze import find_ties
 from tiekit.backends.base import Backend
+from tiekit.dcp.state import unwrap
 from tiekit.errors import TiekitError
 from tiekit.retie import verify
 from tiekit.train import coordinate, state
@@ -65,7 +66,11 @@ def compute_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch.
                 "Without loss_fn, the model's forward returns the loss."
             )
         *inputs, target = batch
-        return loss_fn(model(*inputs), target)
+        value = loss_fn(model(*inputs), target)
+        if not isinstance(value, torch.Tensor) or value.dim() != 0:
+            name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+            raise TiekitError(f"loss_fn {name} returned {_what(value)}, not a scalar loss (reduce it: a mean or a sum)")
+        return value
     if isinstance(batch, Mapping):
         out = model(**batch)
     elif isinstance(batch, tuple | list):
@@ -76,12 +81,15 @@ def compute_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch.
     if loss is None and isinstance(out, Mapping):
         loss = out.get("loss")
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(out).__name__
         raise TiekitError(
-            f"{type(model).__name__}.forward returned {what}, not a scalar loss; "
-            "pass loss_fn=..., or make forward return the loss (or an output with .loss)"
+            f"{type(unwrap(model)).__name__}.forward returned {_what(out if loss is None else loss)}, not a scalar "
+            "loss; pass loss_fn=..., or make forward return the loss (or an output with .loss)"
         )
     return loss
+
+
+def _what(value: Any) -> str:
+    return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
 
 
 def run_replica(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
