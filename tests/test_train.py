@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,21 @@ def test_resume_continues_bit_identically(tmp_path: Path) -> None:
     tiekit.load_checkpoint(tmp_path / "step-00000007.safetensors", model=naive, optimizer=optimizer)
     restarted = tiekit.fit(naive, data(), max_steps=16, **kw)
     assert not same(weights(restarted.model), weights(straight.model))
+
+
+def test_a_resume_at_or_past_max_steps_trains_nothing_and_leaves_the_checkpoint_alone(tmp_path: Path) -> None:
+    kw: dict[str, Any] = {**CPU, "batch_size": 4, "checkpoint_dir": tmp_path}
+    first = tiekit.fit(DropoutNet, data(), max_steps=4, **kw)
+    path = tmp_path / "step-00000004.safetensors"
+    written = path.stat()
+    with pytest.warns(UserWarning, match=r"checkpoint is at step 4, past max_steps=2: nothing to train"):
+        past = tiekit.fit(DropoutNet, data(), max_steps=2, resume=path, **kw)
+    at = tiekit.fit(DropoutNet, data(), max_steps=4, resume="last", **kw)  # a restart after the end: quiet
+    for run in (past, at):
+        assert (run.steps, run.losses) == (4, ()) and same(weights(run.model), weights(first.model))
+    after = path.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (written.st_ino, written.st_mtime_ns)  # rewritten before
+    assert os.listdir(tmp_path) == [path.name]
 
 
 def test_a_resume_with_another_batch_size_says_the_position_is_taken_in_the_new_batches(tmp_path: Path) -> None:
