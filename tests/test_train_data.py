@@ -1,4 +1,4 @@
-"""tiekit.fit's data loading on the CPU: a DataLoader's own sampler."""
+"""tiekit.fit's data loading on the CPU: a DataLoader's own sampler, worker seeds on a resume."""
 
 from __future__ import annotations
 
@@ -132,3 +132,24 @@ def test_a_resume_mid_epoch_sees_the_indices_the_uninterrupted_run_saw(tmp_path:
     tiekit.fit(linear, loader(first), max_steps=7, checkpoint_dir=tmp_path, **CPU)
     tiekit.fit(linear, loader(resumed), max_steps=15, checkpoint_dir=tmp_path, resume="last", **CPU)
     assert first.read + resumed.read == straight.read and set(straight.read) == set(range(5, 25))
+
+
+class Noisy(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Random augmentation: every read adds noise from torch's generator (a worker's, seeded by
+    the loader's generator)."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.full((4,), float(i)) + torch.randn(4), torch.zeros(2)
+
+
+def test_a_resume_with_workers_draws_the_augmentations_of_the_uninterrupted_run(tmp_path: Path) -> None:
+    data = DataLoader(Noisy(), batch_size=4, num_workers=2)
+    straight = tiekit.fit(linear, data, epochs=2, **CPU)
+    tiekit.fit(linear, data, epochs=1, checkpoint_dir=tmp_path, **CPU)  # stops at the end of epoch 0
+    resumed = tiekit.fit(linear, data, epochs=2, checkpoint_dir=tmp_path, resume="last", **CPU)
+    assert resumed.losses == straight.losses[2:]
+    expected, got = straight.model.state_dict(), resumed.model.state_dict()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)

@@ -153,15 +153,22 @@ class ReplicaSampler(TorchSampler[int]):
 
 @dataclass(frozen=True)
 class ReplicaLoader:
-    """The rebuilt ``DataLoader`` of one replica and the `ReplicaSampler` that drives it."""
+    """The rebuilt ``DataLoader`` of one replica, the `ReplicaSampler` that drives it, and the
+    loader's ``generator`` (its workers' base seed), seeded with ``seed`` and the epoch."""
 
     loader: DataLoader[Any]
     sampler: ReplicaSampler
     batch_size: int
+    generator: torch.Generator
+    seed: int
 
     def epoch(self, epoch: int, skip_batches: int = 0) -> DataLoader[Any]:
         """The loader for ``epoch``, without its first ``skip_batches`` batches."""
         self.sampler.start(epoch, skip_batches * self.batch_size)
+        # The workers' seeds come from the generator when the epoch's iterator starts: seeded by
+        # the epoch, a resumed run's workers draw what the uninterrupted run's drew in that epoch
+        # (seeded once, a resumed process would give its first epoch epoch 0's seeds).
+        self.generator.manual_seed(epoch_seed(self.seed, epoch))
         return self.loader
 
     def epoch_share(self, drop_last: bool) -> tuple[int, int]:
@@ -226,17 +233,13 @@ def make_loader(
         raise TiekitError(f"{what}: replica {rank} of {num_replicas} gets no samples ({empty})")
     pad = batch_size if (static_shapes and not drop_last) else None
     sampler = ReplicaSampler(inner, pad)
+    # Its own generator, so that building an iterator never draws from torch's global RNG
+    # (that would shift dropout masks between a straight run and a resumed one).
+    generator = torch.Generator().manual_seed(epoch_seed(seed, 0))
     loader = DataLoader(
-        dataset,
-        batch_size=batch_size,
-        sampler=sampler,
-        drop_last=drop_last,
-        # Its own generator, so that building an iterator never draws from torch's global RNG
-        # (that would shift dropout masks between a straight run and a resumed one).
-        generator=torch.Generator().manual_seed(seed),
-        **options,
+        dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, generator=generator, **options
     )
-    result = ReplicaLoader(loader, sampler, batch_size)
+    result = ReplicaLoader(loader, sampler, batch_size, generator, seed)
     if drop_last and result.batches_per_epoch(drop_last) == 0:
         raise TiekitError(
             f"{what}: replica {rank} gets {len(inner)} sample(s) per epoch, fewer than one batch of "
