@@ -119,6 +119,28 @@ def test_a_resume_with_another_batch_size_says_the_position_is_taken_in_the_new_
         tiekit.fit(DropoutNet, data(), max_steps=7, batch_size=8, resume="last", **kw)
 
 
+def test_a_resume_with_another_seed_or_shuffle_says_the_position_is_taken_in_another_order(tmp_path: Path) -> None:
+    kw: dict[str, Any] = {**CPU, "checkpoint_dir": tmp_path, "batch_size": 4}
+    tiekit.fit(DropoutNet, data(), max_steps=3, seed=1, **kw)  # 3 of 10 batches of seed 1's permutation
+    with pytest.warns(UserWarning, match=r"saved by a run with seed=1, with seed=2: its position in the epoch \(3 "):
+        tiekit.fit(DropoutNet, data(), max_steps=4, seed=2, resume="last", **kw)
+    with pytest.warns(UserWarning, match=r"saved by a run with shuffle=False, with shuffle=True: its position"):
+        tiekit.fit(DropoutNet, data(), max_steps=5, seed=2, shuffle=False, **{**kw, "checkpoint_dir": tmp_path / "b"})
+        tiekit.fit(DropoutNet, data(), max_steps=6, seed=2, resume="last", **{**kw, "checkpoint_dir": tmp_path / "b"})
+    with warnings.catch_warnings():  # the same seed and shuffle: nothing to say
+        warnings.simplefilter("error")
+        tiekit.fit(DropoutNet, data(), max_steps=5, seed=2, resume="last", **kw)
+    # A checkpoint from before tiekit recorded them: nothing to say either.
+    model, path = DropoutNet(), tmp_path / "step-00000005.safetensors"
+    optimizer = ADAMW(model.parameters())
+    record = tiekit.load_checkpoint(path, model=model, optimizer=optimizer)
+    older = {k: v for k, v in record["extra"].items() if k not in ("seed", "shuffle")}
+    tiekit.save_checkpoint(path, model=model, optimizer=optimizer, step=5, extra=older)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tiekit.fit(DropoutNet, data(), max_steps=6, seed=3, shuffle=False, resume="last", **kw)
+
+
 def test_checkpoints_are_tied_and_reload_into_a_fresh_model(tmp_path: Path) -> None:
     result = tiekit.fit(DropoutNet, data(), max_steps=3, batch_size=4, checkpoint_dir=tmp_path, **CPU)
     assert result.checkpoint == tmp_path / "step-00000003.safetensors"

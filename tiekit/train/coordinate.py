@@ -77,6 +77,8 @@ class Coordinator:
 
     ranks: Ranks
     run_id: str
+    seed: int  # fit's seed and shuffle: the order a checkpoint's position counts in
+    shuffle: bool
     batch_size: int = 0  # per replica, as the data loader batches: what a checkpoint's position counts in
     last_saved: Path | None = None
     pending: SaveHandle | None = None  # this rank's background save, if one is under way
@@ -182,7 +184,7 @@ class Coordinator:
 
     def training_run(self, backend: Backend) -> state.TrainingRun:
         """What this run's checkpoints record of it. Local."""
-        return state.TrainingRun(self.run_id, backend.devices_in_run, self.batch_size)
+        return state.TrainingRun(self.run_id, backend.devices_in_run, self.batch_size, self.seed, self.shuffle)
 
     def save(
         self, cfg: FitConfig, model: nn.Module, optimizer: torch.optim.Optimizer, at: state.Position, backend: Backend
@@ -288,7 +290,7 @@ def join(job: Job, backend: Backend) -> Coordinator:
     equal checked on every rank (a `TiekitError` naming the option and the ranks that differ)."""
     where = backend.ranks
     if where.world == 1:
-        return Coordinator(where, job.run_id)
+        return Coordinator(where, job.run_id, job.config.seed, job.config.shuffle)
     cfg = job.config
     if backend.sharded_checkpoints and (cfg.checkpoint_dir is not None or cfg.resume is not None):
         # Found by every rank alike, before any collective: refused now rather than at the first
@@ -317,7 +319,7 @@ def join(job: Job, backend: Backend) -> Coordinator:
             raise TiekitError(
                 f"the ranks of this run passed fit different {name} ({shown}); it must be the same on every rank{why}"
             )
-    return Coordinator(where, str(gathered[0][0]))
+    return Coordinator(where, str(gathered[0][0]), cfg.seed, cfg.shuffle)
 
 
 def abort(backend: Backend, reason: str) -> None:

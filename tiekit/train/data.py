@@ -2,25 +2,118 @@
 
 Users pass a map-style dataset or a ``DataLoader``; `make_loader` rebuilds the loader around a
 ``DistributedSampler`` (``num_replicas`` = number of data-parallel replicas, ``rank`` = this
-replica) unless the user already gave one, which is then kept as it is. `ReplicaSampler` wraps
-that sampler to (a) pad the epoch to whole batches on XLA, so every step has one shape and
-compiles once, and (b) start an epoch part-way, which is how a resumed run continues exactly.
+replica) when the order is a plain one (none given, a ``SequentialSampler``, a plain
+``RandomSampler``). A ``DistributedSampler`` the user gave is kept as it is; any other sampler
+of theirs (a subset, weights, their own class) is kept too and split between the replicas by a
+`SplitSampler`. `ReplicaSampler` wraps either to (a) pad the epoch to whole batches on XLA, so
+every step has one shape and compiles once, and (b) start an epoch part-way, which is how a
+resumed run continues exactly.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import hashlib
+import random
+import sys
 import warnings
 from collections.abc import Iterator, Sized
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
 from torch.utils.data import Sampler as TorchSampler
 
 from tiekit.errors import TiekitError
 
 DEFAULT_BATCH_SIZE = 32
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """A 63-bit seed for epoch ``epoch`` of a run seeded ``seed``: the same in every process and
+    on a resume, different per epoch (and unrelated to ``seed + 1``'s epochs, unlike a sum)."""
+    digest = hashlib.blake2b(f"{seed}/{epoch}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class SplitSampler(TorchSampler[int]):
+    """A sampler of the user's split between replicas: each epoch every replica draws the user's
+    sampler's indices once, alike (the draw depends on ``seed`` and the epoch only), pads them to
+    a multiple of ``num_replicas`` the way ``DistributedSampler`` pads, and takes every
+    ``num_replicas``-th from ``rank`` on. The replicas' shares are disjoint and together are the
+    draw, so a subset, weights or an order of the user's are what the run trains on.
+
+    The user's sampler is never changed: each epoch draws from a shallow copy, with torch's,
+    Python's and NumPy's global generators seeded with ``seed + epoch`` inside and restored
+    after (a draw must not shift the dropout masks of the steps). A ``generator`` of the
+    sampler's own is replaced in the copy by one seeded from its initial seed and the epoch: the
+    user's seed still decides, and every epoch has a new draw, as with ``set_epoch``; a
+    ``set_epoch`` of the sampler's own is called on the copy.
+    """
+
+    def __init__(self, sampler: TorchSampler[Any], num_replicas: int, rank: int, seed: int) -> None:
+        self.sampler = sampler
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next iteration draws (as ``DistributedSampler.set_epoch``)."""
+        self.epoch = epoch
+
+    def draw(self) -> list[int]:
+        """Every index the user's sampler gives in this epoch, as every replica draws it."""
+        drawn = copy.copy(self.sampler)
+        own = getattr(drawn, "generator", None)
+        if isinstance(own, torch.Generator):
+            fresh = torch.Generator(device=own.device)
+            fresh.manual_seed(epoch_seed(own.initial_seed(), self.epoch))
+            drawn.generator = fresh  # type: ignore[attr-defined]
+        if callable(getattr(drawn, "set_epoch", None)):  # an epoch-aware sampler of the user's
+            drawn.set_epoch(self.epoch)  # type: ignore[attr-defined]
+        with _global_generators_seeded(self.seed + self.epoch):
+            return [int(i) for i in drawn]
+
+    def __iter__(self) -> Iterator[int]:
+        indices = self.draw()
+        padding = -len(indices) % self.num_replicas
+        if indices and padding:
+            indices += (indices * (padding // len(indices) + 1))[:padding]
+        return iter(indices[self.rank :: self.num_replicas])
+
+    def __len__(self) -> int:
+        return -(-len(cast(Sized, self.sampler)) // self.num_replicas)
+
+
+@contextlib.contextmanager
+def _global_generators_seeded(seed: int) -> Iterator[None]:
+    """Inside: torch's CPU, Python's and NumPy's global generators seeded with ``seed``; after:
+    as they were (``torch.random.fork_rng`` covers torch's only)."""
+    python_state = random.getstate()
+    numpy = sys.modules.get("numpy")  # torch imports it where it is installed
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        random.seed(seed)
+        if numpy is not None:
+            numpy.random.seed(seed % 2**32)
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+            if numpy is not None:
+                numpy.random.set_state(numpy_state)
 
 
 class ReplicaSampler(TorchSampler[int]):
@@ -31,7 +124,7 @@ class ReplicaSampler(TorchSampler[int]):
     lengths. `start` picks the epoch (``inner.set_epoch``) and how many batches to skip.
     """
 
-    def __init__(self, inner: DistributedSampler[Any], pad_to: int | None) -> None:
+    def __init__(self, inner: DistributedSampler[Any] | SplitSampler, pad_to: int | None) -> None:
         self.inner = inner
         self.pad_to = pad_to
         self.skip = 0
@@ -60,15 +153,22 @@ class ReplicaSampler(TorchSampler[int]):
 
 @dataclass(frozen=True)
 class ReplicaLoader:
-    """The rebuilt ``DataLoader`` of one replica and the `ReplicaSampler` that drives it."""
+    """The rebuilt ``DataLoader`` of one replica, the `ReplicaSampler` that drives it, and the
+    loader's ``generator`` (its workers' base seed), seeded with ``seed`` and the epoch."""
 
     loader: DataLoader[Any]
     sampler: ReplicaSampler
     batch_size: int
+    generator: torch.Generator
+    seed: int
 
     def epoch(self, epoch: int, skip_batches: int = 0) -> DataLoader[Any]:
         """The loader for ``epoch``, without its first ``skip_batches`` batches."""
         self.sampler.start(epoch, skip_batches * self.batch_size)
+        # The workers' seeds come from the generator when the epoch's iterator starts: seeded by
+        # the epoch, a resumed run's workers draw what the uninterrupted run's drew in that epoch
+        # (seeded once, a resumed process would give its first epoch epoch 0's seeds).
+        self.generator.manual_seed(epoch_seed(self.seed, epoch))
         return self.loader
 
     def epoch_share(self, drop_last: bool) -> tuple[int, int]:
@@ -107,6 +207,7 @@ def make_loader(
         options.pop("batch_size", None)
     if batch_size < 1:
         raise TiekitError(f"{what}: batch_size must be at least 1, not {batch_size}")
+    inner: DistributedSampler[Any] | SplitSampler
     if isinstance(given_sampler, DistributedSampler):
         inner = given_sampler
         if inner.num_replicas != num_replicas or inner.rank != rank:
@@ -116,25 +217,29 @@ def make_loader(
                 UserWarning,
                 stacklevel=3,
             )
-    else:
+    elif given_sampler is None or _plain_order(given_sampler, dataset) is not None:
         if given_sampler is not None:
-            shuffle = isinstance(given_sampler, RandomSampler)
+            shuffle = bool(_plain_order(given_sampler, dataset))
         inner = DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
+    else:
+        if not hasattr(type(given_sampler), "__len__"):
+            raise TiekitError(
+                f"{what}: the DataLoader's sampler {type(given_sampler).__name__} has no __len__; fit needs "
+                "the number of samples it draws per epoch to count the epoch's batches"
+            )
+        inner = SplitSampler(given_sampler, num_replicas, rank, seed)
     if len(inner) == 0:
-        raise TiekitError(f"{what}: replica {rank} of {num_replicas} gets no samples (the dataset is empty)")
+        empty = "the dataset is empty" if isinstance(inner, DistributedSampler) else "the sampler draws none"
+        raise TiekitError(f"{what}: replica {rank} of {num_replicas} gets no samples ({empty})")
     pad = batch_size if (static_shapes and not drop_last) else None
     sampler = ReplicaSampler(inner, pad)
+    # Its own generator, so that building an iterator never draws from torch's global RNG
+    # (that would shift dropout masks between a straight run and a resumed one).
+    generator = torch.Generator().manual_seed(epoch_seed(seed, 0))
     loader = DataLoader(
-        dataset,
-        batch_size=batch_size,
-        sampler=sampler,
-        drop_last=drop_last,
-        # Its own generator, so that building an iterator never draws from torch's global RNG
-        # (that would shift dropout masks between a straight run and a resumed one).
-        generator=torch.Generator().manual_seed(seed),
-        **options,
+        dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, generator=generator, **options
     )
-    result = ReplicaLoader(loader, sampler, batch_size)
+    result = ReplicaLoader(loader, sampler, batch_size, generator, seed)
     if drop_last and result.batches_per_epoch(drop_last) == 0:
         raise TiekitError(
             f"{what}: replica {rank} gets {len(inner)} sample(s) per epoch, fewer than one batch of "
@@ -174,3 +279,15 @@ def _unpack(data: Any, what: str) -> tuple[Dataset[Any], Any, dict[str, Any]]:
 
 
 _MAP = "pass a map-style dataset (with __len__ and __getitem__)"
+
+
+def _plain_order(sampler: Any, dataset: Dataset[Any]) -> bool | None:
+    """True: ``sampler`` is a plain shuffle of ``dataset`` (a ``RandomSampler`` without
+    replacement over all of it, whatever its generator: fit's ``seed`` orders it); False: its
+    plain order (a ``SequentialSampler`` over it); None: anything else, which fit keeps."""
+    size = len(cast(Sized, dataset))
+    if type(sampler) is SequentialSampler:
+        return False if len(sampler) == size else None
+    if type(sampler) is RandomSampler:
+        return True if not sampler.replacement and sampler.num_samples == size else None
+    return None

@@ -83,12 +83,15 @@ def remove_checkpoint(path: Path) -> None:
 
 @dataclass(frozen=True)
 class TrainingRun:
-    """What a training checkpoint records of the run beside its position: the run's id, and the
-    replicas and per-replica batch size its position counts in."""
+    """What a training checkpoint records of the run beside its position: the run's id, the
+    replicas and per-replica batch size its position counts in, and the ``seed`` and ``shuffle``
+    of fit that ordered the epoch it counts in."""
 
     run_id: str
     world_size: int
     batch_size: int
+    seed: int
+    shuffle: bool
 
 
 def contents(
@@ -102,6 +105,8 @@ def contents(
         "batches": position.batches,
         "world_size": run.world_size,
         "batch_size": run.batch_size,
+        "seed": run.seed,
+        "shuffle": run.shuffle,
         "run": run.run_id,
         "rng": _rng_states(device),
     }
@@ -130,7 +135,8 @@ def resume(
 ) -> Position:
     """Load ``path`` (a file, or a sharded folder: then collective, as `tiekit.load_sharded`) into
     ``model`` and ``optimizer`` of ``run``, restore the RNG states; the saved `Position` (a
-    `UserWarning` when it counts in other replicas or batches than ``run``'s)."""
+    `UserWarning` when it counts in other replicas or batches than ``run``'s, or in an order of
+    another ``seed`` or ``shuffle``)."""
     world_size, batch_size = run.world_size, run.batch_size
     if is_sharded_checkpoint(path):
         extra = load_sharded(model, path, optimizer=optimizer).extra
@@ -166,11 +172,29 @@ def resume(
             UserWarning,
             stacklevel=3,
         )
+    _warn_if_reordered(path, extra, run)
     _set_rng_states(extra["rng"], device)
     writer = extra.get("run")
     return Position(
         int(extra["epoch"]), int(extra["batches"]), int(record["step"]), writer if isinstance(writer, str) else None
     )
+
+
+def _warn_if_reordered(path: Path, extra: dict[str, Any], run: TrainingRun) -> None:
+    """A `UserWarning` per option of fit that orders an epoch (``seed``, ``shuffle``) that differs
+    from the saving run's: the position counts batches of the order that run drew, so the rest
+    of the epoch would repeat some samples and skip others. A checkpoint saved before tiekit
+    recorded them says nothing."""
+    for name in ("seed", "shuffle"):
+        saved, now = extra.get(name), getattr(run, name)
+        if saved is not None and saved != now:
+            warnings.warn(
+                f"resuming {path}, saved by a run with {name}={saved}, with {name}={now}: its position in the "
+                f"epoch ({extra['batches']} batches) is taken in another order of the samples, so the rest of "
+                "this epoch skips or repeats samples; the data order differs from here on",
+                UserWarning,
+                stacklevel=4,
+            )
 
 
 def _as_lists(value: Any) -> Any:
