@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -379,3 +380,19 @@ def test_a_tensor_registered_as_buffer_first_and_parameter_later_counts_once() -
     plan = find_ties(model)
     assert [g.names for g in plan.groups] == [("a.b", "c.w")]
     assert (plan.unique_count, plan.total_count) == (2, 2)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda: find_ties(None), TieError, "expected a torch.nn.Module, got NoneType"),
+        (lambda: find_ties(nn.Linear(2, 2), declared=["a"]), TieError, "({target: source}), not a list"),
+        (lambda: tiekit.move("model", "cpu"), TieError, "expected a torch.nn.Module, got str"),
+        (lambda: tiekit.preserve_ties(None).__enter__(), TieError, "expected a torch.nn.Module, got NoneType"),
+        (lambda: tiekit.save_model(None, "unused.safetensors"), tiekit.CheckpointError, "cannot save NoneType"),
+    ],
+)
+def test_a_wrong_type_is_a_tiekit_error_naming_it(call: Any, error: type[Exception], message: str) -> None:
+    with pytest.raises(error) as raised:
+        call()
+    assert message in str(raised.value)

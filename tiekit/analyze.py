@@ -53,6 +53,9 @@ def find_ties(
     tensors with bit-identical values, the trace a move leaves when it broke a tie.
     ``declared`` adds ties the model declares as ``{target: source}`` names.
     """
+    if declared is not None and not isinstance(declared, Mapping):
+        kind = type(declared).__name__
+        raise TieError(f"declared maps tied names to their sources ({{target: source}}), not a {kind}")
     walk = walk_slots(model, buffers=buffers)
     distinct, extra = _identities(walk)
     shared = _shared_storages(walk.tensors, distinct)

@@ -76,6 +76,8 @@ class Walk:
 def walk_slots(model: nn.Module, *, buffers: bool = True) -> Walk:
     """Every parameter (and buffer) slot of ``model`` in registration order, the order of
     ``named_modules(remove_duplicate=False)``; `TieError` on a cyclic or too deep module graph."""
+    if not isinstance(model, nn.Module):
+        raise TieError(f"expected a torch.nn.Module, got {type(model).__name__}")
     # One pre-order walk in registration order, the order of named_modules(remove_duplicate=False),
     # on an explicit stack: nested generators cost a frame switch per level for every module.
     walk = Walk()
