@@ -172,6 +172,19 @@ def test_a_source_that_records_no_ties_converts_to_checkpoints_that_record_none(
         assert code == 0 and "tie plan: none recorded" in out, out
 
 
+def test_a_saved_conjugate_view_converts_to_its_values(tmp_path: Path) -> None:
+    """DCP's shard files keep a saved ``x.conj()`` as a conjugate view; convert wrote its bytes
+    with a dtype view, which torch refuses (RuntimeError)."""
+    model = nn.Module()
+    model.register_buffer("z", torch.randn(3, dtype=torch.complex64).conj())
+    tiekit.save_sharded(model, tmp_path / "ck")
+    tiekit.convert(tmp_path / "ck", tmp_path / "m.safetensors")
+    fresh = nn.Module()
+    fresh.register_buffer("z", torch.zeros(3, dtype=torch.complex64))
+    tiekit.load_model(fresh, tmp_path / "m.safetensors")
+    assert torch.equal(fresh.z, model.z.resolve_conj())
+
+
 def test_inspect_and_verify_read_sharded_folders(
     saved: tuple[nn.Module, Path], factory: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -221,8 +221,16 @@ def _batches(source: _Reader, specs: list[Spec], checks: dict[str, str]) -> Iter
         values = source.read(batch)
         for key in batch:
             _check_tied(source, checks, key, values[key])
-            yield key, values.pop(key)
+            yield key, _resolved(values.pop(key))
         batch, size = [], 0
+
+
+def _resolved(value: Value) -> Value:
+    """``value`` with conjugate and negative views materialized: DCP's shard files keep a saved
+    ``x.conj()`` as one (torch.save does), whose memory holds the values before the conjugation."""
+    if isinstance(value, list):
+        return [part.resolve_conj().resolve_neg() for part in value]
+    return value.resolve_conj().resolve_neg()
 
 
 def _check_tied(source: _Reader, checks: dict[str, str], key: str, value: Value) -> None:
