@@ -229,6 +229,7 @@ def save_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
         except tiekit.CheckpointError as exc:
             out["another_model"] = str(exc)
         out["not_shared"] = not_shared(model)
+        out["write_fails"] = write_fails(model)
         out["disagreeing"] = disagreeing()
         out["same_model"] = same_model()
         return out
@@ -367,9 +368,39 @@ def save_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
         dist.barrier()  # rank 0's background commit has run (its wait returned)
         found["marker"] = json.loads((folder / tiekit.dcp.MARKER_NAME).read_text())["save_id"]
         found["first"] = first
+        found["save_folders"] = sorted(p.name for p in folder.glob("save-*"))  # the refused ones removed
         fresh = fsdp_model(seed=1)
         tiekit.load_sharded(fresh, folder)
         found["loads"] = torch.equal(full_state(fresh)["embed.weight"], full_state(model)["embed.weight"])
+        return found
+
+    def write_fails(model: nn.Module) -> dict[str, Any]:
+        """Rank 1's shard file cut short by the filesystem (a file size limit, EFBIG, as a full disk
+        fails with ENOSPC), blocking and in the background: refused on every rank, each removing its
+        part of the failed save's folder; the previous save stays and loads."""
+        import resource
+        import signal
+
+        folder = OUT / "write-fails"
+        first = tiekit.save_sharded(model, folder).save_id
+        found: dict[str, Any] = {"first": first}
+        for name, blocking in (("blocking", True), ("async", False)):
+            soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+            if RANK == 1:
+                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write, not a killed process
+                resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))
+            try:
+                tiekit.save_sharded(model, folder, blocking=blocking).wait(timeout=120)
+                found[name] = None
+            except tiekit.CheckpointError as exc:
+                found[name] = str(exc)
+            finally:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        dist.barrier()  # both ranks have removed their parts
+        found["save_folders"] = sorted(p.name for p in folder.glob("save-*"))
+        found["marker"] = json.loads((folder / tiekit.dcp.MARKER_NAME).read_text())["save_id"]
+        fresh = fsdp_model(seed=1)
+        found["loads"] = tiekit.load_sharded(fresh, folder).save_id == first
         return found
 
     return [("fsdp", fsdp), ("ddp", ddp), ("async", asynchronous), ("deferred", deferred), ("errors", errors)]

@@ -138,6 +138,44 @@ def test_saves_use_it_and_load_back(tmp_path: Path) -> None:
     assert direct.CHUNK % direct.BLOCK == 0
 
 
+class LazyViews(nn.Module):
+    """Buffers whose values torch keeps lazily: a conjugate view and a negative view (the
+    imaginary part of a conjugate), beside an ordinary parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.register_buffer("conj", torch.randn(3, dtype=torch.complex64).conj())
+        self.register_buffer("neg", torch.randn(2, 3, dtype=torch.complex64).conj().imag)
+        self.weight = nn.Parameter(torch.randn(4))
+
+
+@pytest.mark.parametrize("durable", [True, False], ids=["direct", "buffered"])
+def test_conjugate_and_negative_views_save_their_values(tmp_path: Path, durable: bool) -> None:
+    """save_model of a conjugate view raised torch's RuntimeError (a dtype view of a conjugate view).
+    The file holds the values, as safetensors' save_file of the resolved tensors writes them (its
+    save_file of the view itself writes the unconjugated memory)."""
+    model = LazyViews()
+    assert model.conj.is_conj() and model.neg.is_neg()
+    resolved = {k: v.resolve_conj().resolve_neg().contiguous() for k, v in model.state_dict().items()}
+    ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
+    tiekit.save_model(model, ours, durable=durable)
+    save_file(resolved, theirs, metadata=safe_open(ours, "pt").metadata())
+    assert split(ours) == split(theirs)
+    fresh = nn.Module()
+    for name, value in resolved.items():
+        fresh.register_buffer(name, torch.zeros_like(value))
+    tiekit.load_model(fresh, ours)
+    assert all(torch.equal(fresh.get_buffer(k), v) for k, v in resolved.items())
+
+
+def test_the_bytes_of_an_ordinary_tensor_are_its_own_memory() -> None:
+    t = torch.randn(5, 3)
+    assert direct.host_bytes(t).ctypes.data == t.data_ptr()  # no copy
+    c = torch.randn(3, dtype=torch.complex64)
+    assert direct.host_bytes(c.conj()).tobytes() == c.conj().resolve_conj().numpy().tobytes()
+
+
 def test_a_direct_file_holds_exactly_the_bytes_written(tmp_path: Path) -> None:
     rng = torch.Generator().manual_seed(1)
     sizes = [3, 4093, direct.CHUNK - 5, 1, direct.CHUNK * 2 + 17, 0, 511, 4096]

@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from models import WeightSharingModule, assert_unchanged, broken_tie, gpt2, snapshot
+from models import ViewBuffers, WeightSharingModule, assert_unchanged, broken_tie, gpt2, snapshot
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -41,6 +41,22 @@ def test_an_index_plan_that_is_no_object(tmp_path: Path, plan: Any) -> None:
         return
     with pytest.raises(CheckpointError, match=r"index\.json: invalid tie plan in 'tiekit.plan': a \w+, not a JSON"):
         tiekit.load_model(model, tmp_path)
+    assert_unchanged(model, before)
+
+
+def test_a_plan_with_a_negative_view_stride_is_refused_before_the_model_changes(tmp_path: Path) -> None:
+    # Used to raise torch's "as_strided: Negative strides are not supported" after the load
+    # had overwritten every tensor of the model.
+    path = tmp_path / "m.safetensors"
+    tiekit.save_model(ViewBuffers(), path)
+    metadata = safe_open(path, "pt").metadata()
+    plan = json.loads(metadata["tiekit.plan"])
+    next(m for m in plan["groups"][0]["members"] if m["name"] == "wt")["view"]["stride"] = [-1, 6]
+    save_file(load_file(path), path, metadata={**metadata, "tiekit.plan": json.dumps(plan)})
+    model = ViewBuffers()
+    before = snapshot(model)
+    with pytest.raises(CheckpointError, match=r"m\.safetensors: invalid tie plan .*'wt': field 'stride' is -1"):
+        tiekit.load_model(model, path)
     assert_unchanged(model, before)
 
 

@@ -163,6 +163,14 @@ def test_errors_are_raised_on_every_rank(runs: dict[str, Any]) -> None:
         # In the background only rank 0, which commits, finds out (rank 1's part is written).
         assert (refused in not_shared["async"]) if rank == 0 else not_shared["async"] is None
         assert not_shared["marker"] == not_shared["first"] and not_shared["loads"]
+        assert not_shared["save_folders"] == [f"save-{not_shared['first']}"]  # the refused saves' folders gone
+    # Rank 1's write fails (its file cut short): every rank raises and removes its part of the folder.
+    for found in runs["save"]:
+        fails = found["errors"]["write_fails"]
+        for mode in ("blocking", "async"):
+            assert "rank 1: OSError: [Errno 27] File too large" in fails[mode], fails[mode]
+        assert fails["save_folders"] == [f"save-{fails['first']}"]
+        assert fails["marker"] == fails["first"] and fails["loads"]
 
 
 def test_hsdp_on_a_two_dimensional_mesh_loads_saves_each_shard_once_and_keeps_the_tie(runs: dict[str, Any]) -> None:

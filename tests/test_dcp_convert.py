@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -61,7 +62,9 @@ def saved(tmp_path: Path) -> tuple[nn.Module, Path]:
 
 def test_dcp_to_tied_safetensors_and_back(saved: tuple[nn.Module, Path], tmp_path: Path) -> None:
     model, path = saved
-    result = tiekit.convert(path, tmp_path / "model.safetensors")
+    with pytest.warns(UserWarning, match="left out: optimizer state"):
+        result = tiekit.convert(path, tmp_path / "model.safetensors")
+    assert result.left_out == ("optimizer state",)
     assert WTE in result.stored and "lm_head.weight" not in result.stored  # one copy per tie group
     unique = sum(p.numel() * 4 for p in model.parameters())
     data = (tmp_path / "model.safetensors").read_bytes()
@@ -170,6 +173,54 @@ def test_a_source_that_records_no_ties_converts_to_checkpoints_that_record_none(
         assert loaded.lm_head.weight is loaded.transformer.wte.weight and equal(loaded, model), target
         code, out, _ = run(capsys, "inspect", str(target))
         assert code == 0 and "tie plan: none recorded" in out, out
+
+
+def test_a_saved_conjugate_view_converts_to_its_values(tmp_path: Path) -> None:
+    """DCP's shard files keep a saved ``x.conj()`` as a conjugate view; convert wrote its bytes
+    with a dtype view, which torch refuses (RuntimeError)."""
+    model = nn.Module()
+    model.register_buffer("z", torch.randn(3, dtype=torch.complex64).conj())
+    tiekit.save_sharded(model, tmp_path / "ck")
+    tiekit.convert(tmp_path / "ck", tmp_path / "m.safetensors")
+    fresh = nn.Module()
+    fresh.register_buffer("z", torch.zeros(3, dtype=torch.complex64))
+    tiekit.load_model(fresh, tmp_path / "m.safetensors")
+    assert torch.equal(fresh.z, model.z.resolve_conj())
+
+
+def test_what_convert_leaves_out_is_in_its_result_a_warning_and_the_cli_output(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Optimizer state and extra were dropped in silence (only the module docstring said so)."""
+    torch.manual_seed(0)
+    model = gpt2()
+    optimizer = torch.optim.AdamW(model.parameters())
+    ids = torch.randint(0, 96, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    tiekit.save_sharded(model, tmp_path / "ck", optimizer=optimizer, extra={"epoch": 3})
+    tiekit.save_checkpoint(tmp_path / "train.safetensors", model=model, optimizer=optimizer, step=7)
+    with pytest.warns(UserWarning, match=r"ck: tiekit.convert converted the model's tensors only; left out: opt"):
+        result = tiekit.convert(tmp_path / "ck", tmp_path / "m.safetensors")
+    assert result.left_out == ("optimizer state", "extra")
+    with pytest.warns(UserWarning, match=r"train.safetensors: .*left out: optimizer state, step \("):
+        assert tiekit.convert(tmp_path / "train.safetensors", tmp_path / "ck2").left_out == ("optimizer state", "step")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # the model alone: nothing left out, nothing said
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        assert tiekit.convert(tmp_path / "m.safetensors", tmp_path / "ck3").left_out == ()
+
+    from torch.distributed.checkpoint import save
+
+    save({"w": torch.ones(2), "note": "epoch 3"}, checkpoint_id=tmp_path / "plain", no_dist=True)
+    with pytest.warns(UserWarning, match="left out: non-tensor entries 'note'"):
+        assert tiekit.convert(tmp_path / "plain", tmp_path / "plain.safetensors").stored == ("w",)
+
+    code, out, err = run(capsys, "convert", str(tmp_path / "ck"), str(tmp_path / "cli.safetensors"))
+    assert code == 0 and f"left out (model tensors only are converted; still in {tmp_path / 'ck'}): optimizer " in out
+    assert "tiekit.convert converted" not in err  # said once, in the command's output
+    code, out, _ = run(capsys, "convert", str(tmp_path / "ck"), str(tmp_path / "cli2.safetensors"), "--json")
+    assert code == 0 and json.loads(out)["left_out"] == ["optimizer state", "extra"]
 
 
 def test_inspect_and_verify_read_sharded_folders(

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import resource
 import shutil
-from collections.abc import Callable
+import signal
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -103,6 +106,33 @@ def test_a_failed_dcp_write_is_a_checkpoint_error_and_keeps_the_previous_save(
     with pytest.raises(tiekit.CheckpointError, match=pattern):
         tiekit.save_sharded(Tied(), saved, blocking=blocking).wait(timeout=60)
     assert json.loads((saved / MARKER_NAME).read_text()) == before
+    assert sorted(p.name for p in saved.iterdir()) == [before["folder"], MARKER_NAME]  # its own folder gone
+    assert tiekit.load_sharded(Tied(), saved).save_id == before["save_id"]
+
+
+@contextlib.contextmanager
+def files_limited_to(size: int) -> Iterator[None]:
+    """This process may write no file past ``size`` bytes (RLIMIT_FSIZE: the kernel refuses the
+    write with EFBIG, as a full disk does with ENOSPC, even for root)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write, not a killed process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
+def test_a_save_that_fails_while_writing_removes_its_partial_folder(saved: Path, blocking: bool) -> None:
+    """A save whose shard file the filesystem cut short used to leave its save-<id>/ folder, holding
+    the space a retry needs on a full disk until the next commit. Now it goes; the previous save's
+    folder stays and loads."""
+    before = json.loads((saved / MARKER_NAME).read_text())
+    with files_limited_to(64 * 1024), pytest.raises(tiekit.CheckpointError, match=r"\[Errno 27\] File too large"):
+        tiekit.save_sharded(Tied(vocab=4000), saved, blocking=blocking).wait(timeout=60)  # 256 kB embedding
+    assert sorted(p.name for p in saved.iterdir()) == [before["folder"], MARKER_NAME]
     assert tiekit.load_sharded(Tied(), saved).save_id == before["save_id"]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -73,6 +74,55 @@ def test_malformed_plans_raise_tie_error(mutate) -> None:  # type: ignore[no-unt
     mutate(data)
     with pytest.raises(TieError):
         TiePlan.from_dict(data)
+
+
+def view_member(data: dict, name: str) -> dict:  # type: ignore[type-arg]
+    return next(m for m in data["groups"][0]["members"] if m["name"] == name)["view"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda d: view_member(d, "wt").update(stride=[-1, 6]), "view member 'wt': field 'stride' is -1"),
+        (lambda d: view_member(d, "ws").update(size=[-4, 3]), "view member 'ws': field 'size' is -4"),
+        (lambda d: view_member(d, "wv").update(offset=-2), "view member 'wv': field 'offset' is -2"),
+        (lambda d: view_member(d, "wv").update(stride={"0": 1}), "view member 'wv': field 'stride' is {'0': 1}"),
+        (lambda d: d.update(version=True), "field 'version' is True"),
+        (lambda d: d.update(groups={}), "field 'groups' is {}, not a list"),
+        (lambda d: d["groups"][0].update(dtype="float99"), "tie group 'w': field 'dtype' is 'float99', not a torch"),
+        (lambda d: d["groups"][0].update(shape=[4, -6]), "tie group 'w': field 'shape' is -6"),
+        (lambda d: d.update(total_count=-1), "field 'total_count' is -1"),
+    ],
+)
+def test_impossible_plans_are_refused_naming_the_field(mutate, field: str) -> None:  # type: ignore[no-untyped-def]
+    # Each of these used to be accepted: a negative stride failed in torch's as_strided only
+    # while a load re-tied the model it had already overwritten; "groups": {} read as no ties.
+    data = find_ties(ViewBuffers()).to_dict()
+    mutate(data)
+    with pytest.raises(TieError, match=re.escape(field)):
+        TiePlan.from_dict(data)
+    with pytest.raises(TieError, match=re.escape(field)):
+        TiePlan.from_json(json.dumps(data))
+
+
+def test_a_python_built_plan_with_a_negative_stride_is_refused_before_anything_is_retied() -> None:
+    model = ViewBuffers()
+    plan = find_ties(model)
+    wt = plan.groups[0].member("wt")
+    assert wt.view is not None
+    bad_wt = dataclasses.replace(wt, view=dataclasses.replace(wt.view, stride=(-1, 6)))
+    group = dataclasses.replace(plan.groups[0], members=(*plan.groups[0].members[:1], bad_wt))
+    bad = TiePlan((group,), plan.unique_count, plan.total_count)
+    model.wt = model.wt.clone()  # untied, so retie would re-point it
+    before = model.wt
+    with pytest.raises(TieError, match=r"'wt'.*negative sizes and strides"):
+        tiekit.retie(model, bad)
+    assert model.wt is before
+
+
+def test_an_empty_view_reaches_no_element() -> None:
+    assert tiekit.plan.strided_extent((3, 0), (10, 1)) == 0  # not 1 + 2 * 10 - 1
+    assert tiekit.plan.strided_extent((2, 3), (3, 1)) == 6
 
 
 @pytest.mark.parametrize("text", ["", "not json", "[]", '{"version": 1}', b"\xff\xfe"])

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -138,14 +139,19 @@ def convert_command(args: argparse.Namespace) -> int:
     from tiekit.dcp.convert import convert
 
     plan = inspection.model_plan(inspection.build_model(args.model).model) if args.model else None
-    result = convert(args.src, args.dst, plan=plan, max_shard_size=args.max_shard_size)
+    with warnings.catch_warnings():
+        # convert's warning about what it left out: said below, in the command's own output.
+        warnings.filterwarnings("ignore", message=r".*tiekit\.convert converted the model's tensors only")
+        result = convert(args.src, args.dst, plan=plan, max_shard_size=args.max_shard_size)
     if args.json:
         print(json.dumps({"files": list(result.files), "stored": len(result.stored), "merged": list(result.merged),
-                          "bytes": result.bytes}, indent=2))  # fmt: skip
+                          "bytes": result.bytes, "left_out": list(result.left_out)}, indent=2))  # fmt: skip
     else:
         merged = f"; merged into their tie source: {', '.join(result.merged)}" if result.merged else ""
         print(f"{args.src} -> {args.dst}: {len(result.stored)} tensors, {result.bytes:,} bytes in "
               f"{len(result.files)} file(s){merged}")  # fmt: skip
+        if result.left_out:
+            print(f"  left out (model tensors only are converted; still in {args.src}): {', '.join(result.left_out)}")
     return 0
 
 

@@ -12,6 +12,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
+
 from tiekit.errors import TieError
 
 PLAN_VERSION = 1
@@ -39,8 +41,10 @@ class ViewGeometry:
 
 
 def strided_extent(size: tuple[int, ...], stride: tuple[int, ...]) -> int:
-    """Elements from a strided tensor's first element to its last, inclusive (for a non-empty
-    tensor of ``size`` and non-negative ``stride``)."""
+    """Elements from a strided tensor's first element to its last, inclusive (for ``size`` and
+    ``stride`` of non-negative entries); 0 for an empty tensor, which reaches no element."""
+    if 0 in size:
+        return 0
     return 1 + sum((s - 1) * st for s, st in zip(size, stride, strict=True))
 
 
@@ -179,30 +183,17 @@ class TiePlan:
         """Rebuild a plan from :meth:`to_dict` output; `TieError` on anything malformed."""
         try:
             version = data["version"]
-            if not isinstance(version, int) or version < 1:
-                raise TieError(f"tie plan has an invalid version {version!r}")
+            if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+                raise TieError(f"tie plan: field 'version' is {version!r}, not a positive integer")
             if version > PLAN_VERSION:
                 raise TieError(
                     f"tie plan version {version} is newer than this tiekit understands ({PLAN_VERSION}); upgrade tiekit"
                 )
-            groups = tuple(
-                TieGroup(
-                    source=_str(g["source"]),
-                    kind=_kind(g["kind"], ("parameter", "buffer", "view")),  # type: ignore[arg-type]
-                    shape=_ints(g["shape"]),
-                    dtype=_str(g["dtype"]),
-                    members=tuple(_member_from_dict(m) for m in g["members"]),
-                    uses=tuple(TieUse(_str(op), _str(t), _str(mod)) for op, t, mod in g.get("uses", [])),
-                )
-                for g in data["groups"]
-            )
-            for g in groups:
-                if not g.members or g.members[0].name != g.source:
-                    raise TieError(f"tie group {g.source!r}: the source must be the first member")
+            groups = tuple(_group_from_dict(g) for g in _list(data["groups"], "field 'groups'"))
             return cls(
                 groups=groups,
-                unique_count=_int(data["unique_count"]),
-                total_count=_int(data["total_count"]),
+                unique_count=_count(data["unique_count"], "field 'unique_count'"),
+                total_count=_count(data["total_count"], "field 'total_count'"),
                 suspected=tuple(tuple(_str(n) for n in s) for s in data.get("suspected", [])),
                 cross_module=tuple(CrossModuleUse(_str(n), _str(r)) for n, r in data.get("cross_module", [])),
                 trace_status=_str(data.get("trace_status", "not traced")),
@@ -257,35 +248,78 @@ def _member_to_dict(m: TieMember) -> dict[str, Any]:
     return out
 
 
+def _group_from_dict(g: Mapping[str, Any]) -> TieGroup:
+    source = _str(g["source"])
+    where = f"tie group {source!r}"
+    members = tuple(_member_from_dict(m) for m in _list(g["members"], f"{where}: field 'members'"))
+    if not members or members[0].name != source:
+        raise TieError(f"{where}: the source must be the first member")
+    return TieGroup(
+        source=source,
+        kind=_kind(g["kind"], ("parameter", "buffer", "view")),  # type: ignore[arg-type]
+        shape=_sizes(g["shape"], f"{where}: field 'shape'"),
+        dtype=_dtype(g["dtype"], f"{where}: field 'dtype'"),
+        members=members,
+        uses=tuple(TieUse(_str(op), _str(t), _str(mod)) for op, t, mod in g.get("uses", [])),
+    )
+
+
 def _member_from_dict(d: Mapping[str, Any]) -> TieMember:
+    name = _str(d["name"])
     view = d.get("view")
     geometry = None
     if view is not None:
-        geometry = ViewGeometry(_int(view["offset"]), _ints(view["size"]), _ints(view["stride"]))
+        # Refused here, when the plan is read: torch's as_strided would refuse a negative
+        # stride only while retie rebuilds the view, after a load has overwritten the model.
+        where = f"view member {name!r}: field"
+        geometry = ViewGeometry(
+            _count(view["offset"], f"{where} 'offset'"),
+            _sizes(view["size"], f"{where} 'size'"),
+            _sizes(view["stride"], f"{where} 'stride'"),
+        )
         if len(geometry.size) != len(geometry.stride):
-            raise TieError(f"view member {d['name']!r}: size and stride differ in length")
+            raise TieError(f"view member {name!r}: size and stride differ in length")
     return TieMember(
-        name=_str(d["name"]),
+        name=name,
         kind=_kind(d["kind"], ("parameter", "buffer")),  # type: ignore[arg-type]
         view=geometry,
         requires_grad=bool(d.get("requires_grad", False)),
     )
 
 
+# ``what`` names the field for the error: "field 'groups'", "tie group 'w': field 'shape'".
+
+
+def _list(value: Any, what: str) -> list[Any] | tuple[Any, ...]:
+    # A JSON object here would iterate as its keys: "groups": {} would read as an empty plan.
+    if not isinstance(value, list | tuple):
+        raise TieError(f"tie plan: {what} is {value!r}, not a list")
+    return value
+
+
+def _count(value: Any, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise TieError(f"tie plan: {what} is {value!r}, not a non-negative integer")
+    return value
+
+
+def _sizes(values: Any, what: str) -> tuple[int, ...]:
+    """A shape, size or stride: a list of non-negative integers."""
+    return tuple(_count(v, what) for v in _list(values, what))
+
+
+def _dtype(value: Any, what: str) -> str:
+    """A dtype as `dtype_name` spells it ("float32"); a name torch does not know is refused."""
+    name = _str(value)
+    if not isinstance(getattr(torch, name, None), torch.dtype):
+        raise TieError(f"tie plan: {what} is {name!r}, not a torch dtype")
+    return name
+
+
 def _str(value: Any) -> str:
     if not isinstance(value, str):
         raise TypeError(f"expected a string, got {value!r}")
     return value
-
-
-def _int(value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"expected an integer, got {value!r}")
-    return value
-
-
-def _ints(values: Any) -> tuple[int, ...]:
-    return tuple(_int(v) for v in values)
 
 
 def _kind(value: Any, allowed: tuple[str, ...]) -> str:

@@ -64,6 +64,13 @@ def tie_changes(model: nn.Module, group: TieGroup) -> list[tuple[nn.Module, str,
             if not source.is_contiguous():
                 raise TieError(f"cannot rebuild view {member.name!r}: its source {group.source!r} is not contiguous")
             view = member.view
+            # A plan built in Python skips from_dict's checks; as_strided would refuse a
+            # negative stride only in retie's second pass, after earlier members were re-pointed.
+            if min((*view.size, *view.stride), default=0) < 0:
+                raise TieError(
+                    f"cannot rebuild view {member.name!r}: the plan gives it size {view.size} and "
+                    f"stride {view.stride}; negative sizes and strides are not supported"
+                )
             if view.offset < 0 or view.end > source.numel():
                 raise TieError(
                     f"cannot rebuild view {member.name!r}: it reaches outside its source {group.source!r} "

@@ -87,8 +87,10 @@ def write_safetensors(
         return
     from safetensors.torch import save_file
 
+    # save_file writes a conjugate view's memory, the values before the conjugation: resolved first.
+    resolved = {name: t.resolve_conj().resolve_neg().contiguous() for name, t in order}
     try:
-        save_file({name: t.contiguous() for name, t in order}, os.fspath(path), metadata=dict(metadata))
+        save_file(resolved, os.fspath(path), metadata=dict(metadata))
     except (ValueError, RuntimeError, TypeError) as exc:
         raise CheckpointError(f"{path}: safetensors refused the tensors: {exc}") from exc
 
@@ -244,7 +246,16 @@ def _pieces(head: bytes, order: list[tuple[str, torch.Tensor]]) -> Iterator[np.n
     yield np.frombuffer(head, dtype=np.uint8)
     for _, t in order:
         if t.numel():
-            yield t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+            yield host_bytes(t)
+
+
+def host_bytes(t: torch.Tensor) -> np.ndarray:
+    """The bytes a safetensors file holds for the host tensor ``t`` (its values, row-major): its
+    own memory where that is contiguous, no copy. A conjugate or negative view (``x.conj()``) is
+    materialized first, one copy: its memory holds the values before the lazy conjugation (and
+    torch refuses a dtype view of it)."""
+    flat = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy()
 
 
 def _take_buffer() -> mmap.mmap:

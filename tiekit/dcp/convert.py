@@ -5,13 +5,15 @@ Sources: a `save_sharded` folder, a plain DCP folder (``dcp.save`` output, which
 names of a tie: give ``plan=`` to merge them), or a safetensors file, index or folder that
 `tiekit.load_model` reads. Names a plan ties are written once; when the source stores several of
 them, their values are compared first and a difference is refused (merging would lose data).
-Only model weights are converted: optimizer state and ``extra`` stay in the source.
+Only model weights are converted: optimizer state, ``extra`` (and a training checkpoint's
+``step``) stay in the source; the result's ``left_out`` names them, with a ``UserWarning``.
 """
 
 from __future__ import annotations
 
 import os
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +26,7 @@ from tiekit.analyze import dtype_name, find_ties
 from tiekit.checkpoint.contents import declared_ties, stored_only
 from tiekit.checkpoint.layout import INDEX_SUFFIX, WEIGHTS_NAME, PathLike, parse_size
 from tiekit.checkpoint.reads import read_tensor
-from tiekit.checkpoint.source import open_source
+from tiekit.checkpoint.source import open_source, training_record
 from tiekit.dcp.chunks import read_rows, row_chunks
 from tiekit.dcp.layout import (
     DCP_METADATA,
@@ -47,22 +49,34 @@ READ_BATCH_BYTES = 64 << 20
 
 @dataclass(frozen=True)
 class ConvertResult:
-    """What `convert` wrote: the files, the keys stored, the names merged into their tie source."""
+    """What `convert` wrote: the files, the keys stored, the names merged into their tie source;
+    and ``left_out``, what the source holds beside the model's tensors that was not converted
+    (``"optimizer state"``, ``"extra"``, ``"step"``, a plain DCP folder's non-tensor entries)."""
 
     files: tuple[str, ...]
     stored: tuple[str, ...]
     merged: tuple[str, ...]
     bytes: int
+    left_out: tuple[str, ...] = ()
 
 
 class _Reader:
-    """A source: its tensors' specs, its plan, and reading tensors by key."""
+    """A source: its tensors' specs, its plan, reading tensors by key, and what it holds beside
+    the model's tensors (`ConvertResult.left_out`)."""
 
-    def __init__(self, where: str, specs: list[Spec], plan: TiePlan | None, read: Callable[[list[str]], dict]):
+    def __init__(
+        self,
+        where: str,
+        specs: list[Spec],
+        plan: TiePlan | None,
+        read: Callable[[list[str]], dict],
+        left_out: tuple[str, ...] = (),
+    ):
         self.where = where
         self.specs = specs
         self.plan = plan
         self.read = read
+        self.left_out = left_out
 
 
 def convert(
@@ -83,8 +97,20 @@ def convert(
     process, no process group. `CheckpointError` naming the file and key on anything wrong, such
     as two tied names stored with different values. A source another process saves over while
     it is read is converted again from its new save.
+
+    Only the model's tensors are converted. Optimizer state, ``extra`` (and the ``step`` of a
+    `save_checkpoint` file) stay in the source: the result's ``left_out`` names what the source
+    held, and a ``UserWarning`` says it. Resume training from the source itself.
     """
-    return reading_committed(Path(src), lambda: _convert(Path(src), Path(dst), plan, max_shard_size))
+    result = reading_committed(Path(src), lambda: _convert(Path(src), Path(dst), plan, max_shard_size))
+    if result.left_out:
+        warnings.warn(
+            f"{os.fspath(src)}: tiekit.convert converted the model's tensors only; left out: "
+            f"{', '.join(result.left_out)} (still in the source, which load_sharded / load_checkpoint read)",
+            UserWarning,
+            stacklevel=2,
+        )
+    return result
 
 
 def _convert(src: Path, dst: Path, plan: TiePlan | nn.Module | None, max_shard_size: int | str | None) -> ConvertResult:
@@ -96,7 +122,8 @@ def _convert(src: Path, dst: Path, plan: TiePlan | nn.Module | None, max_shard_s
     else:
         files = _to_safetensors(source, specs, tie_plan, checks, dst, max_shard_size)
     total = sum(nbytes(s) for s in specs)
-    return ConvertResult(tuple(os.fspath(f) for f in files), tuple(s[0] for s in specs), merged, total)
+    stored = tuple(s[0] for s in specs)
+    return ConvertResult(tuple(os.fspath(f) for f in files), stored, merged, total, source.left_out)
 
 
 def _is_dcp(path: Path) -> bool:
@@ -113,7 +140,7 @@ def _open(path: Path) -> _Reader:
         metadata = _dcp_metadata(marker)
         stored = metadata.state_dict_metadata
         specs = [(k, marker.tensors[k][0], stored[k].properties.dtype) for k in marker.model_keys()]
-        return _Reader(marker.where, specs, marker.plan, _dcp_read(marker.folder))
+        return _Reader(marker.where, specs, marker.plan, _dcp_read(marker.folder), _training_state(marker.record))
     if (path / DCP_METADATA).is_file():  # a plain DCP folder: torch's reader unpickles its metadata
         from torch.distributed.checkpoint.filesystem import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -127,14 +154,27 @@ def _open(path: Path) -> _Reader:
             for k, v in metadata.state_dict_metadata.items()
             if isinstance(v, TensorStorageMetadata)
         ]
-        return _Reader(os.fspath(path), specs, None, _dcp_read(path))
+        others = [k for k, v in metadata.state_dict_metadata.items() if not isinstance(v, TensorStorageMetadata)]
+        left_out: tuple[str, ...] = (f"non-tensor entries {', '.join(map(repr, others))}",) if others else ()
+        return _Reader(os.fspath(path), specs, None, _dcp_read(path), left_out)
     opened = open_source(path, (WEIGHTS_NAME, WEIGHTS_NAME + INDEX_SUFFIX))
     specs = [(k, e.shape, e.dtype) for k, (_, e) in opened.entries.items()]
 
     def read(keys: list[str]) -> dict[str, torch.Tensor]:
         return {k: read_tensor(*opened.entries[k], opened.files) for k in keys}
 
-    return _Reader(opened.where, specs, opened.plan, read)
+    try:
+        left_out = _training_state(training_record(opened))
+    except CheckpointError:  # the model's tensors still convert, as load_model still reads them
+        left_out = ("a training record it cannot read",)
+    return _Reader(opened.where, specs, opened.plan, read, left_out)
+
+
+def _training_state(record: Any) -> tuple[str, ...]:
+    """What a training checkpoint's record (a `save_sharded` marker's, a `save_checkpoint`
+    file's) holds beside the model: convert leaves it out."""
+    held = {"optimizer": "optimizer state", "extra": "extra", "step": "step"}
+    return tuple(said for key, said in held.items() if record.get(key) is not None)
 
 
 def _dcp_read(folder: Path) -> Callable[[list[str]], dict]:
@@ -222,8 +262,16 @@ def _batches(source: _Reader, specs: list[Spec], checks: dict[str, str]) -> Iter
         values = source.read(batch)
         for key in batch:
             _check_tied(source, checks, key, values[key])
-            yield key, values.pop(key)
+            yield key, _resolved(values.pop(key))
         batch, size = [], 0
+
+
+def _resolved(value: Value) -> Value:
+    """``value`` with conjugate and negative views materialized: DCP's shard files keep a saved
+    ``x.conj()`` as one (torch.save does), whose memory holds the values before the conjugation."""
+    if isinstance(value, list):
+        return [part.resolve_conj().resolve_neg() for part in value]
+    return value.resolve_conj().resolve_neg()
 
 
 def _check_tied(source: _Reader, checks: dict[str, str], key: str, value: Value) -> None:

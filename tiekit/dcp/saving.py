@@ -19,10 +19,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import shutil
 import threading
 import uuid
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -130,7 +131,15 @@ def save_sharded_staged(
                 _commit(root, save_id, state, before)
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
                 error = exc
-        _raise_anywhere(error, f"{root}: save {save_id}")
+        # Rank 0 tells whether its marker names this save despite an error (a commit that failed
+        # after its rename); every rank then removes its own part of a save that failed anywhere.
+        committed = writes_marker and error is not None and committed_save_id(root) == save_id
+        _raise_anywhere(
+            error,
+            f"{root}: save {save_id}",
+            share=committed,
+            on_failure=lambda shares: None if any(shares) else remove_failed_save(folder),
+        )
         return SaveHandle(root, save_id, None), {}, None
     group = _async_group() if distributed else None
     copies: DeferredCopies | None = None
@@ -157,6 +166,9 @@ def save_sharded_staged(
             with running_dcp(folder, reading=False):
                 save(hosts, storage_writer=writer, planner=planner, process_group=group, no_dist=not distributed)
         except Exception as exc:
+            # DCP raised on every rank (it hands each rank every rank's failure), after all of them
+            # stopped writing: each removes its own part of the folder.
+            remove_failed_save(folder)
             if distributed and not torch.distributed.is_initialized():
                 raise CheckpointError(f"{destroyed}: {type(exc).__name__}: {exc}") from exc
             if writes_marker and (conflict := _writer_conflict(root, save_id, before, exc)):
@@ -164,7 +176,7 @@ def save_sharded_staged(
             raise
 
     future = _background_writer().submit(write)
-    commit = functools.partial(_commit, root, save_id, state, before) if writes_marker else None
+    commit = functools.partial(_commit_or_remove, root, save_id, state, before) if writes_marker else None
     handle = SaveHandle(root, save_id, future, commit)
     with _pending_lock:
         _pending[key] = handle
@@ -249,6 +261,26 @@ def _commit(root: Path, save_id: str, state: SaveState | None, before: str | Non
     remove_stale(root, keep=folder.name)
 
 
+def _commit_or_remove(root: Path, save_id: str, state: SaveState | None, before: str | None) -> None:
+    """`_commit` of a background save (rank 0, on the writing thread); a commit that fails takes
+    the save's folder with it, unless the marker names it already (a failure after the rename).
+    The other ranks have finished by then: on a shared filesystem their parts go with it."""
+    try:
+        _commit(root, save_id, state, before)
+    except BaseException:
+        if committed_save_id(root) != save_id:
+            remove_failed_save(root / f"{SAVE_PREFIX}{save_id}")
+        raise
+
+
+def remove_failed_save(folder: Path) -> None:
+    """Local, best effort: remove the folder of a save that failed, this process's view of it (on
+    hosts without a shared filesystem, each rank's own part). Left behind, it would hold the
+    space a retry needs (a full disk stays full) until the next commit. Only this save's own
+    folder: its id is new, no marker names it."""
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def _writer_conflict(
     root: Path, save_id: str, before: str | None, failure: BaseException | None = None
 ) -> CheckpointError | None:
@@ -265,15 +297,23 @@ def _writer_conflict(
     )
 
 
-def _raise_anywhere(error: BaseException | None, what: str, share: Any = None) -> list[Any]:
-    """Collective: raise on every rank if any rank failed (the failing rank's own error there);
-    else every rank's ``share``, in rank order (sent in the same exchange)."""
+def _raise_anywhere(
+    error: BaseException | None,
+    what: str,
+    share: Any = None,
+    on_failure: Callable[[list[Any]], None] | None = None,
+) -> list[Any]:
+    """Collective: raise on every rank if any rank failed (the failing rank's own error there),
+    after calling ``on_failure`` (local) with every rank's ``share``; else every rank's ``share``,
+    in rank order (sent in the same exchange)."""
     text = None if error is None else f"{type(error).__name__}: {error}"
     gathered = collective_gather((text, share))
     errors = [e for e, _ in gathered]
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if not failed:
         return [shared for _, shared in gathered]
+    if on_failure is not None:
+        on_failure([shared for _, shared in gathered])
     if isinstance(error, CheckpointError) and all(e == text for _, e in failed):
         raise error  # the same failure everywhere (a bad checkpoint): this rank's own error says it all
     raise CheckpointError(failure_message(what, errors)) from error
