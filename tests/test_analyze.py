@@ -396,3 +396,17 @@ def test_a_wrong_type_is_a_tiekit_error_naming_it(call: Any, error: type[Excepti
     with pytest.raises(error) as raised:
         call()
     assert message in str(raised.value)
+
+
+def test_a_plan_of_the_wrong_type_or_model_is_refused_before_anything_changes() -> None:
+    model = WeightSharingModule()
+    weight = model.layer_1.weight
+    for call in (lambda: tiekit.retie(model, None), lambda: tiekit.verify(model, {"groups": []})):  # type: ignore[arg-type]
+        with pytest.raises(TieError, match=r"plan must be a TiePlan .*, not a (NoneType|dict)"):
+            call()
+    other = find_ties(gpt2())
+    with pytest.raises(TieError, match=r"'transformer.wte.weight'"), tiekit.preserve_ties(model, plan=other):
+        model.to(torch.float64)  # refused on entry: the block never ran (it ran before, then failed on exit)
+    with pytest.raises(TieError, match=r"'transformer.wte.weight'"):
+        tiekit.move(model, dtype=torch.float64, plan=other)
+    assert model.layer_1.weight is weight and weight.dtype == torch.float32

@@ -32,13 +32,29 @@ def retie(model: nn.Module, plan: TiePlan) -> tuple[str, ...]:
     its shape or dtype no longer matches.
     """
     changes: list[tuple[nn.Module, str, torch.Tensor, TieMember]] = []
-    for group in plan.groups:
+    for group in _a_plan(plan).groups:
         changes.extend(tie_changes(model, group))
     with torch.no_grad():
         for module, attr, source, member in changes:
             tensor = source if member.view is None else _rebuild_view(source, member)
             assign(module, attr, tensor, member.kind)
     return tuple(member.name for _, _, _, member in changes)
+
+
+def _a_plan(plan: object) -> TiePlan:
+    if not isinstance(plan, TiePlan):
+        raise TieError(
+            f"plan must be a TiePlan (tiekit.find_ties(model), or TiePlan.from_json), not a {type(plan).__name__}"
+        )
+    return plan
+
+
+def fitting_plan(model: nn.Module, plan: TiePlan) -> TiePlan:
+    """``plan``, checked against ``model`` before anything changes: every name resolves, shapes
+    and dtypes fit (the checks `retie` makes, without re-pointing anything); `TieError` if not."""
+    for group in _a_plan(plan).groups:
+        tie_changes(model, group)
+    return plan
 
 
 def tie_changes(model: nn.Module, group: TieGroup) -> list[tuple[nn.Module, str, torch.Tensor, TieMember]]:
@@ -147,7 +163,7 @@ def verify(model: nn.Module, plan: TiePlan, *, on_error: OnError = "raise") -> V
     if on_error not in ("raise", "warn"):
         raise ValueError(f"on_error must be 'raise' or 'warn', not {on_error!r}")
     broken: list[str] = []
-    for group in plan.groups:
+    for group in _a_plan(plan).groups:
         try:
             _, _, source, _ = resolve(model, group.source, "tie source")
         except TieError as exc:
@@ -192,7 +208,7 @@ def move(
     if device is None and dtype is None:
         raise ValueError("tiekit.move needs a device, a dtype or both")
     target = devices.resolve_device(device)
-    plan = find_ties(model) if plan is None else plan
+    plan = find_ties(model) if plan is None else fitting_plan(model, plan)
     names = {id(p): n for n, p in model.named_parameters()} if optimizer is not None else {}
     kwargs: dict[str, object] = {}
     if target is not None:
@@ -318,7 +334,7 @@ def preserve_ties(
     For code that replaces tensors behind the model's back: ``.to(xla)``, ``to_empty``,
     ``load_state_dict(assign=True)``, third-party wrappers.
     """
-    plan = find_ties(model, declared=declared) if plan is None else plan
+    plan = find_ties(model, declared=declared) if plan is None else fitting_plan(model, plan)
     with converting_once(model):
         yield plan
     retie(model, plan)
