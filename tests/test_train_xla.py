@@ -131,18 +131,23 @@ kw = dict(loss_fn=F.mse_loss, optimizer=opt, epochs=2, seed=3, progress=False, v
 torch.manual_seed(3)
 model = WeightSharingModule()
 run = tiekit.fit(model, dataset(128), strategy="xla", batch_size=8, **kw)
-# Resumed with dropout: the XLA generator state the checkpoint holds is every replica's next draw.
+# Resumed with dropout, mid-epoch (step 3) and at an epoch's end (step 8 of 8 per epoch), from a
+# run that saved after every step: each is bit-identical to the run that went straight through.
 import pathlib, tempfile
 from models import DroppingWeightSharingModule
 folder = pathlib.Path(tempfile.mkdtemp())
-dkw = dict(loss_fn=F.mse_loss, optimizer=opt, seed=3, progress=False, strategy="xla", batch_size=8)
-straight = tiekit.fit(DroppingWeightSharingModule, dataset(128), max_steps=6, **dkw)
-tiekit.fit(DroppingWeightSharingModule, dataset(128), max_steps=3, checkpoint_dir=folder, **dkw)
-resumed = tiekit.fit(
-    DroppingWeightSharingModule, dataset(128), max_steps=6, resume=folder / "step-00000003.safetensors", **dkw
-)
-pairs = zip(straight.model.state_dict().values(), resumed.model.state_dict().values())
-resume_same = all(torch.equal(a, b) for a, b in pairs)
+dkw = dict(loss_fn=F.mse_loss, optimizer=opt, seed=3, progress=False, strategy="xla", batch_size=8, max_steps=10)
+straight = tiekit.fit(DroppingWeightSharingModule, dataset(128), **dkw)
+saving = tiekit.fit(DroppingWeightSharingModule, dataset(128), checkpoint_dir=folder, checkpoint_every=1, **dkw)
+resumes = {}
+for at in (3, 8):
+    resumed = tiekit.fit(DroppingWeightSharingModule, dataset(128), resume=folder / f"step-{at:08d}.safetensors", **dkw)
+    pairs = zip(straight.model.state_dict().values(), resumed.model.state_dict().values())
+    resumes[at] = dict(
+        same=all(torch.equal(a, b) for a, b in pairs), losses=[straight.losses[at:], list(resumed.losses)],
+        digests=resumed.replica_digests,
+    )
+saving_same = saving.losses == straight.losses
 one = tiekit.fit(WeightSharingModule, dataset(128), strategy="single", devices="xla", batch_size=16, **kw)
 plain = copy.deepcopy(model).to(tiekit.devices.resolve_device("xla"))
 
@@ -151,8 +156,7 @@ print(json.dumps(dict(
     strategy=run.strategy, world=run.world_size, steps=run.steps, one_steps=one.steps, one_world=one.world_size,
     digests=run.replica_digests, ties_kept=run.ties_kept, tied=model.layer_3.weight is model.layer_1.weight,
     compilations=run.compilations, one_compilations=one.compilations, max_diff=diff, losses=run.losses,
-    val=run.val_losses, one_val=one.val_losses, resume_same=resume_same,
-    resume_losses=[straight.losses[3:], list(resumed.losses)], resumed_digests=resumed.replica_digests,
+    val=run.val_losses, one_val=one.val_losses, resumes=resumes, saving_same=saving_same,
     plain_params=len(list(plain.parameters())), plain_tied=plain.layer_3.weight is plain.layer_1.weight,
 )))
 """
@@ -176,9 +180,12 @@ def test_xla_strategy_on_two_devices_matches_one_device_with_the_global_batch() 
     assert out["max_diff"] < 1e-5
     assert out["losses"][-1] < 0.8 * out["losses"][0]
     assert out["val"] == pytest.approx(out["one_val"], rel=1e-4)  # the mean over all 22 samples either way
-    # With dropout, resumed at step 3 of 6: bit-identical to the run that went straight through.
-    assert out["resume_same"] and out["resume_losses"][0] == out["resume_losses"][1], out["resume_losses"]
-    assert len(out["resumed_digests"]) == 2 and len(set(out["resumed_digests"])) == 1
+    # With dropout: saving after every step changes nothing, and a resume mid-epoch or at an
+    # epoch's end is bit-identical to the run that went straight through.
+    assert out["saving_same"]
+    for at, resumed in out["resumes"].items():
+        assert resumed["same"] and resumed["losses"][0] == resumed["losses"][1], (at, resumed["losses"])
+        assert len(resumed["digests"]) == 2 and len(set(resumed["digests"])) == 1
 
 
 SPMD_JOB = """

@@ -252,8 +252,7 @@ class XlaBackend(Backend):
         return t
 
     def seed(self, seed: int) -> None:
-        # The same seed on every replica, as torch's generator on every DDP rank: a checkpoint
-        # holds the writer's state, and it is every replica's to resume with.
+        # The same seed on every replica, as torch's generator on every DDP rank.
         xla_set_rng_state(seed)
 
     def wait(self) -> None:

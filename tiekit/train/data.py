@@ -39,10 +39,10 @@ from tiekit.errors import TiekitError
 DEFAULT_BATCH_SIZE = 32
 
 
-def epoch_seed(seed: int, epoch: int) -> int:
-    """A 63-bit seed for epoch ``epoch`` of a run seeded ``seed``: the same in every process and
-    on a resume, different per epoch (and unrelated to ``seed + 1``'s epochs, unlike a sum)."""
-    digest = hashlib.blake2b(f"{seed}/{epoch}".encode(), digest_size=8).digest()
+def derived_seed(seed: int, index: int) -> int:
+    """A 63-bit seed for ``index`` (an epoch, a step) of a run seeded ``seed``: the same in every
+    process and on a resume, different per index (and unrelated to ``seed + 1``'s, unlike a sum)."""
+    digest = hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
 
@@ -78,7 +78,7 @@ class SplitSampler(TorchSampler[int]):
         own = getattr(drawn, "generator", None)
         if isinstance(own, torch.Generator):
             fresh = torch.Generator(device=own.device)
-            fresh.manual_seed(epoch_seed(own.initial_seed(), self.epoch))
+            fresh.manual_seed(derived_seed(own.initial_seed(), self.epoch))
             drawn.generator = fresh  # type: ignore[attr-defined]
         if callable(getattr(drawn, "set_epoch", None)):  # an epoch-aware sampler of the user's
             drawn.set_epoch(self.epoch)  # type: ignore[attr-defined]
@@ -168,7 +168,7 @@ class ReplicaLoader:
         # The workers' seeds come from the generator when the epoch's iterator starts: seeded by
         # the epoch, a resumed run's workers draw what the uninterrupted run's drew in that epoch
         # (seeded once, a resumed process would give its first epoch epoch 0's seeds).
-        self.generator.manual_seed(epoch_seed(self.seed, epoch))
+        self.generator.manual_seed(derived_seed(self.seed, epoch))
         return self.loader
 
     def epoch_share(self, drop_last: bool) -> tuple[int, int]:
@@ -235,7 +235,7 @@ def make_loader(
     sampler = ReplicaSampler(inner, pad)
     # Its own generator, so that building an iterator never draws from torch's global RNG
     # (that would shift dropout masks between a straight run and a resumed one).
-    generator = torch.Generator().manual_seed(epoch_seed(seed, 0))
+    generator = torch.Generator().manual_seed(derived_seed(seed, 0))
     loader = DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, generator=generator, **options
     )

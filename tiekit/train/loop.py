@@ -27,7 +27,7 @@ from tiekit.errors import TiekitError
 from tiekit.retie import verify
 from tiekit.train import coordinate, state
 from tiekit.train.config import Job, LossFn, Outcome
-from tiekit.train.data import ReplicaLoader, make_loader
+from tiekit.train.data import ReplicaLoader, derived_seed, make_loader
 from tiekit.train.log import TrainLog
 from tiekit.train.precision import Precision, resolve_precision
 
@@ -137,11 +137,7 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
     coordinator.agree_on_data(shares)  # else a rank ending its epoch first leaves the others waiting
     coordinator.batch_size = train.batch_size
     position = coordinator.resume(cfg, model, optimizer, backend)  # rank 0 chooses, every rank loads
-    seeded = devices.device_rng_state(backend.device)  # as seeded, or as the checkpoint left it
     backend.end_step()  # XLA: run the set-up's pending work (a resume's copies) through the gate
-    # ... which advances XLA's generator, as every sync does: set it back, so that the first step
-    # draws from the state the checkpoint recorded, as the saving run's next step did.
-    devices.set_device_rng_state(backend.device, seeded)
     per_epoch = train.batches_per_epoch(cfg.drop_last)
     if position.batches >= per_epoch:  # saved after an epoch's last batch: next epoch
         position = state.Position(position.epoch + 1, 0, position.step)
@@ -176,6 +172,10 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
             done, stopped = skip, False
             for batch in backend.batches(train.epoch(epoch, skip)):
                 before = backend.host_transfers() if watch_transfers else 0
+                # The device's generator (XLA's) draws the step's dropout from the run's seed and the
+                # step alone: every sync advances it (the loader's at an epoch's end, a save's, a
+                # resume's), so a state carried from step to step would differ after a resume.
+                backend.seed(derived_seed(cfg.seed, step))
                 loss = train_step(
                     step_model, optimizer, batch, backend, precision, cfg.loss_fn, coordinator.weights_copied
                 )
