@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import functools
+import random
+import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +18,7 @@ from torch.utils.data import (
     Dataset,
     DistributedSampler,
     RandomSampler,
+    Sampler,
     SequentialSampler,
     SubsetRandomSampler,
     WeightedRandomSampler,
@@ -153,3 +158,43 @@ def test_a_resume_with_workers_draws_the_augmentations_of_the_uninterrupted_run(
     assert resumed.losses == straight.losses[2:]
     expected, got = straight.model.state_dict(), resumed.model.state_dict()
     assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+class PythonShuffle(Sampler[int]):
+    """A sampler of the user's that shuffles with Python's global generator."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __iter__(self) -> Iterator[int]:
+        order = list(range(self.size))
+        random.shuffle(order)
+        return iter(order)
+
+    def __len__(self) -> int:
+        return self.size
+
+
+def test_replicas_drawing_in_threads_of_one_process_draw_alike() -> None:
+    """XLA:CPU replicas are launch threads of one process, sharing the global generators each
+    draw seeds and restores: drawn at once, the draws interleaved and the shares overlapped."""
+    sampler = PythonShuffle(20_000)
+    splits = [SplitSampler(sampler, 2, rank, seed=0) for rank in range(2)]
+    expected = [list(split) for split in splits]
+    shares: list[list[int]] = [[], []]
+
+    def draw(rank: int) -> None:
+        shares[rank] = list(splits[rank])
+
+    switching = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads take turns often, as busy launch threads do
+    try:
+        for _ in range(3):
+            threads = [threading.Thread(target=draw, args=(rank,)) for rank in range(2)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=60)
+            assert shares == expected
+    finally:
+        sys.setswitchinterval(switching)

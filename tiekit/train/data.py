@@ -17,6 +17,7 @@ import copy
 import hashlib
 import random
 import sys
+import threading
 import warnings
 from collections.abc import Iterator, Sized
 from dataclasses import dataclass
@@ -82,7 +83,9 @@ class SplitSampler(TorchSampler[int]):
             drawn.generator = fresh  # type: ignore[attr-defined]
         if callable(getattr(drawn, "set_epoch", None)):  # an epoch-aware sampler of the user's
             drawn.set_epoch(self.epoch)  # type: ignore[attr-defined]
-        with _global_generators_seeded(self.seed + self.epoch):
+        # One draw at a time in a process: XLA:CPU replicas are threads of one process, and the
+        # global generators a draw seeds and restores are the process's.
+        with _DRAWING, _global_generators_seeded(self.seed + self.epoch):
             return [int(i) for i in drawn]
 
     def __iter__(self) -> Iterator[int]:
@@ -94,6 +97,9 @@ class SplitSampler(TorchSampler[int]):
 
     def __len__(self) -> int:
         return -(-len(cast(Sized, self.sampler)) // self.num_replicas)
+
+
+_DRAWING = threading.Lock()
 
 
 @contextlib.contextmanager
