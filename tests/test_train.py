@@ -106,6 +106,14 @@ def test_a_resume_at_or_past_max_steps_trains_nothing_and_leaves_the_checkpoint_
     after = path.stat()
     assert (after.st_ino, after.st_mtime_ns) == (written.st_ino, written.st_mtime_ns)  # rewritten before
     assert os.listdir(tmp_path) == [path.name]
+    # The same when the epochs are done: 40 samples in batches of 10, one epoch is 4 steps.
+    folder = tmp_path / "epochs"
+    ekw: dict[str, Any] = {**CPU, "batch_size": 10, "checkpoint_dir": folder, "epochs": 1}
+    tiekit.fit(DropoutNet, data(), **ekw)
+    written = (folder / "step-00000004.safetensors").stat()
+    done = tiekit.fit(DropoutNet, data(), resume="last", **ekw)
+    after = (folder / "step-00000004.safetensors").stat()
+    assert (done.steps, done.losses) == (4, ()) and after.st_mtime_ns == written.st_mtime_ns
 
 
 def test_a_resume_with_another_batch_size_says_the_position_is_taken_in_the_new_batches(tmp_path: Path) -> None:

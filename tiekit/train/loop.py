@@ -156,15 +156,15 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
     step_model = backend.wrap(model)
     model.train()
     epoch, skip, step, saved_at = position.epoch, position.batches, position.step, -1
-    if cfg.max_steps is not None and step >= cfg.max_steps and cfg.resume is not None:
-        if step > cfg.max_steps and backend.is_master:
+    if coordinator.last_saved is not None:  # resumed: that checkpoint holds this step, not written again
+        saved_at = step
+        if cfg.max_steps is not None and step > cfg.max_steps and backend.is_master:
             warnings.warn(
                 f"resume: the checkpoint is at step {step}, past max_steps={cfg.max_steps}: nothing to train; "
                 "the model is the checkpoint's",
                 UserWarning,
                 stacklevel=2,
             )
-        saved_at = step  # that checkpoint holds this step already: not written again
     done = skip
     watch_transfers = backend.is_master and backend.compiles
     try:
