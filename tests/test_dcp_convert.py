@@ -48,14 +48,20 @@ def factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     sys.modules.pop(name, None)
 
 
-@pytest.fixture
-def saved(tmp_path: Path) -> tuple[nn.Module, Path]:
+def trained_gpt2() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A small GPT-2 after one AdamW step, and its optimizer (which then holds state)."""
     torch.manual_seed(0)
     model = gpt2()
     optimizer = torch.optim.AdamW(model.parameters())
     ids = torch.randint(0, 96, (2, 8))
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
+    return model, optimizer
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> tuple[nn.Module, Path]:
+    model, optimizer = trained_gpt2()
     tiekit.save_sharded(model, tmp_path / "ck", optimizer=optimizer)
     return model, tmp_path / "ck"
 
@@ -192,12 +198,7 @@ def test_what_convert_leaves_out_is_in_its_result_a_warning_and_the_cli_output(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Optimizer state and extra were dropped in silence (only the module docstring said so)."""
-    torch.manual_seed(0)
-    model = gpt2()
-    optimizer = torch.optim.AdamW(model.parameters())
-    ids = torch.randint(0, 96, (2, 8))
-    model(input_ids=ids, labels=ids).loss.backward()
-    optimizer.step()
+    model, optimizer = trained_gpt2()
     tiekit.save_sharded(model, tmp_path / "ck", optimizer=optimizer, extra={"epoch": 3})
     tiekit.save_checkpoint(tmp_path / "train.safetensors", model=model, optimizer=optimizer, step=7)
     with pytest.warns(UserWarning, match=r"ck: tiekit.convert converted the model's tensors only; left out: opt"):
