@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from models import WeightSharingModule
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, SubsetRandomSampler, TensorDataset
 
 import tiekit
 
@@ -199,3 +199,15 @@ def test_replicas_all_interrupted_are_reported_by_their_error_files() -> None:
         data = TensorDataset(torch.randn(64, 32), torch.randn(64, 10))
         tiekit.fit(WeightSharingModule, data, loss_fn=interrupted_at_the_third_batch, strategy="ddp", devices=2, **kw)
     assert "failed: KeyboardInterrupt (then replica" in str(raised.value), str(raised.value)
+
+
+def test_a_dataloader_holding_a_generator_is_refused_before_spawning() -> None:
+    """A torch.Generator does not survive torch's spawn pickling (pytorch/pytorch#146828): the
+    replica died unpickling the job, and fit could say only that it "exited with code 1"."""
+    data = TensorDataset(torch.randn(32, 32), torch.randn(32, 10))
+    shuffled = DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7))
+    subset = DataLoader(data, batch_size=4, sampler=SubsetRandomSampler(range(16), generator=torch.Generator()))
+    kw: dict[str, Any] = {"loss_fn": F.mse_loss, "max_steps": 2, "progress": False, "strategy": "ddp", "devices": 2}
+    for loader, holder in ((shuffled, "DataLoader"), (subset, "SubsetRandomSampler")):
+        with pytest.raises(tiekit.TiekitError, match=rf"train_data: the {holder} holds a torch.Generator, which"):
+            tiekit.fit(WeightSharingModule, loader, **kw)

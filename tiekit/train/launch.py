@@ -36,6 +36,7 @@ import safetensors.torch as safetensors_torch
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DataLoader
 
 from tiekit import devices, load_model
 from tiekit.backends import xla as xla_runtime
@@ -199,6 +200,7 @@ def _processes(job: Job, requested: int | str) -> tuple[list[Outcome], nn.Module
         return _here(job, TorchBackend(torch.device("cuda" if torch.cuda.is_available() else "cpu")))
     from torch.multiprocessing.spawn import ProcessException, start_processes
 
+    _refuse_generators(job)
     with tempfile.TemporaryDirectory(prefix="tiekit-fit-") as folder:
         spawned = dataclasses.replace(job, result_dir=Path(folder))
         try:
@@ -252,6 +254,22 @@ def _process_entry(rank: int, job: Job, world: int, port: int) -> None:
 def _process_backend(strategy: str, rank: int, world: int, port: int | None) -> TorchBackend:
     device = join_process_group(rank, world, port)
     return FsdpBackend(device, rank, world) if strategy == "fsdp" else TorchBackend(device, rank, world)
+
+
+def _refuse_generators(job: Job) -> None:
+    """`TiekitError` for a DataLoader (or its sampler) holding a ``torch.Generator``: spawned
+    processes receive the job through torch's shared-memory pickling, which fails to rebuild a
+    generator there (pytorch/pytorch#146828), and the replica dies before it can report why."""
+    for what, data in (("train_data", job.train_data), ("val_data", job.val_data)):
+        if not isinstance(data, DataLoader):
+            continue
+        for holder, name in ((data, "DataLoader"), (data.sampler, type(data.sampler).__name__)):
+            if isinstance(getattr(holder, "generator", None), torch.Generator):
+                raise TiekitError(
+                    f"{what}: the {name} holds a torch.Generator, which processes started by spawn cannot "
+                    f"receive (pytorch/pytorch#146828). Drop it (fit orders a plain shuffle with its seed), "
+                    f"or start the processes with torchrun, where each builds its own data"
+                )
 
 
 @contextmanager
