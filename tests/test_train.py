@@ -147,6 +147,12 @@ def test_a_resume_with_another_seed_or_shuffle_says_the_position_is_taken_in_ano
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         tiekit.fit(DropoutNet, data(), max_steps=6, seed=3, shuffle=False, resume="last", **kw)
+    # A DataLoader's own sampler orders its epochs: fit's shuffle, which it ignores, says nothing.
+    loader, own = DataLoader(data(), batch_size=4, shuffle=True), {**kw, "checkpoint_dir": tmp_path / "loader"}
+    tiekit.fit(DropoutNet, loader, max_steps=3, seed=1, **own)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tiekit.fit(DropoutNet, loader, max_steps=4, seed=1, shuffle=False, resume="last", **own)
 
 
 def test_checkpoints_are_tied_and_reload_into_a_fresh_model(tmp_path: Path) -> None:

@@ -77,9 +77,11 @@ class Coordinator:
 
     ranks: Ranks
     run_id: str
-    seed: int  # fit's seed and shuffle: the order a checkpoint's position counts in
-    shuffle: bool
     batch_size: int = 0  # per replica, as the data loader batches: what a checkpoint's position counts in
+    # What orders the epoch a checkpoint's position counts in, as the loop's data loader says
+    # (`ReplicaLoader.order_seed`, `order_shuffle`; None: not fit's seed or shuffle).
+    seed: int | None = None
+    shuffle: bool | None = None
     last_saved: Path | None = None
     pending: SaveHandle | None = None  # this rank's background save, if one is under way
     # The host memory of the last background save, copied into by the next one once that save
@@ -290,7 +292,7 @@ def join(job: Job, backend: Backend) -> Coordinator:
     equal checked on every rank (a `TiekitError` naming the option and the ranks that differ)."""
     where = backend.ranks
     if where.world == 1:
-        return Coordinator(where, job.run_id, job.config.seed, job.config.shuffle)
+        return Coordinator(where, job.run_id)
     cfg = job.config
     if backend.sharded_checkpoints and (cfg.checkpoint_dir is not None or cfg.resume is not None):
         # Found by every rank alike, before any collective: refused now rather than at the first
@@ -319,7 +321,7 @@ def join(job: Job, backend: Backend) -> Coordinator:
             raise TiekitError(
                 f"the ranks of this run passed fit different {name} ({shown}); it must be the same on every rank{why}"
             )
-    return Coordinator(where, str(gathered[0][0]), cfg.seed, cfg.shuffle)
+    return Coordinator(where, str(gathered[0][0]))
 
 
 def abort(backend: Backend, reason: str) -> None:

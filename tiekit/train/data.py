@@ -167,6 +167,10 @@ class ReplicaLoader:
     batch_size: int
     generator: torch.Generator
     seed: int
+    # What orders an epoch, as a checkpoint records it: fit's seed (None: the order does not
+    # depend on it) and whether it shuffles (None: a sampler of the user's decides).
+    order_seed: int | None = None
+    order_shuffle: bool | None = None
 
     def epoch(self, epoch: int, skip_batches: int = 0) -> DataLoader[Any]:
         """The loader for ``epoch``, without its first ``skip_batches`` batches."""
@@ -214,8 +218,10 @@ def make_loader(
     if batch_size < 1:
         raise TiekitError(f"{what}: batch_size must be at least 1, not {batch_size}")
     inner: DistributedSampler[Any] | SplitSampler
+    order_seed: int | None = seed
+    order_shuffle: bool | None = None
     if isinstance(given_sampler, DistributedSampler):
-        inner = given_sampler
+        inner, order_seed = given_sampler, None
         if inner.num_replicas != num_replicas or inner.rank != rank:
             warnings.warn(
                 f"{what}: keeping the DistributedSampler you gave (num_replicas={inner.num_replicas}, "
@@ -227,6 +233,7 @@ def make_loader(
         if given_sampler is not None:
             shuffle = bool(_plain_order(given_sampler, dataset))
         inner = DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
+        order_seed, order_shuffle = (seed if shuffle else None), shuffle
     else:
         if not hasattr(type(given_sampler), "__len__"):
             raise TiekitError(
@@ -245,7 +252,7 @@ def make_loader(
     loader = DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, generator=generator, **options
     )
-    result = ReplicaLoader(loader, sampler, batch_size, generator, seed)
+    result = ReplicaLoader(loader, sampler, batch_size, generator, seed, order_seed, order_shuffle)
     if drop_last and result.batches_per_epoch(drop_last) == 0:
         raise TiekitError(
             f"{what}: replica {rank} gets {len(inner)} sample(s) per epoch, fewer than one batch of "

@@ -85,13 +85,14 @@ def remove_checkpoint(path: Path) -> None:
 class TrainingRun:
     """What a training checkpoint records of the run beside its position: the run's id, the
     replicas and per-replica batch size its position counts in, and the ``seed`` and ``shuffle``
-    of fit that ordered the epoch it counts in."""
+    of fit that ordered the epoch it counts in (None: the order did not depend on that option,
+    a sampler of the user's decided)."""
 
     run_id: str
     world_size: int
     batch_size: int
-    seed: int
-    shuffle: bool
+    seed: int | None
+    shuffle: bool | None
 
 
 def contents(
@@ -183,11 +184,11 @@ def resume(
 def _warn_if_reordered(path: Path, extra: dict[str, Any], run: TrainingRun) -> None:
     """A `UserWarning` per option of fit that orders an epoch (``seed``, ``shuffle``) that differs
     from the saving run's: the position counts batches of the order that run drew, so the rest
-    of the epoch would repeat some samples and skip others. A checkpoint saved before tiekit
-    recorded them says nothing."""
+    of the epoch would repeat some samples and skip others. An option one of the runs' orders did
+    not depend on (None), or a checkpoint saved before tiekit recorded them, says nothing."""
     for name in ("seed", "shuffle"):
         saved, now = extra.get(name), getattr(run, name)
-        if saved is not None and saved != now:
+        if saved is not None and now is not None and saved != now:
             warnings.warn(
                 f"resuming {path}, saved by a run with {name}={saved}, with {name}={now}: its position in the "
                 f"epoch ({extra['batches']} batches) is taken in another order of the samples, so the rest of "
