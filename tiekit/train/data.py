@@ -36,6 +36,7 @@ from torch.utils.data import (
 from torch.utils.data import Sampler as TorchSampler
 
 from tiekit.errors import TiekitError
+from tiekit.train.state import seed_generators
 
 DEFAULT_BATCH_SIZE = 32
 
@@ -110,10 +111,7 @@ def _global_generators_seeded(seed: int) -> Iterator[None]:
     numpy = sys.modules.get("numpy")  # torch imports it where it is installed
     numpy_state = numpy.random.get_state() if numpy is not None else None
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        random.seed(seed)
-        if numpy is not None:
-            numpy.random.seed(seed % 2**32)
+        seed_generators(seed)
         try:
             yield
         finally:
