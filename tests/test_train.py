@@ -185,6 +185,37 @@ def test_checkpoint_keep_deletes_the_runs_older_checkpoints_once_a_newer_is_comp
     assert len(list(tmp_path.iterdir())) == 5
 
 
+def with_nan_at(index: int, size: int = 40) -> TensorDataset:
+    """`data` with sample ``index``'s inputs NaN: the loss of the batch holding it is NaN."""
+    x, y = data(size).tensors
+    x = x.clone()
+    x[index] = float("nan")
+    return TensorDataset(x, y)
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["async", "blocking"])
+def test_a_diverged_run_stops_at_its_next_save_and_keeps_the_last_good_checkpoint(
+    tmp_path: Path, background: bool
+) -> None:
+    # Sample 25 is in step 7's batch (batches of 4, in order): step 8's save finds it.
+    kw: dict[str, Any] = {"batch_size": 4, "checkpoint_dir": tmp_path, "checkpoint_async": background, **CPU}
+    kw |= {"checkpoint_every": 2, "checkpoint_keep": 1, "shuffle": False, "max_steps": 10}
+    diverged = pytest.raises(tiekit.TiekitError, match=r"the loss of step 7 was nan\. fit stopped at step 8")
+    with pytest.warns(UserWarning, match="the loss of step 7 is nan: training has diverged"), diverged as raised:
+        tiekit.fit(DropoutNet, with_nan_at(25), **kw)
+    kept = tmp_path / "step-00000006.safetensors"
+    assert f"the last one written: {kept}" in str(raised.value)
+    assert [p.name for p in tmp_path.iterdir()] == [kept.name]  # step 8's NaN weights not written over it
+    model = DropoutNet()
+    tiekit.load_checkpoint(kept, model=model)
+    assert all(p.isfinite().all() for p in model.parameters()) and model.c.weight is model.a.weight
+    # The run resumes from it on good data, and a loss NaN before any save names no checkpoint.
+    assert tiekit.fit(DropoutNet, data(), **kw | {"resume": "last"}).steps == 10
+    first = pytest.raises(tiekit.TiekitError, match=r"at step 2 without writing its checkpoint \(none was written")
+    with pytest.warns(UserWarning, match="the loss of step 1 is nan"), first:
+        tiekit.fit(DropoutNet, with_nan_at(0), **kw | {"checkpoint_dir": tmp_path / "fresh"})
+
+
 def test_checkpoint_keep_with_resume_last_keeps_n_in_the_folder_over_every_launch(tmp_path: Path) -> None:
     # A job restarted or resubmitted with resume="last": each launch continues the folder.
     kw: dict[str, Any] = {"batch_size": 4, "checkpoint_dir": tmp_path, "checkpoint_every": 2, **CPU}

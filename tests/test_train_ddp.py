@@ -211,3 +211,14 @@ def test_a_dataloader_holding_a_generator_is_refused_before_spawning() -> None:
     for loader, holder in ((shuffled, "DataLoader"), (subset, "SubsetRandomSampler")):
         with pytest.raises(tiekit.TiekitError, match=rf"train_data: the {holder} holds a torch.Generator, which"):
             tiekit.fit(WeightSharingModule, loader, **kw)
+
+
+@pytest.mark.newest_torch_only  # fit's own logic, the same on both stacks: one run keeps CI short
+def test_a_loss_gone_nan_on_one_rank_stops_every_rank_at_the_next_save(tmp_path: Path) -> None:
+    x, y = torch.randn(64, 32), torch.randn(64, 10)
+    x[25] = float("nan")  # rank 1's 13th sample (no shuffle): in its batch of step 4
+    kw: dict[str, Any] = {"loss_fn": F.mse_loss, "strategy": "ddp", "devices": 2, "batch_size": 4, "shuffle": False}
+    kw |= {"max_steps": 8, "checkpoint_dir": tmp_path, "checkpoint_every": 2, "progress": False}
+    with pytest.raises(tiekit.TiekitError, match=r"the loss of step 4 was nan on rank 1\. fit stopped at step 4"):
+        tiekit.fit(WeightSharingModule, TensorDataset(x, y), **kw)
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000002.safetensors"]

@@ -92,7 +92,8 @@ def fit(
     training goes on unless ``checkpoint_async=False``; fit returns once the last is complete.
     ``checkpoint_keep``: keep only the N newest checkpoints this run wrote, deleting an older one
     once a newer one is complete (default: keep all); with ``resume="last"`` the checkpoints
-    already in ``checkpoint_dir`` count as the run's (restarts keep N in the folder).
+    already in ``checkpoint_dir`` count as the run's (restarts keep N in the folder). A NaN or
+    infinite loss on any rank stops the run at its next save, writing nothing (`TiekitError`).
     ``resume``: a checkpoint path or "last". ``drop_last``: drop the short last batch (else it is
     padded on XLA so every step has one shape). ``progress``: tqdm bar on the master;
     ``log_dir``: ``metrics.csv`` (and TensorBoard logs when installed).

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 import tiekit
+from tiekit import devices
 from tiekit.agreement import collective_check_same_model
 from tiekit.backends.base import Backend
 from tiekit.checkpoint.deferred import DeferredCopies
@@ -189,15 +190,25 @@ class Coordinator:
         return state.TrainingRun(self.run_id, backend.devices_in_run, self.batch_size, self.seed, self.shuffle)
 
     def save(
-        self, cfg: FitConfig, model: nn.Module, optimizer: torch.optim.Optimizer, at: state.Position, backend: Backend
+        self,
+        cfg: FitConfig,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        at: state.Position,
+        backend: Backend,
+        losses: list[tuple[int, torch.Tensor]],
     ) -> None:
         """Collective: write the checkpoint of step ``at.step`` into ``cfg.checkpoint_dir`` once,
         on the writer (sharded: every rank its part, `tiekit.save_sharded`); its failure is raised
         on every rank (`tiekit.CheckpointError`). With ``cfg.checkpoint_async`` the state is
         copied to host memory here and written in the background: the failure of a save is
-        raised at the next save or at `finish_saves`."""
+        raised at the next save or at `finish_saves`.
+
+        ``losses``: this rank's ``(step, loss)`` since the last save. A loss that is not finite on
+        any rank is a `TiekitError` on every rank and nothing is written (see `check_finite`)."""
         assert cfg.checkpoint_dir is not None  # fit saves only with a checkpoint_dir
         self.finish_saves(cfg)  # one save in flight at a time: the previous one written, or its failure raised
+        self.check_finite(losses, at.step)
         path = state.checkpoint_path(cfg.checkpoint_dir, at.step, sharded=backend.sharded_checkpoints)
         blocking = not cfg.checkpoint_async
         if backend.sharded_checkpoints:
@@ -225,6 +236,28 @@ class Coordinator:
             self._complete(cfg, path)
         else:
             self.pending_path = path
+
+    def check_finite(self, losses: list[tuple[int, torch.Tensor]], step: int) -> None:
+        """Collective: a `TiekitError` on every rank when a loss in any rank's ``losses`` (its
+        ``(step, loss)`` since the last save) is NaN or infinite, naming the first one and the last
+        checkpoint written. The checkpoint of ``step`` is then not written: with
+        ``checkpoint_keep``, it would push the last good checkpoints out of the folder."""
+        first: tuple[int, float] | None = None
+        if losses:
+            values = devices.to_host([loss for _, loss in losses])  # one transfer; the steps are done
+            first = next(((s, float(v)) for (s, _), v in zip(losses, values, strict=True) if not v.isfinite()), None)
+        found = self.gather(first)
+        bad = [(where, rank) for rank, where in enumerate(found) if where is not None]
+        if not bad:
+            return
+        (bad_step, value), rank = min(bad)
+        who = f" on rank {rank}" if self.ranks.world > 1 else ""
+        last = "none was written before" if self.last_saved is None else f"the last one written: {self.last_saved}"
+        raise TiekitError(
+            f"training diverged: the loss of step {bad_step} was {value}{who}. fit stopped at step {step} without "
+            f"writing its checkpoint ({last}). Resume from an earlier checkpoint with a lower learning rate, "
+            "gradient clipping or other data"
+        )
 
     def weights_copied(self, *, then_wait: bool = False) -> None:
         """Local: return once a background save's copy of the parameters and optimizer state is

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import math
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -108,6 +109,15 @@ class TrainLog:
         # Converted on the host: a conversion on the device would be one more graph to compile.
         values = [float(v.float()) for v in to_host([loss for _, _, loss in pending])]
         self.losses.extend(values)
+        diverged = next(
+            ((step, v) for (step, _, _), v in zip(pending, values, strict=True) if not math.isfinite(v)), None
+        )
+        if diverged is not None and "diverged" not in self._warned:
+            self._warned.add("diverged")
+            # A warning only: the ranks stop together at the next save (`Coordinator.check_finite`).
+            warnings.warn(
+                f"the loss of step {diverged[0]} is {diverged[1]}: training has diverged", UserWarning, stacklevel=3
+            )
         rate = self.samples_per_second
         elapsed = time.perf_counter() - self._started
         for (step, epoch, _), value in zip(pending, values, strict=True):

@@ -167,6 +167,9 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
                 stacklevel=2,
             )
     done = skip
+    # This rank's losses since the last save, checked before the next one: a diverged run's
+    # checkpoint would push the good ones out of a folder with checkpoint_keep.
+    unsaved: list[tuple[int, torch.Tensor]] = []
     watch_transfers = backend.is_master and backend.compiles
     try:
         while (limit is None or epoch < limit) and (cfg.max_steps is None or step < cfg.max_steps):
@@ -183,10 +186,12 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
                 after = backend.host_transfers() if watch_transfers else 0
                 step, done = step + 1, done + 1
                 log.step(step, epoch, loss, after - before)
+                if cfg.checkpoint_dir is not None:
+                    unsaved.append((step, loss))
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                     with log.outside_steps():  # collective: one writer, its failure raised on every rank
-                        coordinator.save(cfg, model, optimizer, state.Position(epoch, done, step), backend)
-                    saved_at = step
+                        coordinator.save(cfg, model, optimizer, state.Position(epoch, done, step), backend, unsaved)
+                    saved_at, unsaved = step, []
                 if cfg.max_steps is not None and step >= cfg.max_steps:
                     stopped = True
                     break
@@ -200,7 +205,7 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
         log.stop_clock()
         if cfg.checkpoint_dir is not None and saved_at != step:
             with log.outside_steps():
-                coordinator.save(cfg, model, optimizer, state.Position(epoch, done, step), backend)
+                coordinator.save(cfg, model, optimizer, state.Position(epoch, done, step), backend, unsaved)
         coordinator.finish_saves(cfg)  # the last checkpoint complete before fit returns
     finally:
         coordinator.weights_copied()  # a failed run's last background save is still written, if it can be
