@@ -169,6 +169,20 @@ def test_conjugate_and_negative_views_save_their_values(tmp_path: Path, durable:
     assert all(torch.equal(fresh.get_buffer(k), v) for k, v in resolved.items())
 
 
+def test_conjugate_and_negative_views_load_their_values(tmp_path: Path) -> None:
+    """Loading into a model whose buffers are such views read the file's bytes into their memory,
+    which torch refused (a dtype view of a conjugate view): a raw RuntimeError."""
+    model, path = LazyViews(), tmp_path / "views.safetensors"
+    tiekit.save_model(model, path)
+    into = LazyViews()
+    with torch.no_grad():
+        for t in (into.conj, into.neg, into.weight):
+            t.zero_()
+    tiekit.load_model(into, path)
+    assert all(torch.equal(into.get_buffer(k), model.get_buffer(k)) for k in ("conj", "neg"))
+    assert torch.equal(into.weight, model.weight)
+
+
 def test_the_bytes_of_an_ordinary_tensor_are_its_own_memory() -> None:
     t = torch.randn(5, 3)
     assert direct.host_bytes(t).ctypes.data == t.data_ptr()  # no copy

@@ -339,6 +339,23 @@ def test_precisions_cast_or_autocast_and_keep_the_tie(precision: str, seen: tupl
     assert all(torch.isfinite(torch.tensor(result.losses)))
 
 
+class WithConjugateBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 8)
+        self.register_buffer("phase", torch.polar(torch.ones(4), torch.arange(4.0)).conj())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+
+def test_a_model_with_a_conjugate_view_buffer_trains_to_its_digest() -> None:
+    # The digest of the trained model took a dtype view of every tensor: torch refuses one of a
+    # conjugate view, and fit failed after training with a raw RuntimeError.
+    result = tiekit.fit(WithConjugateBuffer, data(8), loss_fn=F.mse_loss, max_steps=2, batch_size=4, **CPU)
+    assert result.steps == 2 and result.model.phase.is_conj() and len(result.replica_digests[0]) == 64
+
+
 def test_a_hugging_face_model_that_returns_its_loss_trains_and_stays_tied() -> None:
     torch.manual_seed(0)
     ids = (torch.randint(0, 96, (48, 1)) + torch.arange(16)) % 96  # next token = this one + 1

@@ -143,7 +143,7 @@ def _fill(jobs: list[Job], files: Mapping[str, FileIdentity]) -> dict[int, torch
         if job.device.type != "cpu":
             continue
         path, entry = job.entry
-        if not job.replace and job.tensor.dtype == entry.dtype and job.tensor.is_contiguous():
+        if not job.replace and job.tensor.dtype == entry.dtype and _holds_its_values(job.tensor):
             reads.append((path, entry, job.tensor.detach()))  # straight into the parameter's memory
             continue
         host = torch.empty(entry.shape, dtype=entry.dtype)
@@ -159,6 +159,12 @@ def _fill(jobs: list[Job], files: Mapping[str, FileIdentity]) -> dict[int, torch
         tensor.copy_(host)  # casts
     fresh.update((id(job.tensor), value) for job, value in on_device)
     return fresh
+
+
+def _holds_its_values(t: torch.Tensor) -> bool:
+    """``t``'s memory holds its values in order: a file's bytes can be read straight into it (a
+    conjugate or negative view's memory holds the values before the lazy conjugation)."""
+    return t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

@@ -21,6 +21,7 @@ from torch import nn
 
 from tiekit import devices
 from tiekit.analyze import find_ties
+from tiekit.checkpoint.direct import host_bytes
 from tiekit.backends.base import Backend
 from tiekit.dcp.state import unwrap
 from tiekit.errors import TiekitError
@@ -330,5 +331,5 @@ def _digest(model: nn.Module) -> str:
     sha = hashlib.sha256()
     for (name, _), t in sorted(zip(named, hosts, strict=True), key=lambda pair: pair[0][0]):
         sha.update(name.encode())
-        sha.update(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        sha.update(host_bytes(t).tobytes())
     return sha.hexdigest()
