@@ -21,8 +21,8 @@ from torch import nn
 
 from tiekit import devices
 from tiekit.analyze import find_ties
-from tiekit.checkpoint.direct import host_bytes
 from tiekit.backends.base import Backend
+from tiekit.checkpoint.direct import host_bytes
 from tiekit.dcp.state import unwrap
 from tiekit.errors import TiekitError
 from tiekit.retie import verify
