@@ -555,3 +555,53 @@ def test_checkpoint_replaced_during_a_load_is_loaded_again_from_the_new_save(
     with pytest.raises(CheckpointError, match="changed on disk after its header was checked"):
         load_model(model, folder)
     assert_unchanged(model, before)
+
+
+def test_a_save_onto_a_symbolic_link_replaces_the_file_it_names(tmp_path: Path) -> None:
+    # The rename that publishes a save replaced the link itself with a file: a "latest" link
+    # stopped pointing at its checkpoint, which kept the old weights.
+    real, link = tmp_path / "step-2.safetensors", tmp_path / "latest.safetensors"
+    save_model(WeightSharingModule(), real)
+    link.symlink_to(real.name)
+    newer = WeightSharingModule()
+    save_model(newer, link)
+    assert link.is_symlink() and os.readlink(link) == real.name
+    loaded = WeightSharingModule()
+    load_model(loaded, real)
+    assert torch.equal(loaded.layer_1.weight, newer.layer_1.weight)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+LIMITED_WRITE = """
+import resource, signal, sys
+import torch
+import tiekit
+sys.path.insert(0, sys.argv[2])
+from models import WeightSharingModule
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))
+try:
+    tiekit.save_checkpoint(sys.argv[1], model=WeightSharingModule(), step=3)
+except tiekit.CheckpointError as exc:
+    print("CheckpointError:", exc)
+"""
+
+
+def test_a_save_failing_to_write_leaves_no_folder_it_created(tmp_path: Path) -> None:
+    target = tmp_path / "run" / "checkpoints" / "step-3.safetensors"
+    script = tmp_path / "limited.py"
+    script.write_text(LIMITED_WRITE)
+    tests = str(Path(__file__).parent)
+    done = subprocess.run([sys.executable, script, target, tests], capture_output=True, text=True, timeout=120)
+    assert "CheckpointError:" in done.stdout and "cannot write" in done.stdout, done.stdout + done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["limited.py"]  # run/checkpoints/ removed again
+
+
+@pytest.mark.parametrize("step", ["3", 3.0, True, [3]])
+def test_a_step_that_is_not_an_integer_is_refused(tmp_path: Path, step: object) -> None:
+    with pytest.raises(CheckpointError, match=r"step must be an integer or None, not "):
+        tiekit.save_checkpoint(tmp_path / "c.safetensors", model=WeightSharingModule(), step=step)  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []
+    tiekit.save_checkpoint(tmp_path / "c.safetensors", model=WeightSharingModule(), step=torch.tensor(4))  # type: ignore[arg-type]
+    assert tiekit.load_checkpoint(tmp_path / "c.safetensors", model=WeightSharingModule())["step"] == 4

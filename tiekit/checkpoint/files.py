@@ -15,7 +15,7 @@ import re
 import secrets
 import shutil
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -50,9 +50,11 @@ def write_single(
     """Write ``state`` (host tensors, or their `FileImage`) as the safetensors file ``target``,
     atomically; ``before_publish`` runs once the file is written (and synced) and before it
     replaces ``target``: its exception leaves the previous file in place. ``lent``: the image is
-    training state, written as `tiekit.checkpoint.image.write_image` says."""
-    _prepare_folder(target)
-    _commit_file(target, lambda tmp: _save_tensors(state, tmp, header, durable, lent), durable, before_publish)
+    training state, written as `tiekit.checkpoint.image.write_image` says. A symbolic link at
+    ``target`` stays: the file it names is the one replaced, as ``open(target, "wb")`` would write."""
+    target = _through_link(target)
+    with _folder_for(target):
+        _commit_file(target, lambda tmp: _save_tensors(state, tmp, header, durable, lent), durable, before_publish)
     # A sharded save that this file now replaces: drop it, or a loader might still pick it.
     index = target.with_name(target.name + INDEX_SUFFIX)
     if index.exists():
@@ -63,8 +65,14 @@ def write_single(
 def write_sharded(
     target: Path, state: dict[str, torch.Tensor], header: dict[str, str], plan: TiePlan, limit: int, durable: bool
 ) -> None:
+    with _folder_for(target):
+        _write_sharded(target, state, header, plan, limit, durable)
+
+
+def _write_sharded(
+    target: Path, state: dict[str, torch.Tensor], header: dict[str, str], plan: TiePlan, limit: int, durable: bool
+) -> None:
     folder = target.parent
-    _prepare_folder(target)
     shards = _split(state, limit)
     stem = target.name.removesuffix(".safetensors")
     files = [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
@@ -165,12 +173,31 @@ def _weight_map_files(index_path: Path) -> list[str]:
     return sorted({f for f in weight_map.values() if isinstance(f, str) and f and "/" not in f and f != ".."})
 
 
-def _prepare_folder(target: Path) -> None:
-    folder = target.parent
+def _through_link(target: Path) -> Path:
+    """The file a symbolic link at ``target`` names (a save replaces that file, keeping the link)."""
+    return Path(os.path.realpath(target)) if target.is_symlink() else target
+
+
+@contextlib.contextmanager
+def _folder_for(target: Path) -> Iterator[None]:
+    """``target``'s folder, created where missing and cleaned of dead saves' work folders; the
+    folders created here are removed again when the save fails (a failed call leaves nothing)."""
+    missing = [f for f in [target.parent, *target.parent.parents] if not f.exists()]
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CheckpointError(f"{target}: cannot create the folder: {exc.strerror or exc}") from exc
+    try:
+        _remove_dead_work_folders(target.parent)
+        yield
+    except BaseException:
+        for created in missing:  # deepest first; one another writer has filled stays
+            with contextlib.suppress(OSError):
+                created.rmdir()
+        raise
+
+
+def _remove_dead_work_folders(folder: Path) -> None:
     # Work folders of saves that were killed (their process is gone) are garbage.
     for entry in folder.iterdir():
         match = _TEMP_RE.fullmatch(entry.name)

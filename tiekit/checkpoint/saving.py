@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import operator
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,6 +30,7 @@ from tiekit.checkpoint.layout import (
     parse_size,
     target_path,
 )
+from tiekit.errors import CheckpointError
 
 
 def save_model(
@@ -171,11 +173,23 @@ def stage_training_checkpoint(
     """Where a training checkpoint goes, its tensors (the model's and optimizer's own, wherever
     they live) and its header."""
     target = target_path(path, CHECKPOINT_NAME)
-    values = {"step": (step, "extra/step"), "extra": (extra, "extra/value")}
+    values = {"step": (_step_number(step, target), "extra/step"), "extra": (extra, "extra/value")}
     plan, state, encoded = encode_training_state(model, optimizer, values, fallback)
     header = header_metadata(None, plan)
     header[STATE_KEY] = json.dumps({"version": STATE_VERSION, **encoded}, separators=(",", ":"))
     return target, state, header
+
+
+def _step_number(step: Any, target: Path) -> int | None:
+    """``step`` as the int a checkpoint records (a NumPy or 0-d tensor integer too), or None."""
+    if step is None:
+        return None
+    try:
+        if isinstance(step, bool):
+            raise TypeError
+        return operator.index(step)
+    except TypeError:
+        raise CheckpointError(f"{target}: step must be an integer or None, not {type(step).__name__}") from None
 
 
 def _background_copies(
