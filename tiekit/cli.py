@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 import sys
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -136,13 +135,10 @@ def _add_convert(sub: Any) -> None:
 def convert_command(args: argparse.Namespace) -> int:
     """``tiekit convert SRC DST``: 0 when written."""
     from tiekit import inspection
-    from tiekit.dcp.convert import convert
+    from tiekit.dcp.convert import convert_silently
 
     plan = inspection.model_plan(inspection.build_model(args.model).model) if args.model else None
-    with warnings.catch_warnings():
-        # convert's warning about what it left out: said below, in the command's own output.
-        warnings.filterwarnings("ignore", message=r".*tiekit\.convert converted the model's tensors only")
-        result = convert(args.src, args.dst, plan=plan, max_shard_size=args.max_shard_size)
+    result = convert_silently(args.src, args.dst, plan=plan, max_shard_size=args.max_shard_size)  # left_out: below
     if args.json:
         print(json.dumps({"files": list(result.files), "stored": len(result.stored), "merged": list(result.merged),
                           "bytes": result.bytes, "left_out": list(result.left_out)}, indent=2))  # fmt: skip

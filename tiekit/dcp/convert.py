@@ -102,7 +102,7 @@ def convert(
     `save_checkpoint` file) stay in the source: the result's ``left_out`` names what the source
     held, and a ``UserWarning`` says it. Resume training from the source itself.
     """
-    result = reading_committed(Path(src), lambda: _convert(Path(src), Path(dst), plan, max_shard_size))
+    result = convert_silently(src, dst, plan=plan, max_shard_size=max_shard_size)
     if result.left_out:
         warnings.warn(
             f"{os.fspath(src)}: tiekit.convert converted the model's tensors only; left out: "
@@ -111,6 +111,13 @@ def convert(
             stacklevel=2,
         )
     return result
+
+
+def convert_silently(
+    src: PathLike, dst: PathLike, *, plan: TiePlan | nn.Module | None = None, max_shard_size: int | str | None = None
+) -> ConvertResult:
+    """`convert`, without its warning about what it left out (the CLI prints that itself)."""
+    return reading_committed(Path(src), lambda: _convert(Path(src), Path(dst), plan, max_shard_size))
 
 
 def _convert(src: Path, dst: Path, plan: TiePlan | nn.Module | None, max_shard_size: int | str | None) -> ConvertResult:
