@@ -15,7 +15,14 @@ import torch.nn.functional as F
 from models import gpt2
 from safetensors import safe_open
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, TensorDataset
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    SubsetRandomSampler,
+    TensorDataset,
+)
 
 import tiekit
 from tiekit.train.data import make_loader
@@ -153,6 +160,13 @@ def test_a_resume_with_another_seed_or_shuffle_says_the_position_is_taken_in_ano
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         tiekit.fit(DropoutNet, loader, max_steps=4, seed=1, shuffle=False, resume="last", **own)
+    # Nor does fit's seed, for a sampler whose own generator orders it.
+    subset = SubsetRandomSampler(range(24), generator=torch.Generator().manual_seed(5))
+    loader, own = DataLoader(data(), batch_size=4, sampler=subset), {**kw, "checkpoint_dir": tmp_path / "own"}
+    tiekit.fit(DropoutNet, loader, max_steps=3, seed=1, **own)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tiekit.fit(DropoutNet, loader, max_steps=4, seed=2, resume="last", **own)
 
 
 def test_checkpoints_are_tied_and_reload_into_a_fresh_model(tmp_path: Path) -> None:

@@ -239,6 +239,8 @@ def make_loader(
                 "the number of samples it draws per epoch to count the epoch's batches"
             )
         inner = SplitSampler(given_sampler, num_replicas, rank, seed)
+        if isinstance(getattr(given_sampler, "generator", None), torch.Generator):
+            order_seed = None  # the sampler's own generator orders it (`SplitSampler.draw`), not fit's seed
     if len(inner) == 0:
         empty = "the dataset is empty" if isinstance(inner, DistributedSampler) else "the sampler draws none"
         raise TiekitError(f"{what}: replica {rank} of {num_replicas} gets no samples ({empty})")
