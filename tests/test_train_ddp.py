@@ -201,16 +201,23 @@ def test_replicas_all_interrupted_are_reported_by_their_error_files() -> None:
     assert "failed: KeyboardInterrupt (then replica" in str(raised.value), str(raised.value)
 
 
-def test_a_dataloader_holding_a_generator_is_refused_before_spawning() -> None:
+def test_a_dataloader_holding_a_generator_trains_as_in_one_process() -> None:
     """A torch.Generator does not survive torch's spawn pickling (pytorch/pytorch#146828): the
-    replica died unpickling the job, and fit could say only that it "exited with code 1"."""
-    data = TensorDataset(torch.randn(32, 32), torch.randn(32, 10))
-    shuffled = DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7))
-    subset = DataLoader(data, batch_size=4, sampler=SubsetRandomSampler(range(16), generator=torch.Generator()))
-    kw: dict[str, Any] = {"loss_fn": F.mse_loss, "max_steps": 2, "progress": False, "strategy": "ddp", "devices": 2}
-    for loader, holder in ((shuffled, "DataLoader"), (subset, "SubsetRandomSampler")):
-        with pytest.raises(tiekit.TiekitError, match=rf"train_data: the {holder} holds a torch.Generator, which"):
-            tiekit.fit(WeightSharingModule, loader, **kw)
+    replica died unpickling the job, and fit could say only that it "exited with code 1". It now
+    travels by value, and the subset its sampler draws with it is the one a single process trains on."""
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(48, 32, generator=generator), torch.randn(48, 10, generator=generator))
+    subset = SubsetRandomSampler(range(24), generator=torch.Generator().manual_seed(7))
+    kw: dict[str, Any] = {"loss_fn": F.mse_loss, "max_steps": 3, "progress": False, "seed": 1}
+    kw["optimizer"] = functools.partial(torch.optim.SGD, lr=0.1)
+    spawned = tiekit.fit(
+        WeightSharingModule, DataLoader(data, batch_size=4, sampler=subset), strategy="ddp", devices=2, **kw
+    )
+    alone = tiekit.fit(WeightSharingModule, DataLoader(data, batch_size=8, sampler=subset), devices="cpu", **kw)
+    trained, expected = spawned.model.state_dict(), alone.model.state_dict()
+    for name in expected:
+        torch.testing.assert_close(trained[name], expected[name], rtol=1e-5, atol=1e-6)
+    assert spawned.ties_kept and spawned.model.layer_3.weight is spawned.model.layer_1.weight
 
 
 @pytest.mark.newest_torch_only  # fit's own logic, the same on both stacks: one run keeps CI short

@@ -29,6 +29,7 @@ import warnings
 from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,6 @@ import safetensors.torch as safetensors_torch
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader
 
 from tiekit import devices, load_model
 from tiekit.backends import xla as xla_runtime
@@ -200,11 +200,10 @@ def _processes(job: Job, requested: int | str) -> tuple[list[Outcome], nn.Module
         return _here(job, TorchBackend(torch.device("cuda" if torch.cuda.is_available() else "cpu")))
     from torch.multiprocessing.spawn import ProcessException, start_processes
 
-    _refuse_generators(job)
     with tempfile.TemporaryDirectory(prefix="tiekit-fit-") as folder:
         spawned = dataclasses.replace(job, result_dir=Path(folder))
         try:
-            with _picklable(job.strategy):
+            with _picklable(job.strategy), _generators_sent_by_value():
                 start_processes(_process_entry, args=(spawned, world, free_port()), nprocs=world, start_method="spawn")
         except ProcessException as exc:  # torch stopped the other processes when this one failed
             if not _died_after_reporting(spawned, world, exc):
@@ -256,20 +255,33 @@ def _process_backend(strategy: str, rank: int, world: int, port: int | None) -> 
     return FsdpBackend(device, rank, world) if strategy == "fsdp" else TorchBackend(device, rank, world)
 
 
-def _refuse_generators(job: Job) -> None:
-    """`TiekitError` for a DataLoader (or its sampler) holding a ``torch.Generator``: spawned
-    processes receive the job through torch's shared-memory pickling, which fails to rebuild a
-    generator there (pytorch/pytorch#146828), and the replica dies before it can report why."""
-    for what, data in (("train_data", job.train_data), ("val_data", job.val_data)):
-        if not isinstance(data, DataLoader):
-            continue
-        for holder, name in ((data, "DataLoader"), (data.sampler, type(data.sampler).__name__)):
-            if isinstance(getattr(holder, "generator", None), torch.Generator):
-                raise TiekitError(
-                    f"{what}: the {name} holds a torch.Generator, which processes started by spawn cannot "
-                    f"receive (pytorch/pytorch#146828). Drop it (fit orders a plain shuffle with its seed), "
-                    f"or start the processes with torchrun, where each builds its own data"
-                )
+@contextmanager
+def _generators_sent_by_value() -> Iterator[None]:
+    """Inside: a ``torch.Generator`` (a DataLoader's, a sampler's) reaches spawned processes as
+    its state, in the pickle itself. torch's shared-memory pickling sends its state tensor by a
+    file descriptor the new process fails to map (pytorch/pytorch#146828): the replica died
+    unpickling the job, before it could report why."""
+    reducers = ForkingPickler._extra_reducers  # what ForkingPickler.register writes to
+    before = reducers.get(torch.Generator)
+    ForkingPickler.register(torch.Generator, _generator_by_value)
+    try:
+        yield
+    finally:
+        if before is None:
+            reducers.pop(torch.Generator, None)
+        else:
+            reducers[torch.Generator] = before
+
+
+def _generator_by_value(generator: torch.Generator) -> tuple[Any, tuple[str, bytes]]:
+    return _generator_from_state, (str(generator.device), generator.get_state().numpy().tobytes())
+
+
+def _generator_from_state(device: str, state: bytes) -> torch.Generator:
+    """A generator in the state sent (its initial seed included)."""
+    generator = torch.Generator(device=device)
+    generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+    return generator
 
 
 @contextmanager
