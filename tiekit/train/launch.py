@@ -261,7 +261,7 @@ def _generators_sent_by_value() -> Iterator[None]:
     its state, in the pickle itself. torch's shared-memory pickling sends its state tensor by a
     file descriptor the new process fails to map (pytorch/pytorch#146828): the replica died
     unpickling the job, before it could report why."""
-    reducers = ForkingPickler._extra_reducers  # what ForkingPickler.register writes to
+    reducers: dict[type, Any] = ForkingPickler._extra_reducers  # type: ignore[attr-defined]  # register writes it
     before = reducers.get(torch.Generator)
     ForkingPickler.register(torch.Generator, _generator_by_value)
     try:
