@@ -335,9 +335,8 @@ def _collect(job: Job) -> tuple[list[Outcome], nn.Module]:
         # (its spawn wrapper exits 0 on KeyboardInterrupt): their error files say why.
         errors = _replica_errors(job)
         if errors:
-            index, error = next(iter(errors.items()))
-            kind = _TIEKIT_ERRORS.get(error["type"], TiekitError)
-            raise kind(f"replica {index} (process {error['pid']}) {_first_failure(errors)}")
+            index, pid, kind, how = _first_failure(errors)
+            raise kind(f"replica {index} (process {pid}) {how}")
         raise TiekitError(f"the {job.strategy!r} replicas exited without reporting (see their output above)")
     outcomes = []
     for path in files:
@@ -363,11 +362,13 @@ def _replica_errors(job: Job) -> dict[int, dict[str, Any]]:
     return dict(sorted(found.items(), key=lambda item: item[1]["time"]))
 
 
-def _first_failure(errors: dict[int, dict[str, Any]]) -> str:
-    """``failed: <the first error> (then replica ... failed too)``, from `_replica_errors`."""
+def _first_failure(errors: dict[int, dict[str, Any]]) -> tuple[int, Any, type[TiekitError], str]:
+    """The replica that failed first (`_replica_errors`), its process id, the class to raise (a
+    tiekit error keeps its own) and ``failed: <its error> (then replica ... failed too)``."""
     index, error = next(iter(errors.items()))
     later = [str(r) for r in errors if r != index]
-    return f"failed: {_described(error)}" + (f" (then replica {', '.join(later)} failed too)" if later else "")
+    how = f"failed: {_described(error)}" + (f" (then replica {', '.join(later)} failed too)" if later else "")
+    return index, error["pid"], _TIEKIT_ERRORS.get(error["type"], TiekitError), how
 
 
 def _described(error: dict[str, Any]) -> str:
@@ -394,9 +395,7 @@ def _failure(job: Job, exc: Exception) -> TiekitError:
         others = [f"replica {r}: {_described(e)}" for r, e in errors.items() if r != index]
         how += f" (replicas reported errors too: {'; '.join(others)})" if others else ""
     elif errors:
-        index, error = next(iter(errors.items()))
-        pid, kind = error["pid"], _TIEKIT_ERRORS.get(error["type"], TiekitError)
-        how = _first_failure(errors)
+        index, pid, kind, how = _first_failure(errors)
     elif isinstance(exc, ProcessExitedException):
         how = f"exited with code {exc.exit_code} without reporting an error (its output above says why)"
     else:  # raised before its replica ran (joining the group)
