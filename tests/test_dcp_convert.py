@@ -245,6 +245,29 @@ def test_inspect_and_verify_read_sharded_folders(
     assert code == 1 and "FAIL  file:" in out and "__0_0.distcp: 100 bytes, but save" in out
 
 
+def test_inspect_reads_a_plain_dcp_folder_and_finds_its_tie_stored_twice(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`tiekit inspect` of a folder dcp.save wrote (no tiekit marker) said "no safetensors file or
+    index in this folder", although `tiekit convert` reads such folders."""
+    from torch.distributed.checkpoint import save
+
+    model = gpt2()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: "torch.distributed is disabled ... single process"
+        save({**model.state_dict(), "step": 7}, checkpoint_id=tmp_path / "plain", no_dist=True)
+    code, out, _ = run(capsys, "inspect", str(tmp_path / "plain"), "--json")
+    report = json.loads(out)
+    unique = len({t.data_ptr() for t in model.state_dict().values()})
+    assert code == 0 and (report["kind"], report["plan_origin"]) == ("dcp", "none")
+    assert report["stored_tensors"] == len(model.state_dict()) == unique + 1  # both names of the tie
+    assert report["metadata"] == {"non-tensor entries": "1"}
+    assert report["stored_bytes"] == sum(t.nbytes for t in model.state_dict().values())
+    code, out, _ = run(capsys, "inspect", str(tmp_path / "plain"), "--check-values")
+    assert code == 0 and "none recorded (a plain torch.distributed.checkpoint folder)" in out
+    assert "lm_head.weight, transformer.wte.weight" in out or "transformer.wte.weight, lm_head.weight" in out
+
+
 MEMORY = """
 import pathlib, sys, torch
 import tiekit

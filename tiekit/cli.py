@@ -156,8 +156,8 @@ def _add_inspect_and_verify(sub: Any) -> None:
         "inspect",
         help="show the ties, tensors and sizes of a checkpoint, or the tie plan of a model",
         description="TARGET is a .safetensors file, a *.safetensors.index.json, a folder holding one, "
-        "a tiekit.save_sharded folder, or module:factory (e.g. examples.tied_lm:build), which is built on the "
-        "meta device when possible.",
+        "a tiekit.save_sharded folder or a plain torch.distributed.checkpoint one, or module:factory (e.g. "
+        "examples.tied_lm:build), which is built on the meta device when possible.",
     )
     inspect_parser.add_argument("target", metavar="TARGET", help="PATH or module:factory")
     inspect_parser.add_argument("--json", action="store_true", help="print JSON for machines")

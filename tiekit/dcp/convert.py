@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -32,6 +32,8 @@ from tiekit.dcp.layout import (
     DCP_METADATA,
     MARKER_NAME,
     SAVE_PREFIX,
+    is_plain_dcp_folder,
+    is_sharded_checkpoint,
     read_marker,
     reading_committed,
     remove_stale,
@@ -41,6 +43,9 @@ from tiekit.dcp.state import running_dcp
 from tiekit.dcp.stream import Spec, Value, nbytes, write_dcp, write_safetensors
 from tiekit.errors import CheckpointError
 from tiekit.plan import TiePlan
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 #: Bytes read from a DCP folder per read call (or the largest tensor, if larger): DCP plans each
 #: call, so one call per tensor costs more than the reading for models of many small tensors.
@@ -134,7 +139,7 @@ def _convert(src: Path, dst: Path, plan: TiePlan | nn.Module | None, max_shard_s
 
 
 def _is_dcp(path: Path) -> bool:
-    return path.is_dir() and ((path / MARKER_NAME).is_file() or (path / DCP_METADATA).is_file())
+    return is_sharded_checkpoint(path) or is_plain_dcp_folder(path)
 
 
 def _open(path: Path) -> _Reader:
@@ -149,13 +154,9 @@ def _open(path: Path) -> _Reader:
         specs = [(k, marker.tensors[k][0], stored[k].properties.dtype) for k in marker.model_keys()]
         return _Reader(marker.where, specs, marker.plan, _dcp_read(marker.folder), _training_state(marker.record))
     if (path / DCP_METADATA).is_file():  # a plain DCP folder: torch's reader unpickles its metadata
-        from torch.distributed.checkpoint.filesystem import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        try:
-            metadata = FileSystemReader(path).read_metadata()
-        except Exception as exc:
-            raise CheckpointError(f"{path / DCP_METADATA}: unreadable DCP metadata: {exc}") from exc
+        metadata = plain_dcp_metadata(path)
         specs = [
             (k, tuple(v.size), v.properties.dtype)
             for k, v in metadata.state_dict_metadata.items()
@@ -175,6 +176,17 @@ def _open(path: Path) -> _Reader:
     except CheckpointError:  # the model's tensors still convert, as load_model still reads them
         left_out = ("a training record it cannot read",)
     return _Reader(opened.where, specs, opened.plan, read, left_out)
+
+
+def plain_dcp_metadata(folder: Path) -> Metadata:
+    """DCP's metadata of a plain folder (``dcp.save``, no tiekit marker); `CheckpointError`
+    naming the file when torch's reader cannot unpickle it. Local."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    try:
+        return FileSystemReader(folder).read_metadata()
+    except Exception as exc:
+        raise CheckpointError(f"{folder / DCP_METADATA}: unreadable DCP metadata: {exc}") from exc
 
 
 def _training_state(record: Any) -> tuple[str, ...]:

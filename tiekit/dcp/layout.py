@@ -39,6 +39,12 @@ def is_sharded_checkpoint(path: PathLike) -> bool:
     return (Path(path) / MARKER_NAME).is_file()
 
 
+def is_plain_dcp_folder(path: PathLike) -> bool:
+    """True when ``path`` is a folder DCP saved without tiekit (its ``.metadata``, no marker).
+    Local, reads nothing."""
+    return not is_sharded_checkpoint(path) and (Path(path) / DCP_METADATA).is_file()
+
+
 def committed_save_id(path: PathLike) -> str | None:
     """The save id the marker of ``path`` names now, or None when there is no readable marker
     (local; reads the marker only, validates nothing)."""

@@ -4,15 +4,19 @@ loading any tensor (unless values are compared)."""
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from tiekit.analyze import dtype_name
+from tiekit.checkpoint.direct import host_bytes
 from tiekit.checkpoint.layout import PathLike
 from tiekit.dcp.layout import read_marker, reading_committed
 from tiekit.inspection import FileReport, StoredTensor
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 
 def inspect_sharded(path: PathLike, *, check_values: bool = False) -> FileReport:
@@ -29,9 +33,7 @@ def _inspect_sharded(path: PathLike, check_values: bool) -> FileReport:
 
     marker = read_marker(path)
     metadata = _dcp_metadata(marker)
-    first_file: dict[str, str] = {}
-    for index, where in (metadata.storage_data or {}).items():
-        first_file.setdefault(index.fqn, os.fspath(marker.folder / where.relative_path))
+    first_file = _first_files(metadata, marker.folder)
     tensors = []
     side_count = side_bytes = 0
     for key, (shape, dtype) in marker.tensors.items():
@@ -62,7 +64,57 @@ def _inspect_sharded(path: PathLike, check_values: bool) -> FileReport:
         checkpoint_version=int(marker.record.get("version", 1)) if side_count else None,
         metadata=shown,
         identical=_identical(marker.folder, tensors) if check_values else None,
+        kind="save_sharded",
     )
+
+
+def inspect_plain_dcp(path: PathLike, *, check_values: bool = False) -> FileReport:
+    """Describe a plain torch.distributed.checkpoint folder (``dcp.save``, no tiekit marker)
+    from DCP's metadata: its tensors, the file holding each one's first chunk, and no tie plan (it
+    records none, and stores each name of a tie: ``check_values`` finds those copies). Local."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from tiekit.dcp.convert import plain_dcp_metadata
+
+    folder = Path(path)
+    metadata = plain_dcp_metadata(folder)
+    first_file = _first_files(metadata, folder)
+    tensors = []
+    others = 0
+    for key, info in metadata.state_dict_metadata.items():
+        if not isinstance(info, TensorStorageMetadata):
+            others += 1  # bytes DCP pickled: a step, a config
+            continue
+        size = info.properties.dtype.itemsize * math.prod(info.size)
+        dtype = dtype_name(info.properties.dtype)
+        tensors.append(StoredTensor(key, dtype, tuple(info.size), size, first_file.get(key, os.fspath(folder))))
+    shown = {"non-tensor entries": str(others)} if others else {}
+    return FileReport(
+        path=os.fspath(folder),
+        files=tuple(sorted(set(first_file.values()) | _all_files(metadata, folder))),
+        tensors=tuple(tensors),
+        side_tensors=0,
+        side_bytes=0,
+        plan=None,
+        plan_origin="none",
+        plan_version=None,
+        checkpoint_version=None,
+        metadata=shown,
+        identical=_identical(folder, tensors) if check_values else None,
+        kind="dcp",
+    )
+
+
+def _first_files(metadata: Metadata, folder: Path) -> dict[str, str]:
+    """{name: the file holding its first chunk} from DCP's metadata."""
+    first: dict[str, str] = {}
+    for index, where in (metadata.storage_data or {}).items():
+        first.setdefault(index.fqn, os.fspath(folder / where.relative_path))
+    return first
+
+
+def _all_files(metadata: Metadata, folder: Path) -> set[str]:
+    return {os.fspath(folder / where.relative_path) for where in (metadata.storage_data or {}).values()}
 
 
 def _identical(folder: Path, tensors: list[StoredTensor]) -> tuple[tuple[str, ...], ...]:
@@ -83,7 +135,7 @@ def _identical(folder: Path, tensors: list[StoredTensor]) -> tuple[tuple[str, ..
             flat = value.reshape(-1)
             if flat.numel() == 0 or bool((flat == flat[0]).all()):
                 continue  # zeros, ones: equal without being ties
-            data = flat.view(torch.uint8).numpy().tobytes()
+            data = host_bytes(flat).tobytes()
             digests.setdefault(hashlib.sha256(data + dtype_name(value.dtype).encode()).digest(), []).append(name)
         groups.extend(tuple(g) for g in digests.values() if len(g) > 1)
     return tuple(groups)

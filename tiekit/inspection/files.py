@@ -38,7 +38,9 @@ class FileReport:
     ``plan_origin`` is ``"tiekit"`` (a tie plan is recorded), ``"safetensors"`` (only the
     ``removed -> kept`` names ``safetensors.torch.save_model`` writes) or ``"none"``.
     ``identical`` lists groups of stored tensors with byte-identical data (filled only when
-    asked for, since it reads the data): candidates for ties that were stored twice.
+    asked for, since it reads the data): candidates for ties that were stored twice. ``kind``:
+    ``"safetensors"`` (a file, an index), ``"save_sharded"`` (a `tiekit.save_sharded` folder) or
+    ``"dcp"`` (a plain torch.distributed.checkpoint folder).
     """
 
     path: str
@@ -52,6 +54,7 @@ class FileReport:
     checkpoint_version: int | None
     metadata: Mapping[str, str]
     identical: tuple[tuple[str, ...], ...] | None = None
+    kind: str = "safetensors"
 
     @property
     def stored_bytes(self) -> int:
@@ -74,6 +77,7 @@ class FileReport:
         """JSON-ready summary (``tiekit inspect --json``)."""
         return {
             "path": self.path,
+            "kind": self.kind,
             "files": list(self.files),
             "plan_origin": self.plan_origin,
             "plan_version": self.plan_version,
@@ -102,6 +106,8 @@ class FileReport:
             lines.append(f"  tie plan: recorded by tiekit (plan format v{self.plan_version})")
         elif self.plan_origin == "safetensors":
             lines.append("  tie plan: none recorded; safetensors.save_model listed the duplicates it dropped")
+        elif self.kind == "dcp":
+            lines.append("  tie plan: none recorded (a plain torch.distributed.checkpoint folder)")
         else:
             lines.append("  tie plan: none recorded (a plain safetensors / Hugging Face file)")
         names = len(self.tensors) + len(self.tied_names)
@@ -145,18 +151,23 @@ class FileReport:
 
 
 def inspect_file(path: str | os.PathLike[str], *, check_values: bool = False) -> FileReport:
-    """Describe the checkpoint at ``path`` (a file, an index, a folder, or a `tiekit.save_sharded`
-    folder) from its headers (DCP's metadata for a sharded folder).
+    """Describe the checkpoint at ``path`` (a file, an index, a folder, a `tiekit.save_sharded`
+    folder or a plain ``torch.distributed.checkpoint`` one) from its headers (DCP's metadata for
+    a sharded folder).
 
     ``check_values`` also reads the data of tensors that share a dtype and shape and reports the
     byte-identical ones. Raises `CheckpointError` naming the file for anything unreadable.
     """
-    from tiekit.dcp import is_sharded_checkpoint
+    from tiekit.dcp.layout import is_plain_dcp_folder, is_sharded_checkpoint
 
     if is_sharded_checkpoint(path):  # a save_sharded folder: its marker and DCP's metadata
         from tiekit.dcp.report import inspect_sharded
 
         return inspect_sharded(path, check_values=check_values)
+    if is_plain_dcp_folder(path):
+        from tiekit.dcp.report import inspect_plain_dcp
+
+        return inspect_plain_dcp(path, check_values=check_values)
     source = open_source(path)
     tensors = tuple(
         StoredTensor(name, dtype_name(entry.dtype), entry.shape, entry.end - entry.start, file)
