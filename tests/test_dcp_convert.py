@@ -266,6 +266,15 @@ def test_inspect_reads_a_plain_dcp_folder_and_finds_its_tie_stored_twice(
     code, out, _ = run(capsys, "inspect", str(tmp_path / "plain"), "--check-values")
     assert code == 0 and "none recorded (a plain torch.distributed.checkpoint folder)" in out
     assert "lm_head.weight, transformer.wte.weight" in out or "transformer.wte.weight, lm_head.weight" in out
+    # The loaders said only "no tiekit-dcp.json" or "no safetensors file or index in this folder".
+    for load in (tiekit.load_sharded, tiekit.load_model):
+        with pytest.raises(
+            tiekit.CheckpointError, match=r"a plain torch.distributed.checkpoint folder .* tiekit\.convert"
+        ):
+            load(gpt2(), tmp_path / "plain")
+    tiekit.save_sharded(model, tmp_path / "sharded")
+    with pytest.raises(tiekit.CheckpointError, match=r"a sharded checkpoint .*: load it with tiekit\.load_sharded"):
+        tiekit.load_model(gpt2(), tmp_path / "sharded")
 
 
 MEMORY = """

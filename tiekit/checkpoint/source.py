@@ -71,8 +71,27 @@ def _pick_in_folder(folder: Path, preferred: tuple[str, ...]) -> Path:
     if len(candidates) == 1:
         return folder / candidates[0]
     if not candidates:
-        raise CheckpointError(f"{folder}: no safetensors file or index in this folder")
+        raise CheckpointError(f"{folder}: no safetensors file or index in this folder{_sharded_hint(folder)}")
     raise CheckpointError(f"{folder}: several checkpoints in this folder ({', '.join(candidates)}); name one")
+
+
+def _sharded_hint(folder: Path) -> str:
+    """What to do with a torch.distributed.checkpoint folder given where a file was expected."""
+    from tiekit.dcp.layout import is_plain_dcp_folder, is_sharded_checkpoint
+
+    if is_sharded_checkpoint(folder):
+        return "; it is a sharded checkpoint (tiekit.save_sharded): load it with tiekit.load_sharded"
+    if is_plain_dcp_folder(folder):
+        return f"; {PLAIN_DCP_HINT}"
+    return ""
+
+
+#: What a plain torch.distributed.checkpoint folder is and how tiekit reads it.
+PLAIN_DCP_HINT = (
+    "it is a plain torch.distributed.checkpoint folder (dcp.save), which records no ties and stores each "
+    "name of a tie: tiekit.convert(folder, 'model.safetensors', plan=model) (or tiekit convert --model) makes "
+    "it a tied checkpoint, checking that the copies are equal"
+)
 
 
 def _open_index(index_path: Path) -> Source:

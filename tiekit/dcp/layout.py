@@ -182,6 +182,10 @@ def read_marker(path: PathLike) -> Marker:
         if root.name.startswith(SAVE_PREFIX) and (root.parent / MARKER_NAME).is_file():
             raise CheckpointError(f"{root}: a save folder inside a checkpoint; load its parent {root.parent}")
         found = "no such folder" if not root.exists() else f"no {MARKER_NAME} (not a committed sharded checkpoint)"
+        if is_plain_dcp_folder(root):
+            from tiekit.checkpoint.source import PLAIN_DCP_HINT
+
+            found += f"; {PLAIN_DCP_HINT}"
         raise CheckpointError(f"{root}: {found}")
     try:
         raw = json.loads(marker_path.read_text(encoding="utf-8"))
