@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,6 +102,15 @@ def test_bad_headers_raise_checkpoint_error_naming_file_and_key(data: bytes, mes
         parse_header(data, where="bad.safetensors")
     assert str(info.value).startswith("bad.safetensors: ")
     assert message in str(info.value)
+
+
+def test_a_torch_save_file_is_named_as_one(tmp_path: Path) -> None:
+    # The zip signature read as a header length gave "oversized header (578712552184433488 bytes".
+    torch.save({"w": torch.ones(2)}, tmp_path / "zip.ckpt")
+    torch.save({"w": torch.ones(2)}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    for name, kind in (("zip.ckpt", "a zip archive, as torch.save writes"), ("legacy.pt", "a Python pickle")):
+        with pytest.raises(CheckpointError, match=f"{name}: not a safetensors file: it starts as {kind}"):
+            parse_header((tmp_path / name).read_bytes(), where=str(tmp_path / name))
 
 
 def test_unknown_fields_are_ignored_like_safetensors_does() -> None:

@@ -143,10 +143,23 @@ def _length(prefix: bytes, size: int, where: str) -> int:
         raise CheckpointError(f"{where}: truncated: {len(prefix)} byte(s), a safetensors file has at least 8")
     (length,) = struct.unpack("<Q", prefix[:8])
     if length > MAX_HEADER_BYTES:
+        other = _other_format(prefix)
+        if other is not None:
+            raise CheckpointError(f"{where}: not a safetensors file: it starts as {other}")
         raise CheckpointError(f"{where}: oversized header ({length} bytes, the limit is {MAX_HEADER_BYTES})")
     if 8 + length > size:
         raise CheckpointError(f"{where}: truncated: the header claims {length} bytes but the file has {size}")
     return int(length)
+
+
+def _other_format(prefix: bytes) -> str | None:
+    """What a file that is not safetensors looks like from its first bytes, when it is a common
+    mistake: a ``torch.save`` file (a zip, or a legacy pickle) given to a safetensors loader."""
+    if prefix.startswith(b"PK\x03\x04"):
+        return "a zip archive, as torch.save writes (a .pt file, a Lightning .ckpt): read it with torch.load"
+    if prefix[:1] == b"\x80" and prefix[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return "a Python pickle (torch.save's legacy format): read it with torch.load"
+    return None
 
 
 class _DuplicateKey(Exception):
