@@ -252,6 +252,20 @@ def test_resume_from_a_checkpoint_only_rank_0_has_fails_on_every_rank_under_torc
     assert sorted(os.listdir(tmp_path / "node0" / "ckpt")) == ["step-00000010.safetensors", "step-00000015.safetensors"]
     assert sorted(os.listdir(tmp_path / "node1" / "ckpt")) == ["step-00000010.safetensors"]
 
+    # The other way round, rank 0's folder empty (rank 0 on another node this launch): every rank
+    # started fresh and trained all 15 steps again, without a word (probe).
+    (tmp_path / "swap0").mkdir()
+    seed_checkpoint(tmp_path / "swap1", 10)
+    records = torchrun_one_node(tmp_path, "swapped", {**options, "own_folder": str(tmp_path / "swap{rank}")})
+    for record in records:
+        assert record.get("tiekit"), record
+        assert (
+            f'resume="last": rank 0 finds no checkpoint in {LOCAL}, but 1 of the other 1 rank(s)' in record["message"]
+        )
+        assert f"rank 1: {LOCAL}/step-00000010.safetensors" in record["message"]
+    assert not (tmp_path / "swap0" / "ckpt").exists()
+    assert sorted(os.listdir(tmp_path / "swap1" / "ckpt")) == ["step-00000010.safetensors"]
+
 
 @pytest.mark.newest_torch_only  # fit's own logic, the same on both stacks: one run keeps CI short
 def test_ranks_holding_different_checkpoints_of_the_same_step_refuse_to_resume(tmp_path: Path) -> None:

@@ -153,8 +153,16 @@ class Coordinator:
         if cfg.resume is None:
             return state.Position()
         choice, continued = _choose(cfg) if self.ranks.rank == 0 else (None, [])
-        chosen = self.gather(choice)[0]
+        # resume="last": the others say what their own checkpoint_dir holds, so that rank 0
+        # finding none where they find some (node-local folders, rank 0 on another node this
+        # launch) is an error, not a fresh start that trains every step again.
+        seen = _newest_here(cfg) if self.ranks.rank != 0 else None
+        gathered = self.gather((choice, seen))
+        chosen = gathered[0][0]
         if chosen is None:
+            elsewhere = [(rank, newest) for rank, (_, newest) in enumerate(gathered) if newest is not None]
+            if elsewhere:
+                raise TiekitError(_only_elsewhere(cfg, elsewhere, self.ranks.world))
             return state.Position()  # resume="last" and nothing saved yet: every rank starts fresh
         path = Path(chosen)
         problems = self.gather(_cannot_open(path))
@@ -373,6 +381,25 @@ def _choose(cfg: FitConfig) -> tuple[str | None, list[Path]]:
         found = state.checkpoints_in(cfg.checkpoint_dir)
         return (str(found[-1]) if found else None), found
     return str(cfg.resume), []
+
+
+def _newest_here(cfg: FitConfig) -> str | None:
+    """For ``resume="last"``: the newest checkpoint in this rank's ``checkpoint_dir`` (local)."""
+    if cfg.resume != "last" or cfg.checkpoint_dir is None:
+        return None
+    newest = state.last_checkpoint(cfg.checkpoint_dir)
+    return None if newest is None else str(newest)
+
+
+def _only_elsewhere(cfg: FitConfig, elsewhere: list[tuple[int, str]], world: int) -> str:
+    shown = "; ".join(f"rank {rank}: {newest}" for rank, newest in elsewhere[:8])
+    return (
+        f'resume="last": rank 0 finds no checkpoint in {cfg.checkpoint_dir}, but {len(elsewhere)} of the other '
+        f"{world - 1} rank(s) find one there ({shown}): the folder is not one folder for every rank "
+        "(node-local storage, and rank 0 is on another node this launch?). Starting fresh would train every "
+        "step again. Put checkpoint_dir on storage every node shares, or copy the newest checkpoint to "
+        "rank 0's node"
+    )
 
 
 def _cannot_open(path: Path) -> str | None:
