@@ -297,3 +297,64 @@ def test_a_save_another_writer_committed_over_meanwhile_is_not_committed(
     assert len(list(folder.glob("save-*"))) == 1
     assert tiekit.load_sharded(loaded, folder).extra is None
     assert all(torch.equal(p, torch.full_like(p, 3.0)) for p in loaded.parameters())
+
+
+NODE_LOCAL_LOAD = """
+import os, sys
+import torch.distributed as dist
+import tiekit
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from split_helpers import tied
+
+rank, port, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+try:
+    tiekit.load_sharded(tied(), path)
+    told = "loaded"
+except tiekit.CheckpointError as exc:
+    told = f"CheckpointError: {exc}"
+with open(f"{sys.argv[4]}-rank{rank}.txt", "w") as f:
+    f.write(told)
+dist.destroy_process_group()
+"""
+
+
+def _mount_namespaces() -> bool:
+    """Whether this process may give a child a mount namespace of its own (``unshare -m``)."""
+    try:
+        done = subprocess.run(["unshare", "-m", "true"], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+@pytest.mark.newest_torch_only
+@pytest.mark.skipif(not _mount_namespaces(), reason="needs unshare -m (a mount namespace per rank)")
+def test_ranks_holding_different_checkpoints_at_one_path_are_told_so(tmp_path: Path) -> None:
+    """Node-local storage: one path, a different disk (here a bind mount in each rank's own mount
+    namespace) holding a different save on each node. The load read again 5 times and then blamed
+    saves "committed faster than this load reads them", though nothing was saving (probe)."""
+    commit_here(tmp_path / "node0", 1.0)
+    commit_here(tmp_path / "node1", 2.0)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (tmp_path / "split_helpers.py").write_text("from torch import nn\n\n" + _source_of(tied))
+    (tmp_path / "load.py").write_text(NODE_LOCAL_LOAD)
+    port = free_port()
+    mounted = f'mount --bind "$1" "$2" && exec "{sys.executable}" load.py "$3" {port} "$2" out'
+    commands = [
+        ["unshare", "-m", "sh", "-c", mounted, "sh", str(tmp_path / f"node{rank}"), str(shared), str(rank)]
+        for rank in (0, 1)
+    ]
+    run_ok(commands, env=base_env(), cwd=tmp_path)
+    for rank in (0, 1):
+        told = (tmp_path / f"out-rank{rank}.txt").read_text()
+        assert told.startswith(f"CheckpointError: {shared}: the ranks hold different checkpoints at this path"), told
+        assert "the same on a second look" in told and "node-local storage?" in told
+    assert not list(shared.iterdir())  # the bind mounts were the ranks' own
+
+
+def _source_of(function: Any) -> str:
+    import inspect
+
+    return inspect.getsource(function)

@@ -51,7 +51,12 @@ class ShardedLoadResult(LoadResult):
 
 
 class _Replaced(Exception):
-    """The save being read is no longer the folder's (raised alike on every rank)."""
+    """The save being read is no longer the folder's (raised alike on every rank); ``found``: the
+    save each rank found committed, when they differed."""
+
+    def __init__(self, message: str, found: list[str | None] | None = None) -> None:
+        super().__init__(message)
+        self.found = found
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,8 @@ def load_sharded(
         try:
             read = _read(inner, root, optimizer, reading)
         except _Replaced as exc:
+            if exc.found is not None and isinstance(replaced, _Replaced) and replaced.found == exc.found:
+                raise CheckpointError(_different_folders(root, exc.found)) from None
             replaced = exc
             continue
         except CheckpointError as exc:  # raised alike on every rank: so is the question below
@@ -116,6 +123,16 @@ def load_sharded(
     raise CheckpointError(
         f"{root}: replaced by a newer save {READ_ATTEMPTS} times while it was being read (saves committed "
         f"faster than this load reads them); the last time: {replaced}"
+    )
+
+
+def _different_folders(root: Path, found: list[str | None]) -> str:
+    """The ranks found the same different saves twice: nothing is committing, their folders differ."""
+    shown = "; ".join(f"rank {rank}: save {save}" for rank, save in enumerate(found[:8]))
+    return (
+        f"{root}: the ranks hold different checkpoints at this path ({shown}), the same on a second look, so no "
+        "save is replacing it: the path is not one folder for every rank (node-local storage?). Load from "
+        "storage every rank shares, or copy one checkpoint to every node (nothing was loaded)"
     )
 
 
@@ -165,7 +182,7 @@ def _read(inner: nn.Module, root: Path, optimizer: torch.optim.Optimizer | None,
     _refuse_some_optimizers(root, [o for _, _, o in shared])
     found = [s for _, s, _ in shared]
     if len(set(found)) > 1:  # a commit between two ranks' reads of the marker
-        raise _Replaced(f"{root}: the ranks found different saves committed ({', '.join(map(str, found))})")
+        raise _Replaced(f"{root}: the ranks found different saves committed ({', '.join(map(str, found))})", found)
     assert marker is not None and source is not None and staged is not None
     single = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     if side:
