@@ -5,8 +5,9 @@ safetensors; one writer, see `tiekit.train.coordinate`) as ``<checkpoint_dir>/st
 sharded ones with `tiekit.save_sharded` (every rank its part) as the folder
 ``<checkpoint_dir>/step-<step>/``. Either holds in its ``extra`` record where the run stands
 (epoch, batches done in it, global step) and every random number generator state the step
-touches, so a resumed run continues exactly where the saved one stood. Any strategy resumes
-from either kind (a sharded folder loads into a replicated model too).
+touches, so a resumed run continues exactly where the saved one stood. A replicated strategy
+resumes from either kind (a sharded folder loads into a replicated model too), a sharded one
+from a sharded folder only.
 """
 
 from __future__ import annotations
