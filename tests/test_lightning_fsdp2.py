@@ -5,7 +5,8 @@ One run of the script below trains four Trainers in turn: ``tiekit.shard`` in ``
 from seeded weights (compared here with one process training the same global batches) and from
 the meta device (the example itself); then the tied pair split into two ``fully_shard`` units,
 without ``KeepTies`` (the control: the tie is broken when training starts, and nothing says so)
-and with it (refused before the first step, the units named).
+and with it (refused before the first step, the units named); then `TiedCheckpointIO` with this
+strategy (refused by ``KeepTies``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from torch.distributed.fsdp import fully_shard
 
 import tiekit
 from lightning_fsdp2 import Module, TiesHeld, data, train, trainer
-from tiekit.integrations.lightning import KeepTies
+from tiekit.integrations.lightning import KeepTies, TiedCheckpointIO
 
 
 class SplitModule(Module):
@@ -60,12 +61,24 @@ def split_run(callbacks):
         print(f"rank {{run.global_rank}}: {{len(callbacks)}} callbacks: trained", flush=True)
 
 
+def tied_io_run():
+    run = trainer({STEPS}, [KeepTies()])
+    run.strategy.checkpoint_io = TiedCheckpointIO()  # bypassed by this strategy: refused
+    with run.init_module(empty_init=True):
+        module = Module()
+    try:
+        run.fit(module, data())
+    except Exception as exc:
+        print(f"rank {{run.global_rank}}: tied io: {{type(exc).__name__}}: {{exc}}", flush=True)
+
+
 if __name__ == "__main__":
     out = Path(sys.argv[2])
     train(out / "seeded", steps={STEPS}, empty_init=False)
     train(out / "meta", steps={STEPS})
     split_run([TiesHeld()])
     split_run([KeepTies(), TiesHeld()])
+    tied_io_run()
 """
 
 
@@ -114,6 +127,10 @@ def test_model_parallel_strategy_keeps_ties_and_refuses_split_units(tmp_path: Pa
         assert refused in text, text[-6000:]
     assert "model.embed.weight (unit 'model.embed'), model.head.weight (unit 'model.head')" in text
     assert "2 callbacks: trained" not in text
+    # TiedCheckpointIO under this strategy stored both names of the tie and could not be resumed
+    # from (the strategy loads with torch.load): refused before training (probe).
+    for rank in range(2):
+        assert f"rank {rank}: tied io: TiekitError: TiedCheckpointIO does not work under ModelParallelStrategy" in text
     if Version(torch.__version__).release < (2, 13):  # torch 2.13 and later refuse split units at the first forward
         assert "rank 0: 1 callbacks: trained" in text, text[-6000:]
 

@@ -85,6 +85,7 @@ class KeepTies(Callback):
         tie raise `tiekit.TieError` naming them (`tiekit.check_sharding`), before the first step."""
         self._unwrap()
         strategy = trainer.strategy
+        _refuse_tied_io_where_unused(strategy)
         originals = {"setup": strategy.setup, "model_to_device": strategy.model_to_device}
         before = self._given if self._given is not None else find_ties(pl_module, declared=self.declared)
 
@@ -163,6 +164,25 @@ class KeepTies(Callback):
         self._wrapped = None
 
 
+def _refuse_tied_io_where_unused(strategy: Any) -> None:
+    """`TiekitError` for `TiedCheckpointIO` under a strategy that bypasses it: Lightning's
+    ``ModelParallelStrategy`` and ``FSDPStrategy`` save a distributed checkpoint without it, or
+    give it a gathered state dict whose tied names are separate copies (the file stores both),
+    and they load every checkpoint with ``torch.load``, never through it (a resume fails)."""
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    if isinstance(strategy, ModelParallelStrategy | FSDPStrategy) and isinstance(
+        strategy.checkpoint_io, TiedCheckpointIO
+    ):
+        raise TiekitError(
+            f"TiedCheckpointIO does not work under {type(strategy).__name__}: it writes distributed checkpoints "
+            "without the plugin, or hands it a gathered state dict whose tied names are separate copies, and it "
+            "reads checkpoints with torch.load, never through the plugin, so a resume would fail. Drop the plugin "
+            "and keep the strategy's own checkpoints (KeepTies re-ties after their load), or save with "
+            "tiekit.save_sharded"
+        )
+
+
 def _still_named(model: nn.Module, plan: TiePlan) -> TiePlan:
     """``plan`` without the groups (and traced reads) naming a slot ``model`` no longer has."""
 
@@ -209,7 +229,8 @@ class TiedCheckpointIO(CheckpointIO):
     (still atomic against a killed process). The file is a safetensors file whatever its name
     (``epoch=0-step=10.ckpt``): ``tiekit.load_model(module, path)`` reads the weights, and
     ``trainer.fit(ckpt_path=...)`` resumes from it. Not for the XLA strategies, which accept only
-    their own ``XLACheckpointIO``.
+    their own ``XLACheckpointIO``, nor for ``ModelParallelStrategy`` and ``FSDPStrategy``, which
+    bypass it (`KeepTies` refuses the pair).
     """
 
     def __init__(self, *, allow_pickle: bool = False, durable: bool = True) -> None:
