@@ -25,6 +25,7 @@ from torch.utils.data import (
 )
 
 import tiekit
+from tiekit.train.coordinate import LossWatch
 from tiekit.train.data import make_loader
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
@@ -225,9 +226,26 @@ def test_a_diverged_run_stops_at_its_next_save_and_keeps_the_last_good_checkpoin
     assert all(p.isfinite().all() for p in model.parameters()) and model.c.weight is model.a.weight
     # The run resumes from it on good data, and a loss NaN before any save names no checkpoint.
     assert tiekit.fit(DropoutNet, data(), **kw | {"resume": "last"}).steps == 10
+    # Saved only at the end, its losses fetched every 2 steps: the first NaN is still the one named.
+    end = pytest.raises(tiekit.TiekitError, match=r"the loss of step 4 was nan\. fit stopped at step 10 without")
+    with pytest.warns(UserWarning, match="the loss of step 4 is nan"), end:
+        kept_dir = {"checkpoint_dir": tmp_path / "end", "checkpoint_every": None, "log_every": 2}
+        tiekit.fit(DropoutNet, with_nan_at(13), **kw | kept_dir)
+    assert not (tmp_path / "end").exists() or list((tmp_path / "end").iterdir()) == []
     first = pytest.raises(tiekit.TiekitError, match=r"at step 2 without writing its checkpoint \(none was written")
     with pytest.warns(UserWarning, match="the loss of step 1 is nan"), first:
         tiekit.fit(DropoutNet, with_nan_at(0), **kw | {"checkpoint_dir": tmp_path / "fresh"})
+
+
+def test_the_losses_a_save_checks_are_fetched_every_few_steps_and_the_first_bad_one_kept() -> None:
+    watch = LossWatch(every=3)
+    for step, value in enumerate([1.0, 2.0, float("inf"), 3.0, float("nan"), 4.0, 5.0], start=1):
+        watch.add(step, torch.tensor(value))
+        assert len(watch.pending) < 3  # held on the device: never more than `every`
+    assert watch.fetch() == (3, float("inf")) and watch.pending == []
+    watch.clear()
+    watch.add(8, torch.tensor(1.0))
+    assert watch.fetch() is None
 
 
 def test_checkpoint_keep_with_resume_last_keeps_n_in_the_folder_over_every_launch(tmp_path: Path) -> None:

@@ -73,6 +73,39 @@ SHARED_OPTIONS = (
 
 
 @dataclass
+class LossWatch:
+    """This rank's losses since the last save, for `Coordinator.check_finite`. They stay on the
+    device and are fetched in one transfer every ``every`` steps (as the master's log fetches its
+    own), so at most that many are held however far apart the saves are; the first one that was
+    not finite is kept."""
+
+    every: int
+    pending: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    first_bad: tuple[int, float] | None = None
+
+    def add(self, step: int, loss: torch.Tensor) -> None:
+        """Record step ``step``'s loss (on the device). Local."""
+        self.pending.append((step, loss))
+        if len(self.pending) >= self.every:
+            self.fetch()
+
+    def fetch(self) -> tuple[int, float] | None:
+        """The first ``(step, loss)`` since the last `clear` that was NaN or infinite, or None. Local."""
+        if self.pending:
+            values = devices.to_host([loss for _, loss in self.pending])  # the steps are done: no wait
+            if self.first_bad is None:
+                self.first_bad = next(
+                    ((s, float(v)) for (s, _), v in zip(self.pending, values, strict=True) if not v.isfinite()), None
+                )
+            self.pending = []
+        return self.first_bad
+
+    def clear(self) -> None:
+        """Forget the losses: a save has checked them. Local."""
+        self.pending, self.first_bad = [], None
+
+
+@dataclass
 class Coordinator:
     """One rank's handle on its run's shared decisions (see the module docstring)."""
 
@@ -204,7 +237,7 @@ class Coordinator:
         optimizer: torch.optim.Optimizer,
         at: state.Position,
         backend: Backend,
-        losses: list[tuple[int, torch.Tensor]],
+        losses: LossWatch,
     ) -> None:
         """Collective: write the checkpoint of step ``at.step`` into ``cfg.checkpoint_dir`` once,
         on the writer (sharded: every rank its part, `tiekit.save_sharded`); its failure is raised
@@ -212,11 +245,12 @@ class Coordinator:
         copied to host memory here and written in the background: the failure of a save is
         raised at the next save or at `finish_saves`.
 
-        ``losses``: this rank's ``(step, loss)`` since the last save. A loss that is not finite on
+        ``losses``: this rank's since the last save (cleared here). A loss that is not finite on
         any rank is a `TiekitError` on every rank and nothing is written (see `check_finite`)."""
         assert cfg.checkpoint_dir is not None  # fit saves only with a checkpoint_dir
         self.finish_saves(cfg)  # one save in flight at a time: the previous one written, or its failure raised
         self.check_finite(losses, at.step)
+        losses.clear()
         path = state.checkpoint_path(cfg.checkpoint_dir, at.step, sharded=backend.sharded_checkpoints)
         blocking = not cfg.checkpoint_async
         if backend.sharded_checkpoints:
@@ -245,16 +279,12 @@ class Coordinator:
         else:
             self.pending_path = path
 
-    def check_finite(self, losses: list[tuple[int, torch.Tensor]], step: int) -> None:
-        """Collective: a `TiekitError` on every rank when a loss in any rank's ``losses`` (its
-        ``(step, loss)`` since the last save) is NaN or infinite, naming the first one and the last
-        checkpoint written. The checkpoint of ``step`` is then not written: with
-        ``checkpoint_keep``, it would push the last good checkpoints out of the folder."""
-        first: tuple[int, float] | None = None
-        if losses:
-            values = devices.to_host([loss for _, loss in losses])  # one transfer; the steps are done
-            first = next(((s, float(v)) for (s, _), v in zip(losses, values, strict=True) if not v.isfinite()), None)
-        found = self.gather(first)
+    def check_finite(self, losses: LossWatch, step: int) -> None:
+        """Collective: a `TiekitError` on every rank when a loss in any rank's ``losses`` (since
+        the last save) is NaN or infinite, naming the first one and the last checkpoint written.
+        The checkpoint of ``step`` is then not written: with ``checkpoint_keep``, it would push
+        the last good checkpoints out of the folder."""
+        found = self.gather(losses.fetch())
         bad = [(where, rank) for rank, where in enumerate(found) if where is not None]
         if not bad:
             return

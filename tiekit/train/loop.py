@@ -170,7 +170,7 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
     done = skip
     # This rank's losses since the last save, checked before the next one: a diverged run's
     # checkpoint would push the good ones out of a folder with checkpoint_keep.
-    unsaved: list[tuple[int, torch.Tensor]] = []
+    unsaved = coordinate.LossWatch(every=cfg.log_every)
     watch_transfers = backend.is_master and backend.compiles
     try:
         while (limit is None or epoch < limit) and (cfg.max_steps is None or step < cfg.max_steps):
@@ -188,11 +188,11 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
                 step, done = step + 1, done + 1
                 log.step(step, epoch, loss, after - before)
                 if cfg.checkpoint_dir is not None:
-                    unsaved.append((step, loss))
+                    unsaved.add(step, loss)
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                     with log.outside_steps():  # collective: one writer, its failure raised on every rank
                         coordinator.save(cfg, model, optimizer, state.Position(epoch, done, step), backend, unsaved)
-                    saved_at, unsaved = step, []
+                    saved_at = step
                 if cfg.max_steps is not None and step >= cfg.max_steps:
                     stopped = True
                     break
