@@ -18,7 +18,9 @@ the same order, in `tiekit.train.loop`); a run of one rank decides alone and wai
    rank must stand at the same step.
 5. `Coordinator.save`: one writer per checkpoint (rank 0; process index 0 under SPMD; every
    rank its part of a sharded one), its failure raised on every rank: at once, or for a save
-   written in the background at the next save or `Coordinator.finish_saves`.
+   written in the background at the next save or `Coordinator.finish_saves`. First, a loss that
+   was not finite on any rank since the last save stops the run on every rank, nothing written
+   (`Coordinator.check_finite`).
 6. `abort`: a failing rank releases the launch threads waiting for it in a collective.
 """
 
