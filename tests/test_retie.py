@@ -338,3 +338,52 @@ def test_a_dtype_cast_on_the_cpu_converts_each_tensor_once() -> None:
     WeightSharingModule()._apply(lambda t: plain.append(id(t)) or t)  # the control: torch asks per owner
     assert len(plain) == 3
     assert model.layer_1.weight.dtype == torch.float64 and model.layer_3.weight is model.layer_1.weight
+
+
+def test_a_module_registered_twice_keeps_its_own_values_when_parameters_are_replaced() -> None:
+    """torch visits a module registered under two parents twice; where a conversion replaces
+    Parameter objects (always on XLA), the second visit meets the new Parameter, which could take
+    the id of an earlier module's freed weight: that weight's conversion came back (probe: wrong
+    values in 1 process of 2 on torch 2.14.1)."""
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        for before in range(1, 40):  # models of other sizes: the id a freed tensor leaves is reused in some
+            root = nn.Module()
+            root.pre = nn.ModuleList([nn.Linear(4, 4, bias=False) for _ in range(before)])
+            block = nn.Linear(4, 4, bias=False)
+            root.p1, root.p2 = nn.Sequential(block), nn.Sequential(block)
+            expected = block.weight.detach().double()
+            tiekit.move(root, dtype=torch.float64)
+            assert torch.equal(root.p1[0].weight.detach(), expected) and root.p1[0].weight is root.p2[0].weight
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(False)
+
+
+@pytest.mark.parametrize("how", ["move", "preserve_ties", "mixin"])
+def test_a_tied_weight_with_a_gradient_casts_when_torch_swaps_tensors(how: str) -> None:
+    """With swap_module_params_on_conversion, torch swaps the converted gradient into the old one's
+    object: the cached conversion met at the weight's second owner then held the old float32
+    gradient, and torch refused it (a raw RuntimeError, the model left half cast)."""
+
+    class Mixed(tiekit.TPUMixin, WeightSharingModule):
+        pass
+
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model = Mixed() if how == "mixin" else WeightSharingModule()
+        model(torch.randn(2, 32)).sum().backward()
+        grad = model.layer_1.weight.grad
+        assert grad is not None
+        expected = grad.detach().double()
+        if how == "move":
+            tiekit.move(model, dtype=torch.float64)
+        elif how == "preserve_ties":
+            with tiekit.preserve_ties(model):
+                model.double()
+        else:
+            model.double()
+        weight = model.layer_1.weight
+        assert weight is model.layer_3.weight and weight.dtype == torch.float64
+        assert weight.grad is not None and torch.equal(weight.grad, expected)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)

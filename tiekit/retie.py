@@ -231,15 +231,25 @@ def once_per_tensor(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[tor
     if getattr(fn, "_tiekit_once", False):
         return fn
     results: dict[int, torch.Tensor] = {}
+    converted: set[int] = set()  # the storages of new outputs, held (in results) until the end
 
     def convert(t: torch.Tensor) -> torch.Tensor:
+        # A tensor over the memory of an output is converted already: the output itself met
+        # again (a module registered twice), the Parameter torch made over it, a tensor that
+        # swap_tensors gave it to. Returned as it is: a conversion is not always idempotent.
+        memory = devices.storage_key(t)
+        if memory is not None and memory in converted:
+            return t
         # Keyed by id without holding the old tensor (holding every one would keep the whole
-        # unconverted model alive until the end; swap_tensors refuses weak references): every
-        # tensor _apply passes here is held by its module until its own slot is converted, so no
-        # later input can reuse a freed id.
+        # unconverted model alive until the end; swap_tensors refuses weak references). A freed
+        # input's id can go to a new object, but during one _apply the new objects are outputs
+        # and Parameters over them, which the check above has answered.
         out = results.get(id(t))
         if out is None:
             out = results[id(t)] = fn(t)
+            made = devices.storage_key(out)
+            if out is not t and made is not None and made != memory:
+                converted.add(made)
         return out
 
     convert._tiekit_once = True  # type: ignore[attr-defined]
