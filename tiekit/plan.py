@@ -212,7 +212,9 @@ class TiePlan:
         """Inverse of :meth:`to_json`; `TieError` on invalid JSON or content."""
         try:
             data = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as exc:
+        # RecursionError: json's decoder recurses once per nesting level, and a file's
+        # metadata can nest deeper than the interpreter's stack allows.
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise TieError(f"tie plan is not valid JSON: {exc}") from exc
         if not isinstance(data, dict):
             raise TieError("tie plan JSON must be an object")

@@ -200,7 +200,8 @@ def training_record(source: Source) -> dict[str, Any]:
         return {}
     try:
         record = json.loads(text)
-    except (TypeError, ValueError) as exc:
+    # RecursionError: JSON nested deeper than the interpreter's stack (as TiePlan.from_json).
+    except (TypeError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{source.where}: corrupted {STATE_KEY!r} metadata: {exc}") from exc
     if not isinstance(record, dict) or not isinstance(record.get("version"), int):
         raise CheckpointError(f"{source.where}: corrupted {STATE_KEY!r} metadata (no version)")
