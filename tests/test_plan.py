@@ -76,8 +76,12 @@ def test_malformed_plans_raise_tie_error(mutate) -> None:  # type: ignore[no-unt
         TiePlan.from_dict(data)
 
 
+def member(data: dict, name: str) -> dict:  # type: ignore[type-arg]
+    return next(m for m in data["groups"][0]["members"] if m["name"] == name)  # type: ignore[no-any-return]
+
+
 def view_member(data: dict, name: str) -> dict:  # type: ignore[type-arg]
-    return next(m for m in data["groups"][0]["members"] if m["name"] == name)["view"]  # type: ignore[no-any-return]
+    return member(data, name)["view"]  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize(
@@ -92,6 +96,13 @@ def view_member(data: dict, name: str) -> dict:  # type: ignore[type-arg]
         (lambda d: d["groups"][0].update(dtype="float99"), "tie group 'w': field 'dtype' is 'float99', not a torch"),
         (lambda d: d["groups"][0].update(shape=[4, -6]), "tie group 'w': field 'shape' is -6"),
         (lambda d: d.update(total_count=-1), "field 'total_count' is -1"),
+        # A string iterates as its characters: "ab" read as the suspected names "a" and "b".
+        (lambda d: d.update(suspected="ab"), "field 'suspected' is 'ab', not a list"),
+        (lambda d: d.update(suspected=["ab"]), "field 'suspected' has an entry 'ab', not a list of strings"),
+        (lambda d: d.update(cross_module=["ab"]), "field 'cross_module' has an entry 'ab', not a list of 2"),
+        (lambda d: d["groups"][0].update(uses=["abc"]), "tie group 'w': field 'uses' has an entry 'abc'"),
+        # bool("false") is True.
+        (lambda d: member(d, "wt").update(requires_grad="false"), "member 'wt': field 'requires_grad' is 'false'"),
     ],
 )
 def test_impossible_plans_are_refused_naming_the_field(mutate, field: str) -> None:  # type: ignore[no-untyped-def]

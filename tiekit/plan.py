@@ -194,8 +194,10 @@ class TiePlan:
                 groups=groups,
                 unique_count=_count(data["unique_count"], "field 'unique_count'"),
                 total_count=_count(data["total_count"], "field 'total_count'"),
-                suspected=tuple(tuple(_str(n) for n in s) for s in data.get("suspected", [])),
-                cross_module=tuple(CrossModuleUse(_str(n), _str(r)) for n, r in data.get("cross_module", [])),
+                suspected=_string_lists(data.get("suspected", []), None, "field 'suspected'"),
+                cross_module=tuple(
+                    CrossModuleUse(*c) for c in _string_lists(data.get("cross_module", []), 2, "field 'cross_module'")
+                ),
                 trace_status=_str(data.get("trace_status", "not traced")),
             )
         except TieError:
@@ -262,7 +264,7 @@ def _group_from_dict(g: Mapping[str, Any]) -> TieGroup:
         shape=_sizes(g["shape"], f"{where}: field 'shape'"),
         dtype=_dtype(g["dtype"], f"{where}: field 'dtype'"),
         members=members,
-        uses=tuple(TieUse(_str(op), _str(t), _str(mod)) for op, t, mod in g.get("uses", [])),
+        uses=tuple(TieUse(*u) for u in _string_lists(g.get("uses", []), 3, f"{where}: field 'uses'")),
     )
 
 
@@ -285,7 +287,7 @@ def _member_from_dict(d: Mapping[str, Any]) -> TieMember:
         name=name,
         kind=_kind(d["kind"], ("parameter", "buffer")),  # type: ignore[arg-type]
         view=geometry,
-        requires_grad=bool(d.get("requires_grad", False)),
+        requires_grad=_flag(d.get("requires_grad", False), f"member {name!r}: field 'requires_grad'"),
     )
 
 
@@ -316,6 +318,30 @@ def _dtype(value: Any, what: str) -> str:
     if not isinstance(getattr(torch, name, None), torch.dtype):
         raise TieError(f"tie plan: {what} is {name!r}, not a torch dtype")
     return name
+
+
+def _string_lists(value: Any, length: int | None, what: str) -> tuple[tuple[str, ...], ...]:
+    """A list of lists of strings (each of exactly ``length`` unless None): suspected names, uses.
+
+    A bare string is refused at either level: iterated, "ab" would read as the names "a" and "b".
+    """
+    entries = _list(value, what)
+    for entry in entries:
+        if (
+            not isinstance(entry, list | tuple)
+            or (length is not None and len(entry) != length)
+            or not all(isinstance(item, str) for item in entry)
+        ):
+            count = "" if length is None else f"{length} "
+            raise TieError(f"tie plan: {what} has an entry {entry!r}, not a list of {count}strings")
+    return tuple(tuple(entry) for entry in entries)
+
+
+def _flag(value: Any, what: str) -> bool:
+    # bool("false") is True: only a JSON boolean says what to_dict wrote.
+    if not isinstance(value, bool):
+        raise TieError(f"tie plan: {what} is {value!r}, not true or false")
+    return value
 
 
 def _str(value: Any) -> str:
