@@ -94,6 +94,8 @@ def view_member(data: dict, name: str) -> dict:  # type: ignore[type-arg]
         (lambda d: d.update(version=True), "field 'version' is True"),
         (lambda d: d.update(groups={}), "field 'groups' is {}, not a list"),
         (lambda d: d["groups"][0].update(dtype="float99"), "tie group 'w': field 'dtype' is 'float99', not a torch"),
+        # getattr(torch, "float") is torch.float32, but plans and files spell it "float32".
+        (lambda d: d["groups"][0].update(dtype="float"), "tie group 'w': field 'dtype' is 'float', an alias of"),
         (lambda d: d["groups"][0].update(shape=[4, -6]), "tie group 'w': field 'shape' is -6"),
         (lambda d: d.update(total_count=-1), "field 'total_count' is -1"),
         # A string iterates as its characters: "ab" read as the suspected names "a" and "b".

@@ -313,10 +313,18 @@ def _sizes(values: Any, what: str) -> tuple[int, ...]:
 
 
 def _dtype(value: Any, what: str) -> str:
-    """A dtype as `dtype_name` spells it ("float32"); a name torch does not know is refused."""
+    """A dtype as `tiekit.analyze.dtype_name` spells it ("float32").
+
+    A name torch does not know is refused, and so is an alias ("float", "half"): checkpoints
+    compare the plan's dtype with the stored tensor's ``dtype_name``, which never spells one.
+    """
     name = _str(value)
-    if not isinstance(getattr(torch, name, None), torch.dtype):
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
         raise TieError(f"tie plan: {what} is {name!r}, not a torch dtype")
+    canonical = str(dtype).removeprefix("torch.")  # dtype_name's spelling; analyze imports this module
+    if name != canonical:
+        raise TieError(f"tie plan: {what} is {name!r}, an alias of torch.{canonical}; plans spell it {canonical!r}")
     return name
 
 
