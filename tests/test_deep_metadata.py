@@ -53,3 +53,5 @@ def test_a_deep_training_record_in_a_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"c\.safetensors: corrupted 'tiekit.checkpoint' metadata"):
         tiekit.load_checkpoint(path, model=model)
     assert_unchanged(model, before)
+    with pytest.raises(CheckpointError, match=r"c\.safetensors: corrupted 'tiekit.checkpoint' metadata"):
+        inspect_file(path)

@@ -203,7 +203,7 @@ def _version(raw: Any, where: str, key: str) -> int | None:
     try:
         data = json.loads(raw) if isinstance(raw, str) else raw
         version = data["version"]
-    except (ValueError, TypeError, KeyError) as exc:
+    except (ValueError, TypeError, KeyError, RecursionError) as exc:
         raise CheckpointError(f"{where}: corrupted {key!r} metadata: no version ({exc})") from exc
     if not isinstance(version, int):
         raise CheckpointError(f"{where}: corrupted {key!r} metadata: version {version!r} is not an integer")
