@@ -387,3 +387,43 @@ def test_a_tied_weight_with_a_gradient_casts_when_torch_swaps_tensors(how: str) 
         assert weight.grad is not None and torch.equal(weight.grad, expected)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(False)
+
+
+class OverlappingSlices(nn.Module):
+    """Two parameters over overlapping rows of one hidden tensor: no named tensor covers their
+    shared memory, so retie cannot rebuild it after a move."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        base = torch.randn(4, 6)
+        self.a, self.b = nn.Module(), nn.Module()
+        self.a.w, self.b.w = nn.Parameter(base[:3]), nn.Parameter(base[1:])
+
+
+class MixinOverlappingSlices(tiekit.TPUMixin, OverlappingSlices):
+    pass
+
+
+@pytest.mark.parametrize("how", ["move", "preserve_ties", "mixin"])
+def test_a_plan_retie_cannot_apply_is_refused_before_anything_converts(how: str) -> None:
+    """Only a plan passed in was checked first: without one, the model was converted, then the
+    retie failed and the model was left cast with its memory sharing lost (probe)."""
+    model = MixinOverlappingSlices() if how == "mixin" else OverlappingSlices()
+    shared = model.a.w.untyped_storage().data_ptr()
+    with pytest.raises(TieError, match=r"cannot rebuild view 'b\.w': it reaches outside its source 'a\.w'"):
+        if how == "move":
+            tiekit.move(model, dtype=torch.float64)
+        elif how == "preserve_ties":
+            with tiekit.preserve_ties(model):
+                model.double()
+        else:
+            model.double()
+    assert model.a.w.dtype == model.b.w.dtype == torch.float32
+    assert model.a.w.untyped_storage().data_ptr() == model.b.w.untyped_storage().data_ptr() == shared
+
+
+def test_move_refuses_an_optimizer_that_is_not_one_before_moving() -> None:
+    model = WeightSharingModule()
+    with pytest.raises(TieError, match=r"optimizer must be a torch\.optim\.Optimizer, not a list"):
+        tiekit.move(model, dtype=torch.float64, optimizer=list(model.parameters()))  # type: ignore[arg-type]
+    assert model.layer_1.weight.dtype == torch.float32

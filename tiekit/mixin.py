@@ -17,7 +17,7 @@ from torch import nn
 
 from tiekit.analyze import find_ties
 from tiekit.plan import TiePlan
-from tiekit.retie import once_per_tensor, retie, verify
+from tiekit.retie import fitting_plan, once_per_tensor, retie, verify
 
 # torch_xla.launch runs one replica per thread in a single process, so "already inside a
 # tiekit conversion" must be per thread, not a module attribute or a global.
@@ -112,7 +112,8 @@ class TPUMixin:
         with outermost_conversion() as outermost:
             if not outermost:
                 return super()._apply(fn, recurse)  # type: ignore[misc]
-            plan = self.tie_plan()
+            assert isinstance(self, nn.Module)
+            plan = fitting_plan(self, self.tie_plan())  # refused before anything converts
             result = super()._apply(once_per_tensor(fn), recurse)  # type: ignore[misc]
             assert isinstance(self, nn.Module)
             retie(self, plan)
@@ -124,7 +125,8 @@ class TPUMixin:
         with outermost_conversion() as outermost:
             if not (assign and outermost):
                 return super().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[misc]
-            plan = self.tie_plan()
+            assert isinstance(self, nn.Module)
+            plan = fitting_plan(self, self.tie_plan())
             result = super().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[misc]
             assert isinstance(self, nn.Module)
             retie(self, plan)

@@ -208,7 +208,10 @@ def move(
     if device is None and dtype is None:
         raise ValueError("tiekit.move needs a device, a dtype or both")
     target = devices.resolve_device(device)
-    plan = find_ties(model) if plan is None else fitting_plan(model, plan)
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TieError(f"tiekit.move: optimizer must be a torch.optim.Optimizer, not a {type(optimizer).__name__}")
+    # A plan made here is checked too: one retie could not apply must refuse before anything moves.
+    plan = fitting_plan(model, find_ties(model) if plan is None else plan)
     names = {id(p): n for n, p in model.named_parameters()} if optimizer is not None else {}
     kwargs: dict[str, object] = {}
     if target is not None:
@@ -344,7 +347,7 @@ def preserve_ties(
     For code that replaces tensors behind the model's back: ``.to(xla)``, ``to_empty``,
     ``load_state_dict(assign=True)``, third-party wrappers.
     """
-    plan = find_ties(model, declared=declared) if plan is None else fitting_plan(model, plan)
+    plan = fitting_plan(model, find_ties(model, declared=declared) if plan is None else plan)
     with converting_once(model):
         yield plan
     retie(model, plan)
