@@ -427,3 +427,27 @@ def test_move_refuses_an_optimizer_that_is_not_one_before_moving() -> None:
     with pytest.raises(TieError, match=r"optimizer must be a torch\.optim\.Optimizer, not a list"):
         tiekit.move(model, dtype=torch.float64, optimizer=list(model.parameters()))  # type: ignore[arg-type]
     assert model.layer_1.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("how", ["move", "preserve_ties"])
+def test_a_declared_tie_a_plain_move_broke_is_restored_by_the_next_tiekit_move(how: str) -> None:
+    """transformers declares lm_head.weight -> transformer.wte.weight; after a plain .to(xla) broke
+    it (two equal copies), move and preserve_ties planned from the broken model and kept it broken,
+    verify passing (probe, XLA). A tie trained apart (values differ) stays two tensors: nothing lost."""
+    broken, apart = gpt2(), gpt2()
+    for model in (broken, apart):
+        model.lm_head.weight = nn.Parameter(model.transformer.wte.weight.detach().clone())
+    with torch.no_grad():
+        apart.lm_head.weight.add_(1.0)
+    for model in (broken, apart):
+        if how == "move":
+            tiekit.move(model, dtype=torch.float64)
+        else:
+            with tiekit.preserve_ties(model):
+                model.double()
+    assert broken.lm_head.weight is broken.transformer.wte.weight and len(list(broken.parameters())) == 28
+    assert apart.lm_head.weight is not apart.transformer.wte.weight and len(list(apart.parameters())) == 29
+    control = gpt2()
+    control.lm_head.weight = nn.Parameter(control.transformer.wte.weight.detach().clone())
+    control.double()  # the control: a plain cast leaves it broken
+    assert control.lm_head.weight is not control.transformer.wte.weight

@@ -211,7 +211,7 @@ def move(
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TieError(f"tiekit.move: optimizer must be a torch.optim.Optimizer, not a {type(optimizer).__name__}")
     # A plan made here is checked too: one retie could not apply must refuse before anything moves.
-    plan = fitting_plan(model, find_ties(model) if plan is None else plan)
+    plan = fitting_plan(model, _moving_plan(model, None) if plan is None else plan)
     names = {id(p): n for n, p in model.named_parameters()} if optimizer is not None else {}
     kwargs: dict[str, object] = {}
     if target is not None:
@@ -225,6 +225,21 @@ def move(
     if optimizer is not None:
         rebind_optimizer(optimizer, model, names)
     return model
+
+
+def _moving_plan(model: nn.Module, declared: Mapping[str, str] | None) -> TiePlan:
+    """The ties ``model`` holds, the ones it declares (``TPUMixin.tied_weights``, transformers'
+    ``_tied_weights_keys``) where their tensors are equal in value (a tie a plain ``.to`` broke
+    before: the move restores it), and ``declared``."""
+    from tiekit.checkpoint.contents import declared_ties_holding  # the checkpoint package imports this one
+    from tiekit.errors import CheckpointError
+
+    try:
+        holding = declared_ties_holding(model)
+    except CheckpointError as exc:  # a tied_weights name that does not resolve
+        raise TieError(str(exc)) from exc
+    merged = {**holding, **(declared or {})}
+    return find_ties(model, declared=merged or None)
 
 
 def once_per_tensor(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -347,7 +362,7 @@ def preserve_ties(
     For code that replaces tensors behind the model's back: ``.to(xla)``, ``to_empty``,
     ``load_state_dict(assign=True)``, third-party wrappers.
     """
-    plan = fitting_plan(model, find_ties(model, declared=declared) if plan is None else plan)
+    plan = fitting_plan(model, _moving_plan(model, declared) if plan is None else plan)
     with converting_once(model):
         yield plan
     retie(model, plan)

@@ -32,7 +32,7 @@ def saving_plan(model: nn.Module) -> TiePlan:
     A declared tie whose two tensors differ (a tie broken by a move, then trained) is left
     out: dropping one of them would lose data. The file then records two tensors.
     """
-    declared = {t: s for t, s in declared_ties(model).items() if _same_values(model, t, s)}
+    declared = declared_ties_holding(model)
     try:
         plan = find_ties(model, declared=declared or None)
     except TieError as exc:
@@ -55,6 +55,12 @@ def stored_only(plan: TiePlan, stored: set[str]) -> TiePlan:
     if len(groups) == len(plan.groups):
         return plan
     return replace(plan, groups=tuple(groups))
+
+
+def declared_ties_holding(model: nn.Module) -> dict[str, str]:
+    """The model's declared ties (`declared_ties`) whose two tensors are one, or equal in value:
+    a tie a plain move broke, not one trained apart (tying those would lose data). Local."""
+    return {t: s for t, s in declared_ties(model).items() if _same_values(model, t, s)}
 
 
 def _same_values(model: nn.Module, target: str, source: str) -> bool:
