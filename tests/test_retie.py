@@ -451,3 +451,34 @@ def test_a_declared_tie_a_plain_move_broke_is_restored_by_the_next_tiekit_move(h
     control.lm_head.weight = nn.Parameter(control.transformer.wte.weight.detach().clone())
     control.double()  # the control: a plain cast leaves it broken
     assert control.lm_head.weight is not control.transformer.wte.weight
+
+
+class AliasedTiedWeight(nn.Module):
+    """c2.weight is c1.weight, and a buffer over the same memory registered before them: the whole
+    weight flattened (``over="whole"``), or a bigger buffer holding it (``over="bigger"``)."""
+
+    def __init__(self, over: str) -> None:
+        super().__init__()
+        if over == "bigger":
+            self.register_buffer("memory", torch.randn(24))
+        self.c1, self.c2 = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+        if over == "bigger":
+            self.c1.weight = nn.Parameter(self.memory[4:20].view(4, 4))
+        self.c2.weight = self.c1.weight
+        if over == "whole":
+            self.register_buffer("flat", self.c1.weight.detach().view(16))
+
+
+@pytest.mark.parametrize("over", ["whole", "bigger"])
+def test_names_of_one_tensor_over_a_buffers_memory_stay_one_tensor(over: str) -> None:
+    """Their view group recorded c1.weight and c2.weight as two view members, each rebuilt as its
+    own Parameter: the move converted the model, then verify failed (Before: 1 After: 2), and a
+    load into a meta model untied them without a word (probe)."""
+    model = AliasedTiedWeight(over)
+    buffer = "flat" if over == "whole" else "memory"
+    tiekit.move(model, dtype=torch.float64)
+    weight = model.c1.weight
+    assert weight is model.c2.weight and weight.dtype == torch.float64
+    assert weight.untyped_storage().data_ptr() == model.get_buffer(buffer).untyped_storage().data_ptr()
+    control = AliasedTiedWeight(over).double()  # plain torch: the buffer no longer shares the weight's memory
+    assert control.c1.weight.untyped_storage().data_ptr() != control.get_buffer(buffer).untyped_storage().data_ptr()

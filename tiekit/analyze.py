@@ -244,6 +244,9 @@ def _view_group(
     # The source must hold every element of the shared memory contiguously, so that the
     # other members can be rebuilt as strided views of it once it lives on another device.
     covering = [k for k in cluster if spans[k] == (lo, hi) and first[k][2].is_contiguous()]
+    # A parameter first: the names tied to it by identity are then plain members, and the
+    # optimizer's state is stored under a parameter's name.
+    covering.sort(key=lambda k: first[k][1] != "parameter")
     source_key = covering[0] if covering else cluster[0]
     src_name, src_kind, src, _ = first[source_key]
     members = [TieMember(n, k) for n, k in [(src_name, src_kind), *extra.get(source_key, ())]]

@@ -34,9 +34,15 @@ def retie(model: nn.Module, plan: TiePlan) -> tuple[str, ...]:
     changes: list[tuple[nn.Module, str, torch.Tensor, TieMember]] = []
     for group in _a_plan(plan).groups:
         changes.extend(tie_changes(model, group))
+    # Names of one tensor that is a view (a weight tied to another, both over a buffer's memory)
+    # are members with one geometry: they get one rebuilt tensor, and stay one.
+    rebuilt: dict[tuple[object, ...], torch.Tensor] = {}
     with torch.no_grad():
         for module, attr, source, member in changes:
-            tensor = source if member.view is None else _rebuild_view(source, member)
+            key = (id(source), member.view, member.kind, member.requires_grad)
+            tensor = source if member.view is None else rebuilt.get(key)
+            if tensor is None:
+                tensor = rebuilt[key] = _rebuild_view(source, member)
             assign(module, attr, tensor, member.kind)
     return tuple(member.name for _, _, _, member in changes)
 
