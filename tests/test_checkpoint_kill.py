@@ -12,6 +12,7 @@ import os
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -40,13 +41,14 @@ def fill(model: nn.Module, version: int) -> None:
             p.fill_(version)
 
 
-def save_forever(folder: str, first_version: int, durable: bool) -> None:
+def save_forever(folder: str, first_version: int, durable: bool, saved: Any) -> None:
     model = KillModel()
     version = first_version
     while True:
         fill(model, version)
         save_model(model, Path(folder) / "single.safetensors", durable=durable)
         save_model(model, Path(folder) / "sharded", max_shard_size=SHARD, durable=durable)
+        saved.set()  # one version complete: the kill comes at a random moment of the later ones
         version += 1
 
 
@@ -73,9 +75,13 @@ def test_sigkill_during_saves_never_loses_the_previous_checkpoint(tmp_path: Path
     versions: list[tuple[int, int]] = []
     leftovers = 0
     for kill in range(1, KILLS + 1):
-        child = context.Process(target=save_forever, args=(str(tmp_path), 1000 * kill, durable), daemon=True)
+        saved = context.Event()
+        child = context.Process(target=save_forever, args=(str(tmp_path), 1000 * kill, durable, saved), daemon=True)
         child.start()
-        time.sleep(rng.uniform(0.05, 0.5))
+        # After a first complete save (on a loaded machine the start alone took longer than any
+        # fixed delay, and every kill landed before a save: no new version was ever seen).
+        assert saved.wait(timeout=120), "the saving process completed no save in 120 s"
+        time.sleep(rng.uniform(0.0, 0.45))
         child.kill()  # SIGKILL: no cleanup, no flush
         child.join()
         assert child.exitcode == -9
