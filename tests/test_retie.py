@@ -482,3 +482,35 @@ def test_names_of_one_tensor_over_a_buffers_memory_stay_one_tensor(over: str) ->
     assert weight.untyped_storage().data_ptr() == model.get_buffer(buffer).untyped_storage().data_ptr()
     control = AliasedTiedWeight(over).double()  # plain torch: the buffer no longer shares the weight's memory
     assert control.c1.weight.untyped_storage().data_ptr() != control.get_buffer(buffer).untyped_storage().data_ptr()
+
+
+class ParameterAlsoABuffer(nn.Module):
+    """One Parameter under a parameter name and a buffer name; ``buffer_first``: the buffer's
+    module is registered first, so a walk meets the buffer name first."""
+
+    def __init__(self, buffer_first: bool) -> None:
+        super().__init__()
+        if buffer_first:
+            self.b = nn.Module()
+        self.a = nn.Linear(4, 4)
+        if not buffer_first:
+            self.b = nn.Module()
+        self.b.register_buffer("w", self.a.weight)
+
+
+@pytest.mark.parametrize("buffer_first", [True, False], ids=["buffer-first", "parameter-first"])
+def test_a_parameter_also_registered_as_a_buffer_stays_one_tensor_in_both_tables(buffer_first: bool) -> None:
+    """Buffer first, the buffer name was the group's source and every conversion failed after
+    converting ('tied to b.w, which is not a parameter'). Parameter first, an assign-load (torch
+    moves a buffer holding a Parameter into the parameters) was re-tied with 'w' in both tables."""
+    model = ParameterAlsoABuffer(buffer_first)
+    assert find_ties(model).groups[0].source == "a.weight"
+    tiekit.move(model, dtype=torch.float64)
+    assert model.b.w is model.a.weight and model.a.weight.dtype == torch.float64
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with tiekit.preserve_ties(model):
+        model.load_state_dict(state, assign=True)
+    assert model.b.w is model.a.weight and "w" in model.b._buffers and "w" not in model.b._parameters
+    control = ParameterAlsoABuffer(buffer_first)
+    control.load_state_dict({k: v.clone() for k, v in control.state_dict().items()}, assign=True)
+    assert control.b.w is not control.a.weight  # the control: torch's assign-load unties them

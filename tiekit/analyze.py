@@ -181,10 +181,13 @@ def _identity_and_storage_groups(
                 f"{name!r} is tied to {names[0][0]!r} but is an uninitialized lazy parameter: "
                 "run one forward pass (or initialize the lazy modules) before planning ties"
             )
-        members = tuple(TieMember(n, k) for n, k in [(name, kind), *names])
         group_kind = "parameter" if isinstance(t, nn.Parameter) else "buffer"
+        slots = [(name, kind), *names]
+        if group_kind == "parameter":  # a Parameter also registered as a buffer: a parameter slot is the source
+            slots.sort(key=lambda slot: slot[1] != "parameter")
+        members = tuple(TieMember(n, k) for n, k in slots)
         groups.append(
-            (index, TieGroup(name, members, group_kind, tuple(t.shape), dtype_name(t.dtype)))  # type: ignore[arg-type]
+            (index, TieGroup(slots[0][0], members, group_kind, tuple(t.shape), dtype_name(t.dtype)))  # type: ignore[arg-type]
         )
     for cluster in clusters:
         groups.append(_view_group(cluster, first, extra))

@@ -42,12 +42,16 @@ def has_module(model: nn.Module, path: str) -> bool:
 
 
 def assign(module: nn.Module, attr: str, tensor: torch.Tensor, kind: MemberKind) -> None:
-    """Point ``module.attr`` at ``tensor`` in the parameter or buffer table, as registered."""
+    """Point ``module.attr`` at ``tensor`` in the parameter or buffer table, as registered (and
+    out of the other one: torch's ``load_state_dict(assign=True)`` moves a buffer holding a
+    Parameter into the parameters, as attribute assignment of a Parameter does)."""
     if kind == "parameter":
         if not isinstance(tensor, nn.Parameter):
             raise TieError(f"cannot register a plain tensor as parameter {attr!r} of {type(module).__name__}")
+        module._buffers.pop(attr, None)
         module._parameters[attr] = tensor
     else:
+        module._parameters.pop(attr, None)
         module._buffers[attr] = tensor
 
 
