@@ -207,6 +207,7 @@ def test_verify_exit_codes_for_ci(factories: str, tmp_path: Path, capsys: pytest
     code, out, _ = run(capsys, "verify", str(path), "--model", f"{factories}:tied")
     assert code == 0, out
     assert out.splitlines()[-1] == "PASSED"
+    assert "ok    load: 28 stored tensors filled 29 names of GPT2LMHeadModel; no key missing" in out
     assert "ok    ties: 1 group(s) hold (lm_head.weight -> transformer.wte.weight)" in out
     assert "ok    parameters: 28 unique under 29 names" in out
 
@@ -227,6 +228,29 @@ def test_verify_exit_codes_for_ci(factories: str, tmp_path: Path, capsys: pytest
     truncated.write_bytes(path.read_bytes()[:-100])
     code, out, _ = run(capsys, "verify", str(truncated), "--model", f"{factories}:tied")
     assert code == 1 and "FAIL  file:" in out and "truncated" in out
+
+
+def test_verify_fails_on_a_floating_dtype_the_load_casts(
+    factories: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bfloat16 checkpoint loads into a float32 model (cast, as load_state_dict does), but the
+    model then does not hold the file's values: verify fails the load check, naming the keys and
+    both dtypes, for a safetensors file (load_model) and a save_sharded folder (load_sharded)."""
+    model = gpt2().to(torch.bfloat16)
+    tiekit.save_model(model, tmp_path / "bf16.safetensors")
+    tiekit.save_sharded(model, tmp_path / "bf16-sharded")
+    for path, loader in [("bf16.safetensors", "tiekit.load_model"), ("bf16-sharded", "tiekit.load_sharded")]:
+        code, out, _ = run(capsys, "verify", str(tmp_path / path), "--model", f"{factories}:tied")
+        assert code == 1, out
+        load = next(line for line in out.splitlines() if "load:" in line)
+        assert load.startswith(f"  FAIL  load: {tmp_path / path}: dtype mismatch for 'transformer."), load
+        assert "and 25 more: the file has bfloat16, the model float32; the file still loads" in load
+        assert f"(28 stored tensors filled 29 names of GPT2LMHeadModel): {loader} casts them" in load
+        assert "ok    ties: 1 group(s) hold" in out  # the checks of the loaded model still run
+        assert out.splitlines()[-1] == "FAILED: 1 of 4 check(s)"
+    code, out, _ = run(capsys, "verify", str(tmp_path / "bf16.safetensors"), "--model", f"{factories}:tied", "--json")
+    failed = [c for c in json.loads(out)["checks"] if not c["ok"]]
+    assert [c["name"] for c in failed] == ["load"] and "'transformer.h.0.attn.c_attn.bias'" in failed[0]["detail"]
 
 
 def test_factory_errors_are_one_line_with_a_hint(factories: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,10 +10,10 @@ from typing import Any
 
 from torch import nn
 
-from tiekit.analyze import count_parameters
+from tiekit.analyze import count_parameters, dtype_name
 from tiekit.checkpoint import load_model
 from tiekit.errors import CheckpointError, TieError
-from tiekit.inspection.files import inspect_file
+from tiekit.inspection.files import FileReport, inspect_file
 from tiekit.inspection.models import build_model, model_plan
 from tiekit.inspection.text import size_text
 from tiekit.plan import TieGroup, TiePlan
@@ -93,20 +93,46 @@ def verify_checkpoint(path: str | os.PathLike[str], spec: str) -> VerifyOutcome:
         before = model_plan(model)
     except TieError as exc:
         return outcome(file_check, Check("model", False, f"cannot plan {type(model).__name__}: {exc}"))
+    # The dtypes the model was built with: loading casts floating-point values to them.
+    built_dtypes = {name: dtype_name(t.dtype) for name, t in model.state_dict(keep_vars=True).items()}
     try:
         from tiekit.dcp import is_sharded_checkpoint, load_sharded
 
-        result = load_sharded(model, path) if is_sharded_checkpoint(path) else load_model(model, path, strict=True)
+        sharded = is_sharded_checkpoint(path)
+        result = load_sharded(model, path) if sharded else load_model(model, path, strict=True)
     except CheckpointError as exc:
         return outcome(file_check, Check("load", False, str(exc)))
-    names = len(model.state_dict())
-    load_check = Check(
-        "load",
-        True,
-        f"{len(report.tensors)} stored tensors filled {names} names of {type(model).__name__}; "
-        "no key missing or unexpected; every shape and dtype matches",
-    )
+    filled = f"{len(report.tensors)} stored tensors filled {len(model.state_dict())} names of {type(model).__name__}"
+    cast = _casts(report, built_dtypes)
+    if cast:
+        loader = (
+            "tiekit.load_sharded casts them to the model's dtypes"
+            if sharded
+            else "tiekit.load_model casts them to the model's dtypes (dtype='file' keeps the file's)"
+        )
+        load_check = Check("load", False, f"{where}: {cast}; the file still loads ({filled}): {loader}")
+    else:
+        load_check = Check("load", True, f"{filled}; no key missing or unexpected; every shape and dtype matches")
     return outcome(file_check, load_check, *_tie_checks(model, before, result.retied))
+
+
+def _casts(report: FileReport, built_dtypes: dict[str, str]) -> str:
+    """The stored tensors whose dtype is not the one the model was built with ("" for none).
+
+    The load succeeded anyway, since it casts floating-point values to the model's dtypes as
+    ``load_state_dict`` does (other mismatches fail it), but the model then does not hold the
+    file's values exactly: a bfloat16 file in a float32 model is the usual surprise."""
+    differing: dict[tuple[str, str], list[str]] = {}
+    for t in report.tensors:
+        built = built_dtypes.get(t.name)
+        if built is not None and built != t.dtype:
+            differing.setdefault((t.dtype, built), []).append(t.name)
+    parts = []
+    for (stored, built), keys in differing.items():
+        more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+        named = ", ".join(repr(k) for k in keys[:3])
+        parts.append(f"dtype mismatch for {named}{more}: the file has {stored}, the model {built}")
+    return "; ".join(parts)
 
 
 def _tie_checks(model: nn.Module, before: TiePlan, retied: tuple[TieGroup, ...]) -> list[Check]:
