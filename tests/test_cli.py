@@ -127,6 +127,14 @@ def test_inspect_sharded_index_and_its_folder(tmp_path: Path, capsys: pytest.Cap
     assert "transformer.h.1.mlp.c_fc.weight" in out and "lm_head.weight  float32" not in out
 
 
+def test_inspect_save_sharded_folder_counts_its_data_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A folder one rank saved holds one data file (and DCP's .metadata, which holds no tensor)."""
+    tiekit.save_sharded(gpt2(), tmp_path / "ckpt")
+    code, out, _ = run(capsys, "inspect", str(tmp_path / "ckpt"))
+    assert code == 0
+    assert out.splitlines()[0].startswith(f"{tmp_path / 'ckpt'}: 1 file, "), out
+
+
 def test_inspect_plain_file_says_no_plan_and_finds_a_tie_stored_twice(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

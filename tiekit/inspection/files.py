@@ -99,7 +99,8 @@ class FileReport:
 
     def render(self, *, tensors: bool = False) -> str:
         """The human-readable report (``tiekit inspect PATH``)."""
-        shards = f"{len(self.files)} shard files" if len(self.files) > 1 else "1 file"
+        data = sum(os.path.basename(f) != ".metadata" for f in self.files)  # DCP's metadata holds no tensor
+        shards = f"{data} shard files" if data > 1 else "1 file"
         lines = [f"{self.path}: {shards}, {size_text(self.stored_bytes + self.side_bytes)} of tensors"]
         if self.plan_origin == "tiekit":
             assert self.plan is not None
