@@ -99,7 +99,9 @@ class FileReport:
 
     def render(self, *, tensors: bool = False) -> str:
         """The human-readable report (``tiekit inspect PATH``)."""
-        data = sum(os.path.basename(f) != ".metadata" for f in self.files)  # DCP's metadata holds no tensor
+        from tiekit.dcp.layout import DCP_METADATA
+
+        data = sum(os.path.basename(f) != DCP_METADATA for f in self.files)  # DCP's metadata holds no tensor
         shards = f"{data} shard files" if data > 1 else "1 file"
         lines = [f"{self.path}: {shards}, {size_text(self.stored_bytes + self.side_bytes)} of tensors"]
         if self.plan_origin == "tiekit":
