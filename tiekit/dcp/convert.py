@@ -12,7 +12,6 @@ Only model weights are converted: optimizer state, ``extra`` (and a training che
 from __future__ import annotations
 
 import os
-import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from tiekit.dcp.layout import (
     SAVE_PREFIX,
     is_plain_dcp_folder,
     is_sharded_checkpoint,
+    new_save_id,
     read_marker,
     reading_committed,
     remove_stale,
@@ -126,6 +126,7 @@ def convert_silently(
 
 
 def _convert(src: Path, dst: Path, plan: TiePlan | nn.Module | None, max_shard_size: int | str | None) -> ConvertResult:
+    _refuse_overlap(src, dst)
     source = _open(src)
     tie_plan = _plan(plan, source.plan)
     specs, merged, checks = _layout(source, tie_plan)
@@ -136,6 +137,21 @@ def _convert(src: Path, dst: Path, plan: TiePlan | nn.Module | None, max_shard_s
     total = sum(nbytes(s) for s in specs)
     stored = tuple(s[0] for s in specs)
     return ConvertResult(tuple(os.fspath(f) for f in files), stored, merged, total, source.left_out)
+
+
+def _refuse_overlap(src: Path, dst: Path) -> None:
+    """`CheckpointError` naming both when ``dst`` is ``src``, inside it or holds it: the writing
+    (and a sharded folder's removal of its older saves) would change the source it reads."""
+    source, target = src.resolve(), dst.resolve()
+    if target == source:
+        where = "is the source"
+    elif source in target.parents:
+        where = "is inside the source"
+    elif target in source.parents:
+        where = "contains the source"
+    else:
+        return
+    raise CheckpointError(f"{dst}: the destination {where} {src}; convert into a new path outside it")
 
 
 def _is_dcp(path: Path) -> bool:
@@ -331,7 +347,7 @@ def _to_safetensors(
 def _to_dcp(source: _Reader, specs: list[Spec], plan: TiePlan | None, checks: dict[str, str], root: Path) -> list[Path]:
     if (root / MARKER_NAME).exists() or (root.exists() and not root.is_dir()):
         raise CheckpointError(f"{root}: holds a checkpoint already; convert writes a new one (remove it first)")
-    save_id = uuid.uuid4().hex[:16]
+    save_id = new_save_id()
     folder = root / f"{SAVE_PREFIX}{save_id}"
 
     def read(key: str) -> torch.Tensor:

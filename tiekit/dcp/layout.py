@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,8 +31,21 @@ FORMAT = "tiekit-dcp"
 FORMAT_VERSION = 1
 SAVE_PREFIX = "save-"
 DCP_METADATA = ".metadata"
+#: The folder name of a save: `new_save_id` makes the ids. Only folders named so are ever removed
+#: from a checkpoint folder, which may hold the user's own ``save-best/`` and such.
+SAVE_FOLDER_PATTERN = re.compile(rf"{re.escape(SAVE_PREFIX)}[0-9a-f]{{16}}")
 
 T = TypeVar("T")
+
+
+def new_save_id() -> str:
+    """A new save's id (16 hex digits): its folder is ``save-<id>``, a `SAVE_FOLDER_PATTERN` name."""
+    return uuid.uuid4().hex[:16]
+
+
+def is_save_folder(entry: Path) -> bool:
+    """True when ``entry`` is a folder (not a link to one) named as tiekit names a save's folder."""
+    return SAVE_FOLDER_PATTERN.fullmatch(entry.name) is not None and entry.is_dir() and not entry.is_symlink()
 
 
 def is_sharded_checkpoint(path: PathLike) -> bool:
@@ -163,9 +177,12 @@ def _not_here(files: Mapping[str, int], ends: Mapping[str, list[tuple[str, int]]
 
 
 def remove_stale(root: Path, keep: str | None) -> None:
-    """Remove save folders other than ``keep`` (older saves, killed saves). Local, best effort."""
-    for entry in root.glob(SAVE_PREFIX + "*"):
-        if entry.name != keep and entry.is_dir():
+    """Remove save folders other than ``keep`` (older saves, killed saves). Local, best effort.
+
+    Only folders named ``save-<16 hex digits>`` (`SAVE_FOLDER_PATTERN`, the names tiekit gives
+    its saves): the folder may hold anything else of the user's, ``save-best/`` included."""
+    for entry in root.iterdir():
+        if entry.name != keep and is_save_folder(entry):
             shutil.rmtree(entry, ignore_errors=True)
     with contextlib.suppress(OSError):
         _fsync(root)

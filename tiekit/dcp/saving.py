@@ -21,7 +21,6 @@ import functools
 import os
 import shutil
 import threading
-import uuid
 import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +35,7 @@ from tiekit.checkpoint.deferred import DeferredCopies, deferrable_storages
 from tiekit.checkpoint.handle import SaveHandle
 from tiekit.checkpoint.layout import PathLike
 from tiekit.collective import Ranks, collective_gather, failure_message, ranks
-from tiekit.dcp.layout import SAVE_PREFIX, committed_save_id, remove_stale, write_marker
+from tiekit.dcp.layout import SAVE_PREFIX, committed_save_id, new_save_id, remove_stale, write_marker
 from tiekit.dcp.staging import host_copies
 from tiekit.dcp.state import SaveState, running_dcp, save_state, unwrap, xla_spmd
 from tiekit.errors import CheckpointError, TiekitError
@@ -212,7 +211,7 @@ def _prepare(model: nn.Module, root: Path, optimizer: Any, extra: Any) -> tuple[
     """Collective: agree on the folder and the save id; build this rank's state; fail everywhere
     if any rank failed."""
     # One gather for both (each costs a round trip of every rank): the folders, and rank 0's id.
-    found = collective_gather((os.fspath(root), uuid.uuid4().hex[:16] if _rank() == 0 else None))
+    found = collective_gather((os.fspath(root), new_save_id() if _rank() == 0 else None))
     refuse_different_folders([p for p, _ in found], "save_sharded")
     save_id = str(found[0][1])
     state: SaveState | None = None

@@ -1,0 +1,76 @@
+"""`tiekit.convert` and ``tiekit convert`` refuse destinations that would lose data or mix checkpoints."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+import tiekit
+from tiekit.cli import main
+from tiekit.dcp.layout import committed_save_id
+
+
+class Tied(nn.Module):
+    """An embedding tied to the output layer, small enough for every test to save in milliseconds."""
+
+    def __init__(self, tie: bool = True) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        if tie:
+            self.head.weight = self.embed.weight
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` with its bytes: what a refused convert must leave as it was."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def refused(src: Path, dst: Path | str, match: str, **kwargs: object) -> None:
+    """``convert(src, dst)`` is a `CheckpointError` matching ``match`` and changes no file."""
+    before = tree(src.parent)
+    with warnings.catch_warnings(), pytest.raises(tiekit.CheckpointError, match=match):
+        warnings.simplefilter("ignore")
+        tiekit.convert(src, dst, **kwargs)  # type: ignore[arg-type]
+    assert tree(src.parent) == before
+
+
+def test_convert_and_save_sharded_remove_only_the_save_folders_tiekit_names(tmp_path: Path) -> None:
+    model = Tied()
+    tiekit.save_model(model, tmp_path / "model.safetensors")
+    runs = tmp_path / "runs"
+    (runs / "save-best").mkdir(parents=True)
+    (runs / "save-best" / "weights.bin").write_text("the user's")
+    killed = runs / "save-0123456789abcdef"  # what a save killed before its commit leaves
+    killed.mkdir()
+    tiekit.convert(tmp_path / "model.safetensors", runs)
+    assert (runs / "save-best" / "weights.bin").read_text() == "the user's" and not killed.exists()
+    converted = committed_save_id(runs)
+    tiekit.save_sharded(model, runs)  # its commit removes the converted save, not the user's folder
+    assert (runs / "save-best" / "weights.bin").read_text() == "the user's"
+    assert sorted(p.name for p in runs.glob("save-*")) == sorted(["save-best", f"save-{committed_save_id(runs)}"])
+    assert converted != committed_save_id(runs)
+
+
+@pytest.mark.parametrize(
+    ("dst", "said"),
+    [("ck", "is the source"), ("ck/inner.safetensors", "is inside the source"), (".", "contains the source")],
+)
+def test_convert_refuses_a_destination_that_is_inside_or_holds_its_source(tmp_path: Path, dst: str, said: str) -> None:
+    tiekit.save_sharded(Tied(), tmp_path / "ck")
+    refused(tmp_path / "ck", tmp_path / dst, f"{said} {tmp_path / 'ck'}")
+
+
+def test_cli_convert_of_a_folder_into_its_parent_keeps_the_source(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = tmp_path / "out" / "save-1"
+    tiekit.save_model(Tied(), source / "model.safetensors")
+    code = main(["convert", str(source), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 1 and f"{tmp_path / 'out'}: the destination contains the source {source}" in err
+    assert (source / "model.safetensors").is_file()
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["save-1"]
