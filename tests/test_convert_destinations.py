@@ -74,3 +74,39 @@ def test_cli_convert_of_a_folder_into_its_parent_keeps_the_source(
     assert code == 1 and f"{tmp_path / 'out'}: the destination contains the source {source}" in err
     assert (source / "model.safetensors").is_file()
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["save-1"]
+
+
+def holding(folder: Path, what: str) -> str:
+    """Make ``folder`` hold a checkpoint of kind ``what``; return the file that makes it one."""
+    model = Tied()
+    if what == "safetensors":
+        tiekit.save_model(model, folder / "model.safetensors")
+        return "model.safetensors"
+    if what == "index":
+        tiekit.save_model(nn.Linear(64, 64), folder / "model.safetensors", max_shard_size="8KB")
+        return "model.safetensors.index.json"
+    if what == "plain dcp":
+        import torch.distributed.checkpoint as dcp
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(model.state_dict(), checkpoint_id=str(folder), no_dist=True)
+        return ".metadata"
+    tiekit.save_sharded(model, folder)
+    return "tiekit-dcp.json"
+
+
+@pytest.mark.parametrize("what", ["safetensors", "index", "plain dcp", "sharded"])
+@pytest.mark.parametrize("source", ["model.safetensors", "ck"])
+def test_convert_refuses_a_destination_folder_that_holds_a_checkpoint(tmp_path: Path, source: str, what: str) -> None:
+    src = tmp_path / source
+    if source == "ck":
+        tiekit.save_sharded(Tied(), src)
+    else:
+        tiekit.save_model(Tied(), src)
+    found = holding(tmp_path / "dst", what)
+    refused(
+        src,
+        tmp_path / "dst",
+        f"{tmp_path / 'dst' / found}: exists; convert writes a new checkpoint and {tmp_path / 'dst'} holds one already",
+    )

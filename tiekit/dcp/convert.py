@@ -327,6 +327,21 @@ def whole(value: Value) -> torch.Tensor:
     return torch.cat(value) if isinstance(value, list) else value
 
 
+#: The files that make a folder a checkpoint `tiekit.load_model` or `load_sharded` (or DCP) reads.
+CHECKPOINT_FILES = (MARKER_NAME, DCP_METADATA, WEIGHTS_NAME, WEIGHTS_NAME + INDEX_SUFFIX)
+
+
+def _refuse_held_checkpoint(folder: Path) -> None:
+    """`CheckpointError` naming the file when the destination folder holds a checkpoint: a second
+    one beside it would leave the folder two checkpoints, read by different loaders."""
+    for name in CHECKPOINT_FILES:
+        if (folder / name).exists():
+            raise CheckpointError(
+                f"{folder / name}: exists; convert writes a new checkpoint and {folder} holds one already "
+                "(remove it first, or convert into a new folder)"
+            )
+
+
 def _to_safetensors(
     source: _Reader,
     specs: list[Spec],
@@ -336,6 +351,8 @@ def _to_safetensors(
     max_shard_size: int | str | None,
 ) -> list[Path]:
     file = target if target.name.endswith(".safetensors") else target / WEIGHTS_NAME
+    if file.parent == target:
+        _refuse_held_checkpoint(target)
     for existing in (file, file.with_name(file.name + INDEX_SUFFIX)):
         if existing.exists():
             raise CheckpointError(f"{existing}: exists; convert writes a new checkpoint (remove it first)")
@@ -345,8 +362,9 @@ def _to_safetensors(
 
 
 def _to_dcp(source: _Reader, specs: list[Spec], plan: TiePlan | None, checks: dict[str, str], root: Path) -> list[Path]:
-    if (root / MARKER_NAME).exists() or (root.exists() and not root.is_dir()):
+    if root.exists() and not root.is_dir():
         raise CheckpointError(f"{root}: holds a checkpoint already; convert writes a new one (remove it first)")
+    _refuse_held_checkpoint(root)
     save_id = new_save_id()
     folder = root / f"{SAVE_PREFIX}{save_id}"
 
