@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 
@@ -110,3 +111,22 @@ def test_convert_refuses_a_destination_folder_that_holds_a_checkpoint(tmp_path: 
         tmp_path / "dst",
         f"{tmp_path / 'dst' / found}: exists; convert writes a new checkpoint and {tmp_path / 'dst'} holds one already",
     )
+
+
+@pytest.mark.parametrize(
+    ("dst", "options", "said"),
+    [
+        ("out.safetensors", [], "converts to a sharded \\(DCP\\) folder, not to a safetensors file"),
+        ("out.safetensors", ["--max-shard-size", "1KB"], "not to a safetensors file"),
+        ("out", ["--max-shard-size", "1KB"], "max_shard_size \\(--max-shard-size\\) applies to a safetensors"),
+    ],
+    ids=["file", "file and size", "folder and size"],
+)
+def test_cli_convert_of_safetensors_refuses_a_safetensors_destination_or_a_shard_size(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], dst: str, options: list[str], said: str
+) -> None:
+    tiekit.save_model(Tied(), tmp_path / "in.safetensors")
+    code = main(["convert", str(tmp_path / "in.safetensors"), str(tmp_path / dst), *options])
+    err = capsys.readouterr().err
+    assert code == 1 and re.search(said, err) and "tiekit.save_model(model, path, max_shard_size=...)" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.safetensors"]

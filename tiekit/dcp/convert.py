@@ -97,7 +97,9 @@ def convert(
     file when ``dst`` ends in ``.safetensors``, else a folder holding ``model.safetensors`` (or,
     with ``max_shard_size``, Hugging Face style shards and ``model.safetensors.index.json``). A
     safetensors file, index or folder becomes a `save_sharded` folder ``dst`` that `load_sharded`
-    reads on any number of ranks. ``plan`` (a `TiePlan`, or a model whose ties to take) adds ties
+    reads on any number of ranks (never a ``.safetensors`` file, and ``max_shard_size`` is refused:
+    to reshard a safetensors checkpoint, `tiekit.load_model` it and `tiekit.save_model` it with
+    ``max_shard_size``). ``plan`` (a `TiePlan`, or a model whose ties to take) adds ties
     the source does not record. The destination must not hold a checkpoint already. Local: one
     process, no process group. `CheckpointError` naming the file and key on anything wrong, such
     as two tied names stored with different values. A source another process saves over while
@@ -131,6 +133,7 @@ def _convert(src: Path, dst: Path, plan: TiePlan | nn.Module | None, max_shard_s
     tie_plan = _plan(plan, source.plan)
     specs, merged, checks = _layout(source, tie_plan)
     if source.where.endswith((".safetensors", INDEX_SUFFIX)) or not _is_dcp(src):
+        _refuse_for_sharded_folder(src, dst, max_shard_size)
         files = _to_dcp(source, specs, tie_plan, checks, dst)
     else:
         files = _to_safetensors(source, specs, tie_plan, checks, dst, max_shard_size)
@@ -152,6 +155,26 @@ def _refuse_overlap(src: Path, dst: Path) -> None:
     else:
         return
     raise CheckpointError(f"{dst}: the destination {where} {src}; convert into a new path outside it")
+
+
+def _refuse_for_sharded_folder(src: Path, dst: Path, max_shard_size: int | str | None) -> None:
+    """A safetensors source converts to a sharded (DCP) folder only: `CheckpointError` for a
+    ``.safetensors`` destination (it would be a folder so named) or a shard size (DCP's files are
+    one per rank), saying how to reshard a safetensors checkpoint instead."""
+    reshard = (
+        f"to reshard it, load it (tiekit.load_model(model, {os.fspath(src)!r})) and save it with "
+        "tiekit.save_model(model, path, max_shard_size=...)"
+    )
+    if dst.name.endswith((".safetensors", INDEX_SUFFIX)):
+        raise CheckpointError(
+            f"{dst}: {src} is a safetensors checkpoint, which converts to a sharded (DCP) folder, not to a "
+            f"safetensors file; give a folder name, or {reshard}"
+        )
+    if max_shard_size is not None:
+        raise CheckpointError(
+            f"{dst}: max_shard_size (--max-shard-size) applies to a safetensors destination; {src} converts "
+            f"to a sharded (DCP) folder, whose files DCP sizes itself (one per saving rank). Leave it out, or {reshard}"
+        )
 
 
 def _is_dcp(path: Path) -> bool:
