@@ -130,3 +130,44 @@ def test_cli_convert_of_safetensors_refuses_a_safetensors_destination_or_a_shard
     err = capsys.readouterr().err
     assert code == 1 and re.search(said, err) and "tiekit.save_model(model, path, max_shard_size=...)" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.safetensors"]
+
+
+@pytest.mark.parametrize(
+    ("source", "dst", "said"),
+    [
+        ("ck", "afile", "it is a file, not a folder"),
+        ("ck", "afile/sub.safetensors", "it lies in {tmp}/afile, a file, not a folder"),
+        ("model.safetensors", "afile", "it is a file, not a folder"),
+        ("model.safetensors", "afile/sub", "it lies in {tmp}/afile, a file, not a folder"),
+        ("ck", "", "the destination is an empty path"),
+    ],
+)
+def test_convert_names_a_destination_it_cannot_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, dst: str, said: str
+) -> None:
+    monkeypatch.chdir(tmp_path)  # an empty path once meant the current folder: written here, then seen
+    tiekit.save_sharded(Tied(), tmp_path / "ck")
+    tiekit.save_model(Tied(), tmp_path / "model.safetensors")
+    (tmp_path / "afile").write_text("not a folder")
+    target = str(tmp_path / dst) if dst else ""
+    refused(
+        tmp_path / source,
+        target,
+        re.escape(f"{target}: cannot be written: " if dst else "") + said.format(tmp=tmp_path),
+    )
+
+
+def test_a_convert_that_fails_while_writing_leaves_no_folder_behind(tmp_path: Path) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.zeros(2, dtype=torch.complex128)}, checkpoint_id=str(tmp_path / "plain"), no_dist=True)
+    refused(tmp_path / "plain", tmp_path / "new" / "deeper" / "out.safetensors", "safetensors cannot store")
+    assert not (tmp_path / "new").exists()
+    broken = {"embed.weight": torch.zeros(10, 4), "head.weight": torch.ones(10, 4)}  # a tie broken and trained
+    save_file(broken, tmp_path / "broken.safetensors")
+    refused(tmp_path / "broken.safetensors", tmp_path / "new" / "ck", "refusing to merge tied keys", plan=Tied())
+    assert not (tmp_path / "new").exists()

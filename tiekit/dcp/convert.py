@@ -11,7 +11,10 @@ Only model weights are converted: optimizer state, ``extra`` (and a training che
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
+import shutil
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -124,6 +127,9 @@ def convert_silently(
     src: PathLike, dst: PathLike, *, plan: TiePlan | nn.Module | None = None, max_shard_size: int | str | None = None
 ) -> ConvertResult:
     """`convert`, without its warning about what it left out (the CLI prints that itself)."""
+    for what, path in (("source", src), ("destination", dst)):
+        if os.fspath(path) == "":
+            raise CheckpointError(f"convert: the {what} is an empty path; give a file or folder")
     return reading_committed(Path(src), lambda: _convert(Path(src), Path(dst), plan, max_shard_size))
 
 
@@ -350,6 +356,31 @@ def whole(value: Value) -> torch.Tensor:
     return torch.cat(value) if isinstance(value, list) else value
 
 
+def _refuse_unwritable(folder: Path, dst: Path) -> None:
+    """`CheckpointError` naming ``dst`` when ``folder`` (where it is written) or the nearest of its
+    parents that exists is a file, not a folder: checked before anything is created."""
+    for path in (folder, *folder.parents):
+        if path.is_dir():
+            return
+        if path.exists() or path.is_symlink():
+            where = "is a file" if path == dst else f"lies in {path}, a file"
+            raise CheckpointError(f"{dst}: cannot be written: it {where}, not a folder; give a new path")
+
+
+@contextlib.contextmanager
+def _removed_on_failure(folder: Path) -> Iterator[None]:
+    """``folder`` and those of its parents that do not exist yet (the body creates them), removed
+    again, when still empty, if the body raises: a failed convert leaves nothing behind."""
+    made = list(itertools.takewhile(lambda p: not p.exists(), (folder, *folder.parents)))
+    try:
+        yield
+    except BaseException:
+        for path in made:  # deepest first
+            with contextlib.suppress(OSError):
+                path.rmdir()
+        raise
+
+
 #: The files that make a folder a checkpoint `tiekit.load_model` or `load_sharded` (or DCP) reads.
 CHECKPOINT_FILES = (MARKER_NAME, DCP_METADATA, WEIGHTS_NAME, WEIGHTS_NAME + INDEX_SUFFIX)
 
@@ -374,6 +405,7 @@ def _to_safetensors(
     max_shard_size: int | str | None,
 ) -> list[Path]:
     file = target if target.name.endswith(".safetensors") else target / WEIGHTS_NAME
+    _refuse_unwritable(file.parent, target)
     if file.parent == target:
         _refuse_held_checkpoint(target)
     for existing in (file, file.with_name(file.name + INDEX_SUFFIX)):
@@ -381,12 +413,12 @@ def _to_safetensors(
             raise CheckpointError(f"{existing}: exists; convert writes a new checkpoint (remove it first)")
     limit = None if max_shard_size is None else parse_size(max_shard_size)
     kept = None if plan is None else TiePlan(plan.groups, plan.unique_count, plan.total_count)
-    return write_safetensors(file, specs, kept, _batches(source, specs, checks), limit)
+    with _removed_on_failure(file.parent):
+        return write_safetensors(file, specs, kept, _batches(source, specs, checks), limit)
 
 
 def _to_dcp(source: _Reader, specs: list[Spec], plan: TiePlan | None, checks: dict[str, str], root: Path) -> list[Path]:
-    if root.exists() and not root.is_dir():
-        raise CheckpointError(f"{root}: holds a checkpoint already; convert writes a new one (remove it first)")
+    _refuse_unwritable(root, root)
     _refuse_held_checkpoint(root)
     save_id = new_save_id()
     folder = root / f"{SAVE_PREFIX}{save_id}"
@@ -397,11 +429,16 @@ def _to_dcp(source: _Reader, specs: list[Spec], plan: TiePlan | None, checks: di
         _check_tied(source, checks, key, value)
         return value
 
-    root.mkdir(parents=True, exist_ok=True)
-    write_dcp(folder, specs, read)
     tensors = {k: [list(shape), dtype_name(dtype)] for k, shape, dtype in specs}
     record: dict[str, Any] = {"state_version": 1, "extra": None, "optimizer": None, "tensors": tensors, "world_size": 1}
     record["torch"] = torch.__version__
-    write_marker(root, folder, save_id, plan, record)
+    with _removed_on_failure(root):
+        root.mkdir(parents=True, exist_ok=True)
+        try:
+            write_dcp(folder, specs, read)
+            write_marker(root, folder, save_id, plan, record)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)  # this convert's own new folder, named by no marker
+            raise
     remove_stale(root, keep=folder.name)
     return [root / MARKER_NAME, *sorted(folder.iterdir())]
