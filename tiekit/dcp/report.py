@@ -119,7 +119,7 @@ def _all_files(metadata: Metadata, folder: Path) -> set[str]:
 
 def _identical(folder: Path, tensors: list[StoredTensor]) -> tuple[tuple[str, ...], ...]:
     """Groups of stored tensors with the same bytes (constant tensors left out): ties stored twice."""
-    from tiekit.dcp.convert import _dcp_read
+    from tiekit.dcp.convert import _dcp_read, whole
 
     by_kind: dict[tuple[str, tuple[int, ...]], list[str]] = {}
     for t in tensors:
@@ -131,7 +131,7 @@ def _identical(folder: Path, tensors: list[StoredTensor]) -> tuple[tuple[str, ..
             continue
         digests: dict[bytes, list[str]] = {}
         for name in names:
-            value = read([name])[name].contiguous()
+            value = whole(read([name])[name]).contiguous()  # a tensor saved by several ranks: its row chunks
             flat = value.reshape(-1)
             if flat.numel() == 0 or bool((flat == flat[0]).all()):
                 continue  # zeros, ones: equal without being ties
