@@ -171,3 +171,32 @@ def test_a_convert_that_fails_while_writing_leaves_no_folder_behind(tmp_path: Pa
     save_file(broken, tmp_path / "broken.safetensors")
     refused(tmp_path / "broken.safetensors", tmp_path / "new" / "ck", "refusing to merge tied keys", plan=Tied())
     assert not (tmp_path / "new").exists()
+
+
+class TwoTies(nn.Module):
+    """`Tied` whose model also ties two projections: a tie the source's plan may not record."""
+
+    def __init__(self, tie_head: bool = True, tie_projections: bool = True) -> None:
+        super().__init__()
+        self.lm = Tied(tie_head)
+        self.up = nn.Linear(4, 4, bias=False)
+        self.down = nn.Linear(4, 4, bias=False)
+        if tie_projections:
+            self.down.weight = self.up.weight
+
+
+def test_convert_with_a_model_keeps_the_ties_the_source_records_and_adds_the_models(tmp_path: Path) -> None:
+    import torch
+
+    saved = TwoTies(tie_projections=False)
+    with torch.no_grad():
+        saved.down.weight.copy_(saved.up.weight)  # equal copies, which the model given merges
+    tiekit.save_sharded(saved, tmp_path / "ck")  # records lm.embed.weight = lm.head.weight only
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        untied_head = tiekit.convert(tmp_path / "ck", tmp_path / "a.safetensors", plan=TwoTies(tie_head=False))
+    assert untied_head.stored == ("lm.embed.weight", "up.weight") and untied_head.merged == ("down.weight",)
+    loaded = TwoTies(tie_head=False, tie_projections=False)
+    tiekit.load_model(loaded, tmp_path / "a.safetensors")  # both tied names there: none lost
+    assert torch.equal(loaded.lm.head.weight, saved.lm.embed.weight)
+    assert torch.equal(loaded.down.weight, saved.up.weight)

@@ -17,7 +17,7 @@ import os
 import shutil
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -103,9 +103,10 @@ def convert(
     reads on any number of ranks (never a ``.safetensors`` file, and ``max_shard_size`` is refused:
     to reshard a safetensors checkpoint, `tiekit.load_model` it and `tiekit.save_model` it with
     ``max_shard_size``). ``plan`` (a `TiePlan`, or a model whose ties to take) adds ties
-    the source does not record. The destination must not hold a checkpoint already. Local: one
-    process, no process group. `CheckpointError` naming the file and key on anything wrong, such
-    as two tied names stored with different values. A source another process saves over while
+    the source does not record (the ties it records stay). The destination must be a new path,
+    outside the source, not a folder holding a checkpoint already. Local: one process, no
+    process group. `CheckpointError` naming the file and key on anything wrong, such as two tied
+    names stored with different values. A source another process saves over while
     it is read is converted again from its new save.
 
     Only the model's tensors are converted. Optimizer state, ``extra`` (and the ``step`` of a
@@ -276,14 +277,29 @@ def _dcp_read(folder: Path) -> Callable[[list[str]], dict]:
 
 
 def _plan(given: TiePlan | nn.Module | None, recorded: TiePlan | None) -> TiePlan | None:
-    """The plan the destination records: ``given``, else the source's; None when neither says
-    anything (a plain DCP folder or safetensors file): the destination records no plan either,
-    so a loader takes the model's ties and accepts their equal copies, as for the source. An
-    empty plan would say "no ties", which a tied model's loader refuses."""
+    """The plan the destination records: the source's with ``given``'s ties added (`_with_ties`);
+    None when neither says anything (a plain DCP folder or safetensors file): the destination
+    records no plan either, so a loader takes the model's ties and accepts their equal copies, as
+    for the source. An empty plan would say "no ties", which a tied model's loader refuses."""
     if isinstance(given, nn.Module):
         ties = find_ties(given, declared=declared_ties(given) or None)
         given = stored_only(ties, set(given.state_dict(keep_vars=True)))
-    return given if given is not None else recorded
+    if given is None or recorded is None:
+        return given if given is not None else recorded
+    return _with_ties(recorded, given)
+
+
+def _with_ties(recorded: TiePlan, given: TiePlan) -> TiePlan:
+    """``recorded`` plus the ties of ``given`` it lacks: a given group replaces the recorded groups
+    it touches only when it holds all their names (it ties more); one that would untie a recorded
+    name is left out, as the source stores that name once and dropping the tie would lose it."""
+    groups = list(recorded.groups)
+    for group in given.groups:
+        touched = [g for g in groups if set(g.names) & set(group.names)]
+        held = {name for g in touched for name in g.names}
+        if not touched or held < set(group.names):
+            groups = [g for g in groups if g not in touched] + [group]
+    return replace(recorded, groups=tuple(groups))
 
 
 def _layout(source: _Reader, plan: TiePlan | None) -> tuple[list[Spec], tuple[str, ...], dict[str, str]]:
