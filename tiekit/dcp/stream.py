@@ -146,4 +146,6 @@ def write_dcp(folder: Path, specs: Sequence[Spec], read: Callable[[str], torch.T
 
     placeholders = {key: torch.empty(shape, dtype=dtype, device="meta") for key, shape, dtype in specs}
     with running_dcp(folder, reading=False):
-        save(placeholders, storage_writer=FileSystemWriter(folder), planner=Streaming(), no_dist=True)
+        # A file per tensor: torch's writer holds every tensor of a file until the file is done.
+        writer = FileSystemWriter(folder, single_file_per_rank=False)
+        save(placeholders, storage_writer=writer, planner=Streaming(), no_dist=True)
