@@ -49,27 +49,25 @@ class SplitModule(Module):
             fully_shard(part, mesh=mesh)
 
 
-def split_run(callbacks):
-    run = trainer({STEPS}, callbacks)
+def fit_and_tell(run, module_class, label):
     with run.init_module(empty_init=True):
-        module = SplitModule()
+        module = module_class()
     try:
         run.fit(module, data())
     except Exception as exc:
-        print(f"rank {{run.global_rank}}: {{len(callbacks)}} callbacks: {{type(exc).__name__}}: {{exc}}", flush=True)
+        print(f"rank {{run.global_rank}}: {{label}}: {{type(exc).__name__}}: {{exc}}", flush=True)
     else:
-        print(f"rank {{run.global_rank}}: {{len(callbacks)}} callbacks: trained", flush=True)
+        print(f"rank {{run.global_rank}}: {{label}}: trained", flush=True)
+
+
+def split_run(callbacks):
+    fit_and_tell(trainer({STEPS}, callbacks), SplitModule, f"{{len(callbacks)}} callbacks")
 
 
 def tied_io_run():
     run = trainer({STEPS}, [KeepTies()])
     run.strategy.checkpoint_io = TiedCheckpointIO()  # bypassed by this strategy: refused
-    with run.init_module(empty_init=True):
-        module = Module()
-    try:
-        run.fit(module, data())
-    except Exception as exc:
-        print(f"rank {{run.global_rank}}: tied io: {{type(exc).__name__}}: {{exc}}", flush=True)
+    fit_and_tell(run, Module, "tied io")
 
 
 if __name__ == "__main__":

@@ -359,6 +359,18 @@ def test_a_module_registered_twice_keeps_its_own_values_when_parameters_are_repl
         torch.__future__.set_overwrite_module_params_on_conversion(False)
 
 
+def cast_to_double(model: nn.Module, how: str) -> None:
+    """``model`` to float64 through `tiekit.move`, `tiekit.preserve_ties` around ``.double()``, or
+    ``.double()`` of a `tiekit.TPUMixin` model (``how``: "move", "preserve_ties", "mixin")."""
+    if how == "move":
+        tiekit.move(model, dtype=torch.float64)
+    elif how == "preserve_ties":
+        with tiekit.preserve_ties(model):
+            model.double()
+    else:
+        model.double()
+
+
 @pytest.mark.parametrize("how", ["move", "preserve_ties", "mixin"])
 def test_a_tied_weight_with_a_gradient_casts_when_torch_swaps_tensors(how: str) -> None:
     """With swap_module_params_on_conversion, torch swaps the converted gradient into the old one's
@@ -375,13 +387,7 @@ def test_a_tied_weight_with_a_gradient_casts_when_torch_swaps_tensors(how: str) 
         grad = model.layer_1.weight.grad
         assert grad is not None
         expected = grad.detach().double()
-        if how == "move":
-            tiekit.move(model, dtype=torch.float64)
-        elif how == "preserve_ties":
-            with tiekit.preserve_ties(model):
-                model.double()
-        else:
-            model.double()
+        cast_to_double(model, how)
         weight = model.layer_1.weight
         assert weight is model.layer_3.weight and weight.dtype == torch.float64
         assert weight.grad is not None and torch.equal(weight.grad, expected)
@@ -411,13 +417,7 @@ def test_a_plan_retie_cannot_apply_is_refused_before_anything_converts(how: str)
     model = MixinOverlappingSlices() if how == "mixin" else OverlappingSlices()
     shared = model.a.w.untyped_storage().data_ptr()
     with pytest.raises(TieError, match=r"cannot rebuild view 'b\.w': it reaches outside its source 'a\.w'"):
-        if how == "move":
-            tiekit.move(model, dtype=torch.float64)
-        elif how == "preserve_ties":
-            with tiekit.preserve_ties(model):
-                model.double()
-        else:
-            model.double()
+        cast_to_double(model, how)
     assert model.a.w.dtype == model.b.w.dtype == torch.float32
     assert model.a.w.untyped_storage().data_ptr() == model.b.w.untyped_storage().data_ptr() == shared
 
