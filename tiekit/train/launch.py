@@ -241,7 +241,10 @@ def _process_entry(rank: int, job: Job, world: int, port: int) -> None:
     except BaseException as exc:
         assert job.result_dir is not None
         error = {"type": type(exc).__name__, "message": str(exc), "time": time.time(), "pid": os.getpid()}
-        (job.result_dir / f"error-{rank}.json").write_text(json.dumps(error), encoding="utf-8")
+        # Whole or not there: torch stops this process when a peer dies, maybe in the middle of the write.
+        partial = job.result_dir / f".error-{rank}.json"
+        partial.write_text(json.dumps(error), encoding="utf-8")
+        partial.replace(job.result_dir / f"error-{rank}.json")
         drop_library_locals(exc)  # the group goes with the model holding it (see collective_close_process_group)
         dist.destroy_process_group()  # peers may be gone: no meeting
         raise
@@ -357,7 +360,7 @@ def _replica_errors(job: Job) -> dict[int, dict[str, Any]]:
     assert job.result_dir is not None
     found = {
         int(p.stem.split("-")[1]): json.loads(p.read_text(encoding="utf-8"))
-        for p in job.result_dir.glob("error-*.json")
+        for p in job.result_dir.glob("error-*.json")  # each whole (see _process_entry)
     }
     return dict(sorted(found.items(), key=lambda item: item[1]["time"]))
 
