@@ -29,6 +29,7 @@ SAVE = textwrap.dedent(
     model = tiekit.shard(model)
     tiekit.save_sharded(model, f"{out}/sharded")
     dcp.save(model.state_dict(), checkpoint_id=f"{out}/plain")  # stores both names of the tie
+    dist.barrier()  # both done before either closes: gloo can abort a process whose peer left first
     dist.destroy_process_group()
     """
 )

@@ -315,6 +315,7 @@ except tiekit.CheckpointError as exc:
     told = f"CheckpointError: {exc}"
 with open(f"{sys.argv[4]}-rank{rank}.txt", "w") as f:
     f.write(told)
+dist.barrier()  # both done before either closes: gloo can abort a process whose peer left first
 dist.destroy_process_group()
 """
 
