@@ -9,6 +9,7 @@ Work folders of killed saves are removed by the next save into the same folder.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -182,18 +183,26 @@ def _through_link(target: Path) -> Path:
 def _folder_for(target: Path) -> Iterator[None]:
     """``target``'s folder, created where missing and cleaned of dead saves' work folders; the
     folders created here are removed again when the save fails (a failed call leaves nothing)."""
-    missing = [f for f in [target.parent, *target.parent.parents] if not f.exists()]
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise CheckpointError(f"{target}: cannot create the folder: {exc.strerror or exc}") from exc
-    try:
+    with removed_on_failure(target.parent):
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointError(f"{target}: cannot create the folder: {exc.strerror or exc}") from exc
         _remove_dead_work_folders(target.parent)
         yield
+
+
+@contextlib.contextmanager
+def removed_on_failure(folder: Path) -> Iterator[None]:
+    """``folder`` and those of its parents that do not exist yet (the body creates them), removed
+    again, when still empty, if the body raises: a failed save leaves nothing behind. Local."""
+    made = list(itertools.takewhile(lambda p: not p.exists(), (folder, *folder.parents)))
+    try:
+        yield
     except BaseException:
-        for created in missing:  # deepest first; one another writer has filled stays
+        for path in made:  # deepest first; one another writer has filled stays
             with contextlib.suppress(OSError):
-                created.rmdir()
+                path.rmdir()
         raise
 
 

@@ -11,8 +11,6 @@ Only model weights are converted: optimizer state, ``extra`` (and a training che
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import os
 import shutil
 import warnings
@@ -26,6 +24,7 @@ from torch import nn
 
 from tiekit.analyze import dtype_name, find_ties
 from tiekit.checkpoint.contents import declared_ties, stored_only
+from tiekit.checkpoint.files import removed_on_failure
 from tiekit.checkpoint.layout import INDEX_SUFFIX, WEIGHTS_NAME, PathLike, parse_size
 from tiekit.checkpoint.reads import read_tensor
 from tiekit.checkpoint.source import open_source, training_record
@@ -383,20 +382,6 @@ def _refuse_unwritable(folder: Path, dst: Path) -> None:
             raise CheckpointError(f"{dst}: cannot be written: it {where}, not a folder; give a new path")
 
 
-@contextlib.contextmanager
-def _removed_on_failure(folder: Path) -> Iterator[None]:
-    """``folder`` and those of its parents that do not exist yet (the body creates them), removed
-    again, when still empty, if the body raises: a failed convert leaves nothing behind."""
-    made = list(itertools.takewhile(lambda p: not p.exists(), (folder, *folder.parents)))
-    try:
-        yield
-    except BaseException:
-        for path in made:  # deepest first
-            with contextlib.suppress(OSError):
-                path.rmdir()
-        raise
-
-
 #: The files that make a folder a checkpoint `tiekit.load_model` or `load_sharded` (or DCP) reads.
 CHECKPOINT_FILES = (MARKER_NAME, DCP_METADATA, WEIGHTS_NAME, WEIGHTS_NAME + INDEX_SUFFIX)
 
@@ -429,7 +414,7 @@ def _to_safetensors(
             raise CheckpointError(f"{existing}: exists; convert writes a new checkpoint (remove it first)")
     limit = None if max_shard_size is None else parse_size(max_shard_size)
     kept = None if plan is None else TiePlan(plan.groups, plan.unique_count, plan.total_count)
-    with _removed_on_failure(file.parent):
+    with removed_on_failure(file.parent):
         return write_safetensors(file, specs, kept, _batches(source, specs, checks), limit)
 
 
@@ -448,7 +433,7 @@ def _to_dcp(source: _Reader, specs: list[Spec], plan: TiePlan | None, checks: di
     tensors = {k: [list(shape), dtype_name(dtype)] for k, shape, dtype in specs}
     record: dict[str, Any] = {"state_version": 1, "extra": None, "optimizer": None, "tensors": tensors, "world_size": 1}
     record["torch"] = torch.__version__
-    with _removed_on_failure(root):
+    with removed_on_failure(root):
         root.mkdir(parents=True, exist_ok=True)
         try:
             write_dcp(folder, specs, read)
