@@ -10,6 +10,7 @@ planner that reads each tensor when DCP's writer asks for it.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import secrets
@@ -32,6 +33,9 @@ Spec = tuple[str, tuple[int, ...], torch.dtype]
 #: A tensor to write, or its chunks along the first dimension in order (a DCP tensor saved by
 #: several ranks, `tiekit.dcp.chunks`): their bytes one after the other are the tensor's.
 Value = torch.Tensor | list[torch.Tensor]
+
+#: How many bytes of tensors a DCP write streams before the cycles torch.save leaves are collected.
+_RECLAIM_BYTES = 64 * 2**20
 
 
 def nbytes(spec: Spec) -> int:
@@ -138,11 +142,23 @@ def write_dcp(folder: Path, specs: Sequence[Spec], read: Callable[[str], torch.T
 
     from tiekit.dcp.state import running_dcp
 
+    unreclaimed = 0  # bytes handed to DCP since the last collection
+
     class Streaming(DefaultSavePlanner):
         """Plans with meta tensors; DCP's writer asks for each tensor once, just before writing it."""
 
         def lookup_object(self, index: Any) -> Any:
-            return read(index.fqn)
+            nonlocal unreclaimed
+            # Torch before 2.14 leaves each tensor it saves in a reference cycle of torch.save's own
+            # (measured on 2.9.1: every 32 MiB tensor written stayed held until a collection, so a
+            # conversion held the model). The young generations hold that cycle; collecting them
+            # once per _RECLAIM_BYTES bounds what is held, at a few ms each.
+            if unreclaimed >= _RECLAIM_BYTES:
+                gc.collect(1)
+                unreclaimed = 0
+            value = read(index.fqn)
+            unreclaimed += value.numel() * value.element_size()
+            return value
 
     placeholders = {key: torch.empty(shape, dtype=dtype, device="meta") for key, shape, dtype in specs}
     with running_dcp(folder, reading=False):
