@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,3 +108,32 @@ def test_accelerate_prepare_on_xla_breaks_ties_and_prepare_tied_keeps_them() -> 
     assert not torch.equal(model.lm_head.weight.detach().cpu(), before)  # the optimizer stepped the tied weight
     stepped = {id(p) for g in optimizer.optimizer.param_groups for p in g["params"]}
     assert stepped == {id(p) for p in model.parameters()}
+
+
+@pytest.mark.xla
+def test_tiekit_checkpoints_of_an_accelerate_model_on_xla_resume_tied(tmp_path: Path) -> None:
+    """accelerate's own `load_state` fails on XLA inside safetensors (docs/integrations.md): the
+    docs send users to `save_checkpoint`/`load_checkpoint` of the unwrapped model, shown here with
+    accelerate's wrapped optimizer."""
+    accelerator = accelerate.Accelerator()
+    model = gpt2()
+    model, optimizer = prepare_tied(accelerator, model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    step(accelerator, model, optimizer)
+    inner = accelerator.unwrap_model(model)
+    tiekit.save_checkpoint(tmp_path / "ckpt.safetensors", model=inner, optimizer=optimizer, step=1)
+    saved = {k: v.cpu() for k, v in inner.state_dict().items()}
+    saved_state = {k: v.cpu().clone() for k, v in optimizer.state_dict()["state"][0].items()}  # "step" is a CPU tensor
+    step(accelerator, model, optimizer)
+
+    restored = tiekit.load_checkpoint(tmp_path / "ckpt.safetensors", model=inner, optimizer=optimizer)
+    assert restored["step"] == 1
+    assert inner.lm_head.weight is inner.transformer.wte.weight and len(list(inner.parameters())) == 28
+    assert all(torch.equal(saved[k], v.cpu()) for k, v in inner.state_dict().items())
+    assert all(torch.equal(saved_state[k], v.cpu()) for k, v in optimizer.state_dict()["state"][0].items())
+    assert {id(p) for g in optimizer.param_groups for p in g["params"]} == {id(p) for p in inner.parameters()}
+    step(accelerator, model, optimizer)
+    assert inner.lm_head.weight is inner.transformer.wte.weight
+
+    # The control: torch's assign-load of the same state (both names, as a state dict holds them) unties.
+    torch.nn.Module.load_state_dict(inner, saved, assign=True)
+    assert inner.lm_head.weight is not inner.transformer.wte.weight
