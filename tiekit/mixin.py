@@ -17,7 +17,7 @@ from torch import nn
 
 from tiekit.analyze import find_ties
 from tiekit.plan import TiePlan
-from tiekit.retie import fitting_plan, once_per_tensor, retie, verify
+from tiekit.retie import fitting_plan, once_per_tensor, retie, still_holds, verify
 
 # torch_xla.launch runs one replica per thread in a single process, so "already inside a
 # tiekit conversion" must be per thread, not a module attribute or a global.
@@ -26,7 +26,9 @@ _state = threading.local()
 # A plan stays valid until some module registers a parameter, buffer or submodule (which is
 # how ties are made and unmade: `a.weight = b.weight`, `add_module`, `register_buffer`).
 # torch's global registration hooks bump this counter, so a mixin model can reuse its plan
-# across moves instead of walking the whole tree before each one.
+# across moves instead of walking the whole tree before each one. Memory changes without a
+# registration (`w.data = new` leaves w's view buffers apart), so a plan is reused only after
+# a look-up per tied name shows its ties still hold (`still_holds`).
 _registrations = [0]
 _hooks_installed = threading.Lock()
 _hook_handles: list[Any] = []
@@ -84,15 +86,17 @@ class TPUMixin:
     def tie_plan(self) -> TiePlan:
         """The current plan of this module: detected ties merged with ``tied_weights``.
 
-        Cached until any module registers a parameter, buffer or submodule; code that writes
-        into ``module._parameters`` directly should call ``tie_plan`` only after
+        Cached until any module registers a parameter, buffer or submodule, and as long as the
+        model still holds the plan's ties (`tiekit.retie.still_holds`: a source given new memory
+        with ``w.data = ...`` has no views any more); code that writes into
+        ``module._parameters`` directly should call ``tie_plan`` only after
         ``tiekit.mixin.forget_plans()``.
         """
         assert isinstance(self, nn.Module)
         _watch_registrations()
         key = (_registrations[0], id(self.tied_weights))
         cached = self.__dict__.get("_tiekit_plan")
-        if cached is not None and cached[0] == key:
+        if cached is not None and cached[0] == key and still_holds(self, cached[1]):
             plan: TiePlan = cached[1]
             return plan
         plan = find_ties(self, declared=self.tied_weights)

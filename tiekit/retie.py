@@ -128,6 +128,35 @@ def _is_view_of(t: torch.Tensor, source: torch.Tensor, member: TieMember) -> boo
     return tuple(t.shape) == member.view.size and key is not None and key == devices.storage_key(source)
 
 
+def still_holds(model: nn.Module, plan: TiePlan) -> bool:
+    """Whether ``model`` still holds the ties of ``plan`` as they were planned, so that a cached
+    plan may be reused: every name resolves, every source has the plan's shape, every identity
+    member is its source and every view member is still a view of its source at its geometry.
+
+    One look-up per tied name, no walk of the model. A view is checked only where memory is
+    visible: XLA hides view geometry, so a new plan made there could not see the view anyway.
+    """
+    for group in plan.groups:
+        try:
+            _, _, source, _ = resolve(model, group.source)
+            if tuple(source.shape) != group.shape:
+                return False
+            for member in group.members[1:]:
+                _, _, current, _ = resolve(model, member.name)
+                if member.view is None:
+                    if current is not source:
+                        return False
+                elif (
+                    devices.memory_visible(current)
+                    and devices.memory_visible(source)
+                    and not _is_view_of(current, source, member)
+                ):
+                    return False
+        except TieError:  # a module or tensor deleted without a registration (del model.head)
+            return False
+    return True
+
+
 @dataclass(frozen=True)
 class VerifyReport:
     """Outcome of `verify`: parameter counts before (the plan's) and after, and broken ties."""
