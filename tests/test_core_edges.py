@@ -3,10 +3,15 @@ another dtype, an assign-load of a state dict whose tied names are left out or d
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
+from models import assert_unchanged, snapshot
 from torch import nn
 
 import tiekit
+from tiekit import TieError
 
 
 class ViewOfWeight(tiekit.TPUMixin, nn.Module):
@@ -46,3 +51,74 @@ def test_the_mixin_reuses_its_plan_while_the_ties_hold() -> None:
         model.w.mul_(2)  # new values in the same memory: the plan still holds
     assert model.tie_plan() is plan
     assert same_memory(model.wt, model.w) and torch.equal(model.wt, model.w.t())
+
+
+# -- a view in another dtype -------------------------------------------------------------------
+
+
+def with_int_view(model: nn.Module, twice: bool = False) -> nn.Module:
+    """``model`` with a.w and a buffer b.bits over a.w's memory as int32 (and c.bits, the same
+    tensor, with ``twice``)."""
+    torch.manual_seed(0)
+    model.a, model.b = nn.Module(), nn.Module()
+    model.a.w = nn.Parameter(torch.randn(4, 6))
+    model.b.register_buffer("bits", model.a.w.detach().view(torch.int32))
+    if twice:
+        model.c = nn.Module()
+        model.c.register_buffer("bits", model.b.bits)
+    return model
+
+
+class MixinModule(tiekit.TPUMixin, nn.Module):
+    pass
+
+
+def convert(model: nn.Module, how: str) -> None:
+    if how == "move":
+        tiekit.move(model, dtype=torch.float64)
+    elif how == "move_with_plan":
+        tiekit.move(model, dtype=torch.float64, plan=tiekit.find_ties(model))
+    elif how == "preserve_ties":
+        with tiekit.preserve_ties(model):
+            model.double()
+    elif how == "mixin_load":
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    else:
+        model.double()
+
+
+def test_a_view_in_another_dtype_is_recorded_apart_from_the_groups() -> None:
+    """It made a view group holding only its source, and nothing said the sharing was dropped."""
+    plan = tiekit.find_ties(with_int_view(nn.Module()))
+    assert plan.groups == ()
+    assert plan.reinterpreting == (tiekit.plan.ReinterpretingView("b.bits", "a.w", "int32", "float32"),)
+    assert "b.bits (int32) over a.w (float32)" in str(plan)
+    assert tiekit.TiePlan.from_json(plan.to_json()) == plan  # the JSON has no place for it
+
+    twice = tiekit.find_ties(with_int_view(nn.Module(), twice=True))
+    assert [g.names for g in twice.groups] == [("b.bits", "c.bits")]  # still one tensor under both names
+
+
+@pytest.mark.parametrize("how", ["move", "move_with_plan", "preserve_ties", "mixin", "mixin_load"])
+def test_a_conversion_refuses_a_view_in_another_dtype_before_converting(how: str) -> None:
+    """After a move b.bits was a copy of its own, without a word (probe)."""
+    model = with_int_view(MixinModule() if how.startswith("mixin") else nn.Module())
+    before = snapshot(model)
+    with pytest.raises(TieError, match=r"'b\.bits' \(int32\) views the memory of 'a\.w' \(float32\) in another dtype"):
+        convert(model, how)
+    assert_unchanged(model, before)
+    assert same_memory(model.b.bits, model.a.w)
+
+
+@pytest.mark.parametrize("meta", [False, True], ids=["real", "meta"])
+def test_a_model_with_a_view_in_another_dtype_saves_and_loads(tmp_path: Path, meta: bool) -> None:
+    saved = with_int_view(nn.Module())
+    tiekit.save_model(saved, tmp_path / "m.safetensors")
+    with torch.device("meta" if meta else "cpu"):
+        model = with_int_view(nn.Module())
+    if not meta:
+        with torch.no_grad():
+            model.a.w.zero_()
+    tiekit.load_model(model, tmp_path / "m.safetensors")
+    assert torch.equal(model.a.w, saved.a.w) and torch.equal(model.b.bits, saved.b.bits)
+    assert same_memory(model.b.bits, model.a.w) != meta  # loaded in place; from meta each is its own

@@ -29,7 +29,7 @@ from torch.nn.parameter import is_lazy
 
 from tiekit import devices
 from tiekit.errors import TieError, TieWarning
-from tiekit.plan import MemberKind, TieGroup, TieMember, TiePlan, ViewGeometry, strided_extent
+from tiekit.plan import MemberKind, ReinterpretingView, TieGroup, TieMember, TiePlan, ViewGeometry, strided_extent
 from tiekit.slots import Walk, resolve, walk_slots
 
 # (name, kind, tensor, registration index) of the first name under which a tensor was met
@@ -60,7 +60,7 @@ def find_ties(
     distinct, extra = _identities(walk)
     shared = _shared_storages(walk.tensors, distinct)
     first = _slots_at(walk, set(extra).union(*shared))
-    groups = _identity_and_storage_groups(first, extra, shared)
+    groups, reinterpreting = _identity_and_storage_groups(first, extra, shared)
     _warn_of_hidden_views(shared, first)
     unique_params = _unique_parameters(walk, extra)
     if declared:
@@ -75,6 +75,7 @@ def find_ties(
         unique_count=unique_params,
         total_count=walk.kinds.count("parameter"),
         suspected=suspected,
+        reinterpreting=tuple(reinterpreting),
     )
     if trace:
         from tiekit.trace import trace_uses
@@ -168,30 +169,39 @@ def _span(t: torch.Tensor) -> tuple[int, int] | None:
 
 def _identity_and_storage_groups(
     first: dict[int, _Slot], extra: dict[int, list[tuple[str, MemberKind]]], shared: list[list[int]]
-) -> list[tuple[int, TieGroup]]:
+) -> tuple[list[tuple[int, TieGroup]], list[ReinterpretingView]]:
+    """The identity and view groups, and the views in another dtype that no group can hold."""
     clusters = [c for keys in shared for c in _overlapping_clusters(keys, first)]
     in_cluster = {key for cluster in clusters for key in cluster}
-    groups: list[tuple[int, TieGroup]] = []
-    for key, names in extra.items():
-        if key in in_cluster:
-            continue
-        name, kind, t, index = first[key]
-        if is_lazy(t):
-            raise TieError(
-                f"{name!r} is tied to {names[0][0]!r} but is an uninitialized lazy parameter: "
-                "run one forward pass (or initialize the lazy modules) before planning ties"
-            )
-        group_kind = "parameter" if isinstance(t, nn.Parameter) else "buffer"
-        slots = [(name, kind), *names]
-        if group_kind == "parameter":  # a Parameter also registered as a buffer: a parameter slot is the source
-            slots.sort(key=lambda slot: slot[1] != "parameter")
-        members = tuple(TieMember(n, k) for n, k in slots)
-        groups.append(
-            (index, TieGroup(slots[0][0], members, group_kind, tuple(t.shape), dtype_name(t.dtype)))  # type: ignore[arg-type]
-        )
+    groups = [_identity_group(key, first, extra) for key in extra if key not in in_cluster]
+    reinterpreting: list[ReinterpretingView] = []
     for cluster in clusters:
-        groups.append(_view_group(cluster, first, extra))
-    return groups
+        index, group, others = _view_group(cluster, first, extra)
+        if len(group.members) > 1:  # not when every other tensor of the cluster was left out
+            groups.append((index, group))
+        reinterpreting.extend(view for view, _ in others)
+        # A left-out tensor registered under several names is still one tensor under them.
+        groups.extend(_identity_group(key, first, extra) for _, key in others if key in extra)
+    return groups, reinterpreting
+
+
+def _identity_group(
+    key: int, first: dict[int, _Slot], extra: dict[int, list[tuple[str, MemberKind]]]
+) -> tuple[int, TieGroup]:
+    """The group of the names under which the tensor first met at ``key`` is registered."""
+    name, kind, t, index = first[key]
+    names = extra[key]
+    if is_lazy(t):
+        raise TieError(
+            f"{name!r} is tied to {names[0][0]!r} but is an uninitialized lazy parameter: "
+            "run one forward pass (or initialize the lazy modules) before planning ties"
+        )
+    group_kind = "parameter" if isinstance(t, nn.Parameter) else "buffer"
+    slots = [(name, kind), *names]
+    if group_kind == "parameter":  # a Parameter also registered as a buffer: a parameter slot is the source
+        slots.sort(key=lambda slot: slot[1] != "parameter")
+    members = tuple(TieMember(n, k) for n, k in slots)
+    return index, TieGroup(slots[0][0], members, group_kind, tuple(t.shape), dtype_name(t.dtype))  # type: ignore[arg-type]
 
 
 def _warn_of_hidden_views(shared: list[list[int]], first: dict[int, _Slot]) -> None:
@@ -239,7 +249,9 @@ def _overlapping_clusters(keys: list[int], first: dict[int, _Slot]) -> list[list
 
 def _view_group(
     cluster: list[int], first: dict[int, _Slot], extra: dict[int, list[tuple[str, MemberKind]]]
-) -> tuple[int, TieGroup]:
+) -> tuple[int, TieGroup, list[tuple[ReinterpretingView, int]]]:
+    """The view group of one cluster of overlapping tensors, and the tensors of the cluster
+    left out of it because they view the source's memory in another dtype (with their keys)."""
     cluster = sorted(cluster, key=lambda k: first[k][3])
     spans = {k: _span(first[k][2]) for k in cluster}
     lo = min(s[0] for s in spans.values() if s)
@@ -253,12 +265,16 @@ def _view_group(
     source_key = covering[0] if covering else cluster[0]
     src_name, src_kind, src, _ = first[source_key]
     members = [TieMember(n, k) for n, k in [(src_name, src_kind), *extra.get(source_key, ())]]
+    reinterpreting: list[tuple[ReinterpretingView, int]] = []
     for key in cluster:
         if key == source_key:
             continue
         name, kind, t, _ = first[key]
         if t.dtype != src.dtype:
-            # A reinterpreting view (w.view(torch.int32)) cannot be rebuilt with as_strided.
+            # A reinterpreting view (w.view(torch.int32)) cannot be rebuilt with as_strided, nor
+            # recorded in a plan's JSON; recorded on the plan, for a move to refuse it.
+            view = ReinterpretingView(name, src_name, dtype_name(t.dtype), dtype_name(src.dtype))
+            reinterpreting.append((view, key))
             continue
         geometry = ViewGeometry(
             offset=int(t.storage_offset()) - int(src.storage_offset()),
@@ -270,7 +286,7 @@ def _view_group(
             members.append(TieMember(n, k, geometry, grad))
     index = min(first[k][3] for k in cluster)
     group = TieGroup(src_name, tuple(members), "view", tuple(src.shape), dtype_name(src.dtype))
-    return index, group
+    return index, group, reinterpreting
 
 
 def _merge_declared(

@@ -83,6 +83,21 @@ class CrossModuleUse:
 
 
 @dataclass(frozen=True)
+class ReinterpretingView:
+    """A tensor over a group source's memory in another dtype (``w.detach().view(torch.int32)``).
+
+    No group can hold it: a view is rebuilt from its source with ``as_strided``, in the source's
+    dtype. `tiekit.move`, `tiekit.preserve_ties` and `tiekit.TPUMixin` refuse to convert a model
+    with one, which would leave ``name`` a tensor of its own, no longer sharing ``source``'s memory.
+    """
+
+    name: str
+    source: str
+    dtype: str
+    source_dtype: str
+
+
+@dataclass(frozen=True)
 class TieGroup:
     """Names that must refer to one tensor (or to views of one tensor) after every move."""
 
@@ -112,6 +127,9 @@ class TiePlan:
 
     ``unique_count`` is the number of distinct parameter tensors (``len(list(model.parameters()))``
     once the plan is applied) and ``total_count`` the number of parameter names.
+    ``reinterpreting`` lists the views in another dtype that a move refuses; it describes the
+    model in memory, is not part of the JSON (a checkpoint stores such a tensor by itself) and
+    not compared.
     """
 
     groups: tuple[TieGroup, ...]
@@ -120,6 +138,7 @@ class TiePlan:
     suspected: tuple[tuple[str, ...], ...] = ()
     cross_module: tuple[CrossModuleUse, ...] = ()
     trace_status: str = "not traced"
+    reinterpreting: tuple[ReinterpretingView, ...] = field(default=(), compare=False)
     _index: Mapping[str, TieGroup] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -238,6 +257,9 @@ class TiePlan:
         if self.suspected:
             lines.append("suspected broken ties (distinct tensors, identical values):")
             lines.extend("  " + ", ".join(s) for s in self.suspected)
+        if self.reinterpreting:
+            lines.append("views in another dtype (a move refuses them):")
+            lines.extend(f"  {r.name} ({r.dtype}) over {r.source} ({r.source_dtype})" for r in self.reinterpreting)
         if self.cross_module:
             lines.append("read outside their owner:")
             lines.extend(f"  {c.name} by {c.reader or '<root>'}" for c in self.cross_module)

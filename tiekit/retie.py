@@ -18,7 +18,7 @@ from torch import nn
 from tiekit import devices
 from tiekit.analyze import count_parameters, find_ties
 from tiekit.errors import TieError, TieWarning
-from tiekit.plan import TieGroup, TieMember, TiePlan
+from tiekit.plan import ReinterpretingView, TieGroup, TieMember, TiePlan
 from tiekit.slots import assign, resolve
 
 OnError = Literal["raise", "warn"]
@@ -57,9 +57,17 @@ def _a_plan(plan: object) -> TiePlan:
 
 def fitting_plan(model: nn.Module, plan: TiePlan) -> TiePlan:
     """``plan``, checked against ``model`` before anything changes: every name resolves, shapes
-    and dtypes fit (the checks `retie` makes, without re-pointing anything); `TieError` if not."""
+    and dtypes fit (the checks `retie` makes, without re-pointing anything), and no tensor views
+    a source's memory in another dtype (a conversion would make it a copy); `TieError` if not."""
     for group in _a_plan(plan).groups:
         tie_changes(model, group)
+    for view in plan.reinterpreting:
+        raise TieError(
+            f"{view.name!r} ({view.dtype}) views the memory of {view.source!r} ({view.source_dtype}) in another "
+            f"dtype: a view is rebuilt from its source in the source's dtype, so after a conversion {view.name!r} "
+            f"would be a tensor of its own, no longer sharing {view.source!r}'s memory. Nothing was converted; "
+            f"make {view.name!r} a copy (.clone()) or view {view.source!r} again after the conversion"
+        )
     return plan
 
 
@@ -154,7 +162,17 @@ def still_holds(model: nn.Module, plan: TiePlan) -> bool:
                     return False
         except TieError:  # a module or tensor deleted without a registration (del model.head)
             return False
-    return True
+    return all(_still_shares(model, view) for view in plan.reinterpreting)
+
+
+def _still_shares(model: nn.Module, view: ReinterpretingView) -> bool:
+    """Whether a view in another dtype still shares its source's memory (a move refuses it)."""
+    try:
+        _, _, tensor, _ = resolve(model, view.name)
+        _, _, source, _ = resolve(model, view.source)
+    except TieError:
+        return False
+    return devices.storage_key(tensor) == devices.storage_key(source)
 
 
 @dataclass(frozen=True)
