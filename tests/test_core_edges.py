@@ -23,6 +23,15 @@ class ViewOfWeight(tiekit.TPUMixin, nn.Module):
         self.register_buffer("wt", self.w.detach().t())
 
 
+@pytest.fixture(params=[False, True], ids=["swap_off", "swap_on"])
+def swap_flag(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """Run with and without torch.__future__.set_swap_module_params_on_conversion."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(request.param)
+    yield request.param
+    torch.__future__.set_swap_module_params_on_conversion(before)
+
+
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
@@ -122,3 +131,77 @@ def test_a_model_with_a_view_in_another_dtype_saves_and_loads(tmp_path: Path, me
     tiekit.load_model(model, tmp_path / "m.safetensors")
     assert torch.equal(model.a.w, saved.a.w) and torch.equal(model.b.bits, saved.b.bits)
     assert same_memory(model.b.bits, model.a.w) != meta  # loaded in place; from meta each is its own
+
+
+# -- load_state_dict(assign=True) of a mixin model ---------------------------------------------
+
+
+class TiedLM(tiekit.TPUMixin, nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_an_assign_load_leaving_out_a_tied_name_ties_it_to_the_loaded_tensor_of_another_dtype(swap_flag: bool) -> None:
+    """The state dict of safetensors.load_file on a tiekit file, in float32, into a bfloat16 model:
+    the mixin raised 'head.weight is torch.bfloat16 but its tie source embed.weight is
+    torch.float32' after torch had replaced embed.weight, leaving the model untied (probe)."""
+    state = {"embed.weight": torch.randn(10, 4)}
+    model = TiedLM().to(torch.bfloat16)
+    model.load_state_dict(state, strict=False, assign=True)
+    assert model.head.weight is model.embed.weight
+    assert model.embed.weight.dtype == torch.float32 and torch.equal(model.embed.weight, state["embed.weight"])
+
+    views = ViewOfWeight().to(torch.bfloat16)  # the view buffer left out follows the loaded source
+    views.load_state_dict({"w": torch.randn(4, 6)}, strict=False, assign=True)
+    assert views.wt.dtype == torch.float32 and same_memory(views.wt, views.w) and torch.equal(views.wt, views.w.t())
+
+
+def test_an_assign_load_giving_only_a_tied_name_ties_the_source_to_it() -> None:
+    """The source kept its old tensor and the tied name was re-pointed at it: the loaded values were lost."""
+    state = {"head.weight": torch.randn(10, 4)}
+    model = TiedLM()
+    model.load_state_dict(state, strict=False, assign=True)
+    assert model.head.weight is model.embed.weight and torch.equal(model.embed.weight, state["head.weight"])
+
+
+def test_an_assign_load_of_both_names_of_a_tie_in_agreement_loads() -> None:
+    source = TiedLM()
+    for state in (source.state_dict(), {k: v.clone() for k, v in source.state_dict().items()}):
+        model = TiedLM()
+        model.load_state_dict(state, assign=True)
+        assert model.head.weight is model.embed.weight and torch.equal(model.embed.weight, source.embed.weight)
+
+
+@pytest.mark.parametrize(
+    "build,state,match",
+    [
+        (
+            TiedLM,
+            lambda: {"embed.weight": torch.randn(10, 4), "head.weight": torch.randn(10, 4).bfloat16()},
+            r"'head\.weight' and 'embed\.weight' differ \(dtype torch\.bfloat16 and torch\.float32\)",
+        ),
+        (
+            TiedLM,
+            lambda: {"embed.weight": torch.randn(10, 4), "head.weight": torch.randn(10, 4)},
+            r"'head\.weight' and 'embed\.weight' differ \(values\), but in the model 'head\.weight' is the same tensor",
+        ),
+        (
+            ViewOfWeight,
+            lambda: {"w": torch.randn(4, 6), "wt": torch.randn(6, 4)},
+            r"'wt' and 'w' differ \(values\), but in the model 'wt' is a view of it",
+        ),
+        (ViewOfWeight, lambda: {"wt": torch.randn(6, 4)}, r"gives 'wt', a view of 'w', without 'w'"),
+    ],
+    ids=["dtypes", "values", "view_values", "view_alone"],
+)
+def test_an_assign_load_that_cannot_be_one_tie_is_refused_before_loading(build, state, match: str) -> None:  # type: ignore[no-untyped-def]
+    """Both names given in different dtypes raised only after torch's load had changed the model;
+    in different values the source's silently won."""
+    model = build()
+    before = snapshot(model)
+    with pytest.raises(TieError, match=match):
+        model.load_state_dict(state(), strict=False, assign=True)
+    assert_unchanged(model, before)

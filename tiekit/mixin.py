@@ -15,9 +15,12 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from tiekit import devices
 from tiekit.analyze import find_ties
-from tiekit.plan import TiePlan
+from tiekit.errors import TieError
+from tiekit.plan import TieGroup, TiePlan, ViewGeometry
 from tiekit.retie import fitting_plan, once_per_tensor, retie, still_holds, verify
+from tiekit.slots import assign, resolve
 
 # torch_xla.launch runs one replica per thread in a single process, so "already inside a
 # tiekit conversion" must be per thread, not a module attribute or a global.
@@ -125,14 +128,110 @@ class TPUMixin:
             return result
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        """``nn.Module.load_state_dict``; with ``assign=True`` the ties are restored afterwards."""
+        """``nn.Module.load_state_dict``; with ``assign=True`` the ties are restored afterwards.
+
+        Each tie then holds the tensor the state dict gives under its source's name, or else
+        under a name tied to the source by identity; the tied names it leaves out (a
+        de-duplicated file) follow that tensor, its values and dtype. Names of one tie whose
+        entries differ (dtype, shape, values), and a view given without its source, are refused
+        with a `TieError` before anything is loaded.
+        """
         with outermost_conversion() as outermost:
             if not (assign and outermost):
                 return super().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[misc]
             assert isinstance(self, nn.Module)
             plan = fitting_plan(self, self.tie_plan())
+            for group in plan.groups:
+                _check_entries_of(group, state_dict)  # before the load changes anything
             result = super().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[misc]
             assert isinstance(self, nn.Module)
-            retie(self, plan)
+            for group in plan.groups:
+                _hold_the_given_member(self, group, state_dict)
+            retie(self, plan, replacing=[name for name in plan.tied_names if _given(state_dict, name) is None])
             verify(self, plan)
             return result
+
+
+def _given(state_dict: Mapping[str, Any], name: str) -> torch.Tensor | None:
+    """The state dict's tensor for ``name``; None if it has none (torch reports a non-tensor)."""
+    entry = state_dict.get(name)
+    return entry if isinstance(entry, torch.Tensor) else None
+
+
+def _check_entries_of(group: TieGroup, state_dict: Mapping[str, Any]) -> None:
+    """`TieError` unless the entries ``state_dict`` gives for ``group``'s names can be one tie:
+    the first given (the source's, else a name tied to it by identity) is what the tie will
+    hold, so the others must be it (or the views of it) in dtype, shape and value."""
+    given = [m for m in group.members if _given(state_dict, m.name) is not None]
+    if not given:
+        return
+    first, held = given[0], _given(state_dict, given[0].name)
+    assert held is not None
+    if first.view is not None:
+        raise TieError(
+            f"the state dict gives {first.name!r}, a view of {group.source!r}, without {group.source!r}: "
+            f"views are rebuilt from their source after the load, so its values would be lost. Give "
+            f"{group.source!r} too, or leave {first.name!r} out; nothing was loaded"
+        )
+    if tuple(held.shape) != group.shape:
+        return  # torch refuses the entry itself, naming its shape
+    for member in given[1:]:
+        if member.view is not None and not held.is_contiguous():
+            raise TieError(
+                f"the state dict's {first.name!r} is not contiguous, so {member.name!r} cannot be rebuilt "
+                f"as a view of it after the load; nothing was loaded"
+            )
+        expected = held if member.view is None else _view_of(held, member.view)
+        entry = _given(state_dict, member.name)
+        assert entry is not None
+        difference = _difference(entry, expected)
+        if difference:
+            how = "the same tensor" if member.view is None else "a view of it"
+            raise TieError(
+                f"the state dict's {member.name!r} and {first.name!r} differ ({difference}), but in the model "
+                f"{member.name!r} is {how} (tied to {group.source!r}), which can hold only one of them; "
+                "nothing was loaded"
+            )
+
+
+def _view_of(tensor: torch.Tensor, view: ViewGeometry) -> torch.Tensor:
+    return tensor.as_strided(view.size, view.stride, tensor.storage_offset() + view.offset)
+
+
+def _difference(entry: torch.Tensor, expected: torch.Tensor) -> str:
+    """How ``entry`` differs from ``expected`` ("" if not): dtype, shape, device or value."""
+    for what, a, b in (("dtype", entry.dtype, expected.dtype), ("shape", tuple(entry.shape), tuple(expected.shape))):
+        if a != b:
+            return f"{what} {a} and {b}"
+    if entry.device != expected.device:
+        return f"device {entry.device} and {expected.device}"
+    if entry.is_meta or _same_elements(entry, expected):
+        return ""  # a meta entry has no values to differ
+    # Compared as bytes: tied weights holding NaN are still equal.
+    entry_bytes, expected_bytes = (t.detach().cpu().reshape(-1).view(torch.uint8) for t in (entry, expected))
+    return "" if torch.equal(entry_bytes, expected_bytes) else "values"
+
+
+def _same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (of one dtype and shape) lie on the same memory, as the entries of a
+    tied tensor in ``model.state_dict()`` do: equal without reading them."""
+    return (
+        devices.memory_visible(a)
+        and devices.memory_visible(b)
+        and a.data_ptr() == b.data_ptr()
+        and a.stride() == b.stride()
+    )
+
+
+def _hold_the_given_member(model: nn.Module, group: TieGroup, state_dict: Mapping[str, Any]) -> None:
+    """After the load, point the source of ``group`` at the tensor loaded under a name tied to
+    it by identity if the state dict left the source itself out, so that `retie` ties the group
+    to the loaded tensor, not to the source's old one."""
+    if _given(state_dict, group.source) is not None:
+        return
+    given = next((m for m in group.members[1:] if m.view is None and _given(state_dict, m.name) is not None), None)
+    if given is None:
+        return
+    _, _, loaded, _ = resolve(model, given.name)
+    module, attr, _, kind = resolve(model, group.source)
+    assign(module, attr, loaded, kind)

@@ -7,7 +7,7 @@ same inside ``nn.Module._apply`` for models you can.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
@@ -24,16 +24,19 @@ from tiekit.slots import assign, resolve
 OnError = Literal["raise", "warn"]
 
 
-def retie(model: nn.Module, plan: TiePlan) -> tuple[str, ...]:
+def retie(model: nn.Module, plan: TiePlan, *, replacing: Collection[str] = ()) -> tuple[str, ...]:
     """Point every member of every group of ``plan`` at its source's current tensor.
 
     View members are rebuilt as strided views of the source. Returns the names that were
     re-pointed. Raises `TieError` (before changing anything) when a name no longer resolves or
-    its shape or dtype no longer matches.
+    its shape or dtype no longer matches. The members named in ``replacing`` take the source's
+    dtype whatever theirs is (the tied names a state dict assigned to the model left out: their
+    tensors are the model's old ones, the source's is the loaded one).
     """
     changes: list[tuple[nn.Module, str, torch.Tensor, TieMember]] = []
+    replaced = frozenset(replacing)
     for group in _a_plan(plan).groups:
-        changes.extend(tie_changes(model, group))
+        changes.extend(tie_changes(model, group, replacing=replaced))
     # Names of one tensor that is a view (a weight tied to another, both over a buffer's memory)
     # are members with one geometry: they get one rebuilt tensor, and stay one.
     rebuilt: dict[tuple[object, ...], torch.Tensor] = {}
@@ -71,7 +74,11 @@ def fitting_plan(model: nn.Module, plan: TiePlan) -> TiePlan:
     return plan
 
 
-def tie_changes(model: nn.Module, group: TieGroup) -> list[tuple[nn.Module, str, torch.Tensor, TieMember]]:
+def tie_changes(
+    model: nn.Module, group: TieGroup, *, replacing: frozenset[str] = frozenset()
+) -> list[tuple[nn.Module, str, torch.Tensor, TieMember]]:
+    """The re-pointings `retie` makes for ``group`` (module, attribute, source, member), after
+    checking that it can make them all; `TieError` if not. ``replacing``: as `retie`'s."""
     _, _, source, source_kind = resolve(model, group.source, f"tie source of group {group.source!r}:")
     if tuple(source.shape) != group.shape:
         raise TieError(f"tie source {group.source!r} has shape {tuple(source.shape)}, the plan expects {group.shape}")
@@ -83,7 +90,7 @@ def tie_changes(model: nn.Module, group: TieGroup) -> list[tuple[nn.Module, str,
             raise TieError(
                 f"{member.name!r} has shape {tuple(current.shape)}, expected {expected} to tie it to {group.source!r}"
             )
-        if current.dtype != source.dtype:
+        if current.dtype != source.dtype and member.name not in replacing:
             raise TieError(f"{member.name!r} is {current.dtype} but its tie source {group.source!r} is {source.dtype}")
         if member.view is None:
             if member.kind == "parameter" and not isinstance(source, nn.Parameter):
