@@ -17,6 +17,7 @@ from torch import nn
 
 import tiekit
 from tiekit.cli import main
+from tiekit.inspection import inspect_file
 
 WTE = "transformer.wte.weight"
 
@@ -329,3 +330,37 @@ def test_convert_streams_one_batch_at_a_time(tmp_path: Path) -> None:
     # To a sharded folder: torch's writer held every tensor of its one file until the end (the model),
     # and torch 2.9's torch.save left each tensor in a reference cycle (235 of 256 MiB held).
     assert back < size * 0.6, (back, size)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_a_plain_dcp_folder_with_a_damaged_shard_file_is_refused_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str
+) -> None:
+    """`tiekit inspect` of a plain DCP folder whose shard file was truncated (or is gone) reported
+    the folder as whole; ``--check-values`` then failed with torch's error (or a FileNotFoundError)
+    and `convert` with an error naming its destination. DCP's metadata says where every chunk
+    ends: a file shorter than that is refused up front, naming it and a key it holds."""
+    from torch.distributed.checkpoint import save
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: "torch.distributed is disabled ... single process"
+        save(gpt2().state_dict(), checkpoint_id=tmp_path / "plain", no_dist=True)
+    shard = tmp_path / "plain" / "__0_0.distcp"
+    if damage == "truncated":
+        shard.write_bytes(shard.read_bytes()[:1000])
+        said = rf"{shard}: 1000 bytes, but DCP's metadata has key '[^']+' reach byte \d+ \(truncated"
+    else:
+        shard.unlink()
+        said = rf"{shard}: missing shard file of the DCP checkpoint {tmp_path / 'plain'}"
+    said += r".*holding 'lm_head\.weight'"
+    for check_values in (False, True):
+        with pytest.raises(tiekit.CheckpointError, match=said):
+            inspect_file(tmp_path / "plain", check_values=check_values)
+        code, _, err = run(capsys, "inspect", str(tmp_path / "plain"), *(["--check-values"] if check_values else []))
+        assert code == 1 and str(shard) in err and "not expected" not in err, err
+    for dst in ("m.safetensors", "hf"):
+        with pytest.raises(tiekit.CheckpointError, match=said):
+            tiekit.convert(tmp_path / "plain", tmp_path / dst, plan=gpt2())
+        assert not (tmp_path / dst).exists()
+    code, _, err = run(capsys, "convert", str(tmp_path / "plain"), str(tmp_path / "m.safetensors"))
+    assert code == 1 and str(shard) in err, err

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -33,6 +34,7 @@ from tiekit.dcp.layout import (
     DCP_METADATA,
     MARKER_NAME,
     SAVE_PREFIX,
+    file_ends,
     is_plain_dcp_folder,
     is_sharded_checkpoint,
     new_save_id,
@@ -229,9 +231,37 @@ def plain_dcp_metadata(folder: Path) -> Metadata:
     from torch.distributed.checkpoint.filesystem import FileSystemReader
 
     try:
-        return FileSystemReader(folder).read_metadata()
+        metadata = FileSystemReader(folder).read_metadata()
     except Exception as exc:
         raise CheckpointError(f"{folder / DCP_METADATA}: unreadable DCP metadata: {exc}") from exc
+    _check_plain_files(folder, metadata)
+    return metadata
+
+
+def _check_plain_files(folder: Path, metadata: Metadata) -> None:
+    """Every chunk DCP's ``metadata`` lists lies inside an existing file of ``folder``: else a
+    `CheckpointError` naming the file and a key it holds. A plain folder has no marker recording
+    its files' sizes (`load_sharded` checks a `save_sharded` folder against its marker), so the
+    chunks' ends are the sizes to check: one stat per file, no data read. Without it a truncated
+    or missing shard file was inspected as whole and failed only once its bytes were read, as
+    torch's error or, for convert, as an error naming the destination."""
+    for name, chunks in sorted(file_ends(metadata).items()):
+        file = folder / name
+        key, end = max(chunks, key=lambda chunk: chunk[1])
+        keys = sorted({k for k, _ in chunks})
+        held = f"holding {', '.join(map(repr, keys[:4]))}{' and more' if len(keys) > 4 else ''}"
+        try:
+            info = file.stat()
+        except OSError as exc:
+            state = "missing" if isinstance(exc, FileNotFoundError) else f"unreadable ({exc.strerror or exc})"
+            raise CheckpointError(f"{file}: {state} shard file of the DCP checkpoint {folder} ({held})") from exc
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"{file}: not a file, but DCP's metadata stores {held} in it")
+        if info.st_size < end:
+            raise CheckpointError(
+                f"{file}: {info.st_size} bytes, but DCP's metadata has key {key!r} reach byte {end} "
+                f"(truncated or replaced; {held})"
+            )
 
 
 def _training_state(record: Any) -> tuple[str, ...]:

@@ -71,7 +71,9 @@ def _inspect_sharded(path: PathLike, check_values: bool) -> FileReport:
 def inspect_plain_dcp(path: PathLike, *, check_values: bool = False) -> FileReport:
     """Describe a plain torch.distributed.checkpoint folder (``dcp.save``, no tiekit marker)
     from DCP's metadata: its tensors, the file holding each one's first chunk, and no tie plan (it
-    records none, and stores each name of a tie: ``check_values`` finds those copies). Local."""
+    records none, and stores each name of a tie: ``check_values`` finds those copies). A shard
+    file missing, or shorter than a chunk DCP's metadata places in it, is a `CheckpointError`
+    naming it and a key it holds (checked by size, before any read). Local."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from tiekit.dcp.convert import plain_dcp_metadata
