@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import warnings
@@ -364,3 +365,55 @@ def test_a_plain_dcp_folder_with_a_damaged_shard_file_is_refused_naming_it(
         assert not (tmp_path / dst).exists()
     code, _, err = run(capsys, "convert", str(tmp_path / "plain"), str(tmp_path / "m.safetensors"))
     assert code == 1 and str(shard) in err, err
+
+
+def files_in(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` with its bytes: what a refused convert must leave as it was."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    ("dst", "present"),
+    [
+        ("out.safetensors", "out-00001-of-00002.safetensors"),  # the name this convert writes
+        ("out.safetensors", "out-00003-of-00007.safetensors"),  # a shard of another count
+        ("hf", "hf/model-00002-of-00002.safetensors"),  # a folder holding shards without their index
+    ],
+)
+def test_a_sharded_safetensors_destination_replaces_no_file_beside_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], dst: str, present: str
+) -> None:
+    """`convert --max-shard-size` refused an existing index or single file, but replaced files
+    named as its shards without looking at them (a user's, another checkpoint's)."""
+    tiekit.save_sharded(nn.Linear(64, 64), tmp_path / "ck")  # 16 KiB weight, 256 B bias: 2 shards of 8KB
+    (tmp_path / present).parent.mkdir(exist_ok=True)
+    (tmp_path / present).write_text("the user's")
+    before = files_in(tmp_path)
+    said = f"{tmp_path / present}: exists, named as a shard of"
+    with pytest.raises(tiekit.CheckpointError, match=re.escape(said)):
+        tiekit.convert(tmp_path / "ck", tmp_path / dst, max_shard_size="8KB")
+    code, _, err = run(capsys, "convert", str(tmp_path / "ck"), str(tmp_path / dst), "--max-shard-size", "8KB")
+    assert code == 1 and said in err, err
+    assert files_in(tmp_path) == before
+    (tmp_path / present).unlink()
+    assert len(tiekit.convert(tmp_path / "ck", tmp_path / dst, max_shard_size="8KB").files) == 3
+
+
+def test_a_shard_file_that_appears_while_converting_is_not_replaced(tmp_path: Path) -> None:
+    """Another writer's file that appears under a shard name after convert checked the
+    destination (here: while the tensors stream) is refused, and the shard already moved in is
+    removed again: the destination is left as it was found."""
+    from tiekit.dcp.stream import write_safetensors
+
+    specs = [("weight", (64, 64), torch.float32), ("bias", (64,), torch.float32)]
+    other = tmp_path / "out-00002-of-00002.safetensors"
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        yield "weight", torch.ones(64, 64)
+        other.write_text("another writer's")  # before the shards are moved in
+        yield "bias", torch.ones(64)
+
+    with pytest.raises(tiekit.CheckpointError, match=re.escape(f"{other}: exists; convert writes a new checkpoint")):
+        write_safetensors(tmp_path / "out.safetensors", specs, None, tensors(), max_shard_size=8 << 10)
+    assert files_in(tmp_path) == {other.name: b"another writer's"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [other.name]  # no shard, index or work folder left

@@ -44,7 +44,7 @@ from tiekit.dcp.layout import (
     write_marker,
 )
 from tiekit.dcp.state import running_dcp
-from tiekit.dcp.stream import Spec, Value, nbytes, write_dcp, write_safetensors
+from tiekit.dcp.stream import Spec, Value, nbytes, shards_beside, write_dcp, write_safetensors
 from tiekit.errors import CheckpointError
 from tiekit.plan import TiePlan
 
@@ -105,7 +105,8 @@ def convert(
     to reshard a safetensors checkpoint, `tiekit.load_model` it and `tiekit.save_model` it with
     ``max_shard_size``). ``plan`` (a `TiePlan`, or a model whose ties to take) adds ties
     the source does not record (the ties it records stay). The destination must be a new path,
-    outside the source, not a folder holding a checkpoint already. Local: one process, no
+    outside the source, not a folder holding a checkpoint already; no file is replaced (with
+    ``max_shard_size``, none named as a shard of ``dst`` either). Local: one process, no
     process group. `CheckpointError` naming the file and key on anything wrong, such as two tied
     names stored with different values. A source another process saves over while
     it is read is converted again from its new save.
@@ -427,6 +428,28 @@ def _refuse_held_checkpoint(folder: Path) -> None:
             )
 
 
+def _refuse_existing_files(file: Path, *, sharded: bool) -> None:
+    """`CheckpointError` naming the first file the safetensors destination ``file`` would replace:
+    itself, its index and, ``sharded``, any file named as one of its shards (of any count: their
+    number is known only once written, and shards of another count beside the new index would
+    leave the folder two checkpoints' files). Checked before any tensor is read.
+
+    Unlike `tiekit.save_model`, which replaces the save it made before at that name (its index
+    and the shards it lists), convert writes a new checkpoint and replaces no file: shards
+    without their index (a user's, or those of a save or convert killed before its index) are
+    not known to be a previous save of this destination, so they are named, not guessed at."""
+    existing = [p for p in (file, file.with_name(file.name + INDEX_SUFFIX)) if p.exists() or p.is_symlink()]
+    if existing:
+        raise CheckpointError(f"{existing[0]}: exists; convert writes a new checkpoint (remove it first)")
+    shards = shards_beside(file) if sharded else []
+    if shards:
+        more = f" (and {len(shards) - 1} more)" if len(shards) > 1 else ""
+        raise CheckpointError(
+            f"{shards[0]}: exists{more}, named as a shard of {file.name}; convert writes a new checkpoint "
+            "and replaces no file (remove them first, or convert to another name)"
+        )
+
+
 def _to_safetensors(
     source: _Reader,
     specs: list[Spec],
@@ -439,10 +462,8 @@ def _to_safetensors(
     _refuse_unwritable(file.parent, target)
     if file.parent == target:
         _refuse_held_checkpoint(target)
-    for existing in (file, file.with_name(file.name + INDEX_SUFFIX)):
-        if existing.exists():
-            raise CheckpointError(f"{existing}: exists; convert writes a new checkpoint (remove it first)")
     limit = None if max_shard_size is None else parse_size(max_shard_size)
+    _refuse_existing_files(file, sharded=limit is not None)
     kept = None if plan is None else TiePlan(plan.groups, plan.unique_count, plan.total_count)
     with removed_on_failure(file.parent):
         return write_safetensors(file, specs, kept, _batches(source, specs, checks), limit)

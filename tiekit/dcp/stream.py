@@ -10,9 +10,11 @@ planner that reads each tensor when DCP's writer asks for it.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Callable, Iterator, Sequence
@@ -21,7 +23,7 @@ from typing import Any, cast
 
 import torch
 
-from tiekit.checkpoint.files import _commit_file, _fsync, _work_folder
+from tiekit.checkpoint.files import _fsync, _work_folder
 from tiekit.checkpoint.layout import INDEX_SUFFIX, PLAN_KEY, SAVE_ID_KEY
 from tiekit.errors import CheckpointError
 from tiekit.header import DTYPE_CODES
@@ -93,15 +95,18 @@ def write_safetensors(
     max_shard_size: int | None = None,
 ) -> list[Path]:
     """Write ``tensors`` (yielded in ``specs`` order) as one tied safetensors file ``target``, or
-    as Hugging Face style shards of at most ``max_shard_size`` bytes plus ``<target>.index.json``
-    (written last: the commit). ``plan`` None: no tie plan recorded (the loader then takes the
-    model's ties, as for any plain file). Returns the files written. Local."""
+    as Hugging Face style shards of at most ``max_shard_size`` bytes (`shard_name`) plus
+    ``<target>.index.json`` (written last: the commit). ``plan`` None: no tie plan recorded (the
+    loader then takes the model's ties, as for any plain file). Returns the files written.
+
+    Replaces no file: one that appears under a name being written meanwhile (another writer's)
+    is a `CheckpointError` naming it, and the files this call had put in place are removed
+    again, as on any failure. Local."""
     header = {"format": "pt"} if plan is None else {"format": "pt", PLAN_KEY: plan.to_json()}
     target.parent.mkdir(parents=True, exist_ok=True)
     total = sum(nbytes(s) for s in specs)
     if max_shard_size is None or total <= max_shard_size:
-        _commit_file(target, lambda tmp: _write_file(tmp, specs, header, tensors))
-        return [target]
+        return _publish_new([(target, lambda tmp: _write_file(tmp, specs, header, tensors))])
     shards: list[list[Spec]] = [[]]
     size = 0
     for spec in specs:
@@ -110,28 +115,85 @@ def write_safetensors(
             size = 0
         shards[-1].append(spec)
         size += nbytes(spec)
-    stem = target.name.removesuffix(".safetensors")
-    files = [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    index_path = target.with_name(target.name + INDEX_SUFFIX)
+    files = [target.with_name(shard_name(target, i + 1, len(shards))) for i in range(len(shards))]
     save_id = secrets.token_hex(8)
-    work = _work_folder(index_path)
+    index = {
+        "metadata": {"format": "pt", "total_size": total, SAVE_ID_KEY: save_id}
+        | ({} if plan is None else {PLAN_KEY: plan.to_dict()}),
+        "weight_map": {s[0]: file.name for file, part in zip(files, shards, strict=True) for s in part},
+    }
+    shard_meta = {"format": "pt", SAVE_ID_KEY: save_id}
+
+    def shard(part: list[Spec]) -> Callable[[Path], None]:
+        return lambda tmp: _write_file(tmp, part, shard_meta, tensors)
+
+    writes: list[tuple[Path, Callable[[Path], object]]] = [
+        (file, shard(part)) for file, part in zip(files, shards, strict=True)
+    ]
+    text = json.dumps(index, indent=2)
+    writes.append((target.with_name(target.name + INDEX_SUFFIX), lambda tmp: tmp.write_text(text, encoding="utf-8")))
+    return _publish_new(writes)
+
+
+def shard_name(target: Path, number: int, count: int) -> str:
+    """The name of shard ``number`` of ``count`` of the sharded safetensors file ``target``
+    (Hugging Face's: ``model-00001-of-00003.safetensors`` for ``model.safetensors``)."""
+    return f"{target.name.removesuffix('.safetensors')}-{number:05d}-of-{count:05d}.safetensors"
+
+
+def shards_beside(target: Path) -> list[Path]:
+    """The files beside ``target`` named as shards of it (`shard_name`), of any count. Local."""
+    stem = re.escape(target.name.removesuffix(".safetensors"))
+    pattern = re.compile(stem + r"-\d{5,}-of-\d{5,}\.safetensors")
+    if not target.parent.is_dir():
+        return []
+    return sorted(p for p in target.parent.iterdir() if pattern.fullmatch(p.name))
+
+
+def _publish_new(writes: Sequence[tuple[Path, Callable[[Path], object]]]) -> list[Path]:
+    """Write each file in a work folder beside the first (fsynced), then move each to its name,
+    in order (the last one is the commit), replacing none. On any failure the files moved are
+    removed again, and the work folder always. Returns the names written."""
+    first = writes[0][0]
     try:
-        for file, part in zip(files, shards, strict=True):
-            _write_file(work / file, part, {"format": "pt", SAVE_ID_KEY: save_id}, tensors)
-            _fsync(work / file)
-        for file in files:
-            os.replace(work / file, target.parent / file)
-        _fsync(target.parent)
-        index = {
-            "metadata": {"format": "pt", "total_size": total, SAVE_ID_KEY: save_id}
-            | ({} if plan is None else {PLAN_KEY: plan.to_dict()}),
-            "weight_map": {s[0]: file for file, part in zip(files, shards, strict=True) for s in part},
-        }
-        text = json.dumps(index, indent=2)
-        _commit_file(index_path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+        work = _work_folder(first)
+    except OSError as exc:
+        raise CheckpointError(f"{first}: cannot write: {exc.strerror or exc}") from exc
+    placed: list[Path] = []
+    try:
+        for target, write in writes:
+            write(work / target.name)
+            _fsync(work / target.name)
+        for target, _ in writes:
+            _move_new(work / target.name, target)
+            placed.append(target)
+        _fsync(first.parent)
+    except BaseException as exc:
+        for path in placed:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        if isinstance(exc, OSError):
+            raise CheckpointError(f"{first}: cannot write: {exc.strerror or exc}") from exc
+        raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return [*(target.parent / f for f in files), index_path]
+    return [target for target, _ in writes]
+
+
+def _move_new(source: Path, target: Path) -> None:
+    """Move ``source`` to ``target``, which must not exist: a hard link refuses an existing name
+    atomically (a file another writer put there after convert checked); on a file system without
+    hard links the name is checked, then renamed to."""
+    try:
+        os.link(source, target)
+    except FileExistsError:
+        raise CheckpointError(f"{target}: exists; convert writes a new checkpoint and replaces no file") from None
+    except OSError:
+        if target.exists() or target.is_symlink():
+            raise CheckpointError(f"{target}: exists; convert writes a new checkpoint and replaces no file") from None
+        os.replace(source, target)
+        return
+    source.unlink()
 
 
 def write_dcp(folder: Path, specs: Sequence[Spec], read: Callable[[str], torch.Tensor]) -> None:
