@@ -417,3 +417,64 @@ def test_a_shard_file_that_appears_while_converting_is_not_replaced(tmp_path: Pa
         write_safetensors(tmp_path / "out.safetensors", specs, None, tensors(), max_shard_size=8 << 10)
     assert files_in(tmp_path) == {other.name: b"another writer's"}
     assert sorted(p.name for p in tmp_path.iterdir()) == [other.name]  # no shard, index or work folder left
+
+
+class Four(nn.Module):
+    """Four projections, tied as ``ties`` says (pairs of letters): the source's ties and the model's."""
+
+    def __init__(self, ties: tuple[str, ...] = ()) -> None:
+        super().__init__()
+        for name in "abcd":
+            setattr(self, name, nn.Linear(4, 4, bias=False))
+        for pair in ties:
+            getattr(self, pair[1]).weight = getattr(self, pair[0]).weight
+
+
+def test_convert_merges_a_model_tie_that_partly_overlaps_a_recorded_one(tmp_path: Path) -> None:
+    """The source records a=b; the model ties b=c (and keeps a apart). The model's group shares
+    b with the recorded one and lost to it: c was stored on its own, untied. The groups are now
+    merged (a, b, c under the recorded source a), c's stored value checked against a's; a model
+    group joining two recorded ones (b=c, with a=b and c=d recorded) merges all four."""
+    saved = Four(("ab",))
+    with torch.no_grad():
+        saved.c.weight.copy_(saved.a.weight)  # an equal copy, which the model's tie merges
+    tiekit.save_sharded(saved, tmp_path / "ck")  # records a.weight = b.weight
+    result = tiekit.convert(tmp_path / "ck", tmp_path / "m.safetensors", plan=Four(("bc",)))
+    assert (result.stored, result.merged) == (("a.weight", "d.weight"), ("c.weight",))
+    groups = [g.names for g in inspect_file(tmp_path / "m.safetensors").plan.groups]  # type: ignore[union-attr]
+    assert groups == [("a.weight", "b.weight", "c.weight")]
+    loaded = Four(("ab", "bc"))
+    tiekit.load_model(loaded, tmp_path / "m.safetensors")
+    assert loaded.c.weight is loaded.a.weight and torch.equal(loaded.c.weight, saved.a.weight)
+
+    with torch.no_grad():
+        saved.c.weight.add_(1)  # the copy trained apart: merging would lose it
+    tiekit.save_sharded(saved, tmp_path / "trained")
+    with pytest.raises(tiekit.CheckpointError, match=r"refusing to merge tied keys 'c\.weight' and 'a\.weight'"):
+        tiekit.convert(tmp_path / "trained", tmp_path / "t.safetensors", plan=Four(("bc",)))
+    assert not (tmp_path / "t.safetensors").exists()
+
+    two = Four(("ab", "cd"))
+    with torch.no_grad():
+        two.c.weight.copy_(two.a.weight)
+    tiekit.save_sharded(two, tmp_path / "two")  # records a = b and c = d
+    result = tiekit.convert(tmp_path / "two", tmp_path / "two.safetensors", plan=Four(("bc",)))
+    assert (result.stored, result.merged) == (("a.weight",), ("c.weight",))
+    groups = [g.names for g in inspect_file(tmp_path / "two.safetensors").plan.groups]  # type: ignore[union-attr]
+    assert groups == [("a.weight", "b.weight", "c.weight", "d.weight")]
+
+
+def test_convert_refuses_a_model_tie_meeting_a_recorded_one_at_a_view_only(tmp_path: Path) -> None:
+    """A model group that reaches a recorded group through a name it holds as a view of its own
+    tensor cannot be one group under the recorded source: refused, naming the source, where it
+    was left out in silence."""
+    from tiekit.plan import TieGroup, TieMember, TiePlan, ViewGeometry
+
+    tiekit.save_sharded(Four(("ab",)), tmp_path / "ck")  # records a.weight = b.weight
+    view = ViewGeometry(0, (4, 4), (4, 1))
+    members = (TieMember("c.weight", "parameter"), TieMember("b.weight", "parameter", view))
+    given = TiePlan((TieGroup("c.weight", members, "view", (4, 4), "float32"),), 3, 4)
+    said = f"{tmp_path / 'ck' / 'tiekit-dcp.json'}: the model ties c.weight, b.weight and the source records a.weight"
+    with pytest.raises(tiekit.CheckpointError, match=re.escape(said)):
+        tiekit.convert(tmp_path / "ck", tmp_path / "m.safetensors", plan=given)
+    assert not (tmp_path / "m.safetensors").exists()

@@ -46,7 +46,7 @@ from tiekit.dcp.layout import (
 from tiekit.dcp.state import running_dcp
 from tiekit.dcp.stream import Spec, Value, nbytes, shards_beside, write_dcp, write_safetensors
 from tiekit.errors import CheckpointError
-from tiekit.plan import TiePlan
+from tiekit.plan import TieGroup, TiePlan
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -104,7 +104,8 @@ def convert(
     reads on any number of ranks (never a ``.safetensors`` file, and ``max_shard_size`` is refused:
     to reshard a safetensors checkpoint, `tiekit.load_model` it and `tiekit.save_model` it with
     ``max_shard_size``). ``plan`` (a `TiePlan`, or a model whose ties to take) adds ties
-    the source does not record (the ties it records stay). The destination must be a new path,
+    the source does not record (the ties it records stay; a tie sharing a name with a recorded
+    one is merged with it, under the recorded source). The destination must be a new path,
     outside the source, not a folder holding a checkpoint already; no file is replaced (with
     ``max_shard_size``, none named as a shard of ``dst`` either). Local: one process, no
     process group. `CheckpointError` naming the file and key on anything wrong, such as two tied
@@ -139,7 +140,7 @@ def convert_silently(
 def _convert(src: Path, dst: Path, plan: TiePlan | nn.Module | None, max_shard_size: int | str | None) -> ConvertResult:
     _refuse_overlap(src, dst)
     source = _open(src)
-    tie_plan = _plan(plan, source.plan)
+    tie_plan = _plan(plan, source.plan, source.where)
     specs, merged, checks = _layout(source, tie_plan)
     if source.where.endswith((".safetensors", INDEX_SUFFIX)) or not _is_dcp(src):
         _refuse_for_sharded_folder(src, dst, max_shard_size)
@@ -306,7 +307,7 @@ def _dcp_read(folder: Path) -> Callable[[list[str]], dict]:
     return read
 
 
-def _plan(given: TiePlan | nn.Module | None, recorded: TiePlan | None) -> TiePlan | None:
+def _plan(given: TiePlan | nn.Module | None, recorded: TiePlan | None, where: str) -> TiePlan | None:
     """The plan the destination records: the source's with ``given``'s ties added (`_with_ties`);
     None when neither says anything (a plain DCP folder or safetensors file): the destination
     records no plan either, so a loader takes the model's ties and accepts their equal copies, as
@@ -316,20 +317,52 @@ def _plan(given: TiePlan | nn.Module | None, recorded: TiePlan | None) -> TiePla
         given = stored_only(ties, set(given.state_dict(keep_vars=True)))
     if given is None or recorded is None:
         return given if given is not None else recorded
-    return _with_ties(recorded, given)
+    return _with_ties(recorded, given, where)
 
 
-def _with_ties(recorded: TiePlan, given: TiePlan) -> TiePlan:
-    """``recorded`` plus the ties of ``given`` it lacks: a given group replaces the recorded groups
-    it touches only when it holds all their names (it ties more); one that would untie a recorded
-    name is left out, as the source stores that name once and dropping the tie would lose it."""
+def _with_ties(recorded: TiePlan, given: TiePlan, where: str) -> TiePlan:
+    """``recorded`` plus the ties of ``given``: a given group that shares a name with recorded
+    groups is merged with them (`_merged`: the union of their names, under the recorded source,
+    which the source stores); one that shares none is added. So a recorded tie is never undone
+    (the source stores its names once: untying one would lose it) and every name ``given`` ties
+    is tied. Whether the merged names' stored values are equal is checked when they are read."""
     groups = list(recorded.groups)
     for group in given.groups:
         touched = [g for g in groups if set(g.names) & set(group.names)]
-        held = {name for g in touched for name in g.names}
-        if not touched or held < set(group.names):
-            groups = [g for g in groups if g not in touched] + [group]
+        if not touched:
+            groups.append(group)
+            continue
+        at = groups.index(touched[0])
+        groups[at] = _merged(touched, group, where)
+        groups = [g for g in groups if g not in touched[1:]]
     return replace(recorded, groups=tuple(groups))
+
+
+def _merged(touched: list[TieGroup], group: TieGroup, where: str) -> TieGroup:
+    """The recorded groups ``touched`` and the given ``group`` as one group under the first's
+    source. Every source is one tensor with that source when the groups meet at a name that is
+    that very tensor (not a view) in both, so each member keeps its view geometry; a meeting at a
+    view only cannot be said in one group: `CheckpointError` naming the source ``where`` and the names."""
+    base = touched[0]
+    same = _identical_names(group)
+    for other in touched:
+        if not same & _identical_names(other):
+            raise CheckpointError(
+                f"{where}: the model ties {', '.join(group.names)} and the source records "
+                f"{', '.join(other.names)} tied, meeting only at a view of the tied tensor: convert cannot "
+                "merge the two ties; give a plan without the model's"
+            )
+    # A name in two groups keeps the recorded relation (the base's first): what the file was saved with.
+    member = {m.name: m for g in (group, *reversed(touched)) for m in g.members}
+    ordered = [member[name] for name in dict.fromkeys(n for g in (*touched, group) for n in g.names)]
+    uses = tuple(dict.fromkeys(u for g in (*touched, group) for u in g.uses))
+    kind = "view" if any(m.view is not None for m in ordered) else base.kind
+    return replace(base, members=tuple(ordered), kind=kind, uses=uses)
+
+
+def _identical_names(group: TieGroup) -> set[str]:
+    """The names of ``group`` that are its tensor itself, not a view of it (its source's included)."""
+    return {m.name for m in group.members if m.view is None or m.name == group.source}
 
 
 def _layout(source: _Reader, plan: TiePlan | None) -> tuple[list[Spec], tuple[str, ...], dict[str, str]]:
