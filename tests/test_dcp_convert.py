@@ -327,7 +327,9 @@ def test_convert_streams_one_batch_at_a_time(tmp_path: Path) -> None:
     converted, loaded, back = map(int, done.stdout.split()[-3:])
     size = 8 * 2048 * 4096 * 4
     assert loaded >= size * 0.9  # the control: a whole-state read holds the model
-    assert converted < size * 0.6, (converted, size)  # one 64 MiB batch (two tensors) at a time, not the model
+    # One 64 MiB batch (two tensors) at a time, not the model: 0.26x. The writer's loop variable held the
+    # last tensor of a batch while the next batch was read: 0.39x.
+    assert converted < size * 0.32, (converted, size)
     # To a sharded folder: torch's writer held every tensor of its one file until the end (the model),
     # and torch 2.9's torch.save left each tensor in a reference cycle (235 of 256 MiB held).
     assert back < size * 0.6, (back, size)

@@ -77,14 +77,18 @@ def _write_file(
             ):
                 got = ", ".join(f"{tuple(p.shape)} {p.dtype}" for p in parts)
                 raise CheckpointError(f"{path}: key {key!r}: got {name!r} {got}")
-            for part in parts:
-                if part.numel():
-                    data = part.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-                    f.write(memoryview(cast(Any, data.numpy())))
-                    del data
+            _write_parts(f, parts)
             # Dropped before the next tensor is read, so its memory is reused, not added to.
             del value, parts
     os.chmod(path, 0o644)
+
+
+def _write_parts(f: Any, parts: list[torch.Tensor]) -> None:
+    """Write the bytes of ``parts`` one after the other (in a function of its own: a loop variable
+    would hold the last part, a whole tensor, until the next one had been read)."""
+    for part in parts:
+        if part.numel():
+            f.write(memoryview(cast(Any, part.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())))
 
 
 def write_safetensors(
