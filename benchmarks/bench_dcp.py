@@ -9,6 +9,9 @@
   written to one file, fsynced as convert fsyncs): a folder saved by one process (each tensor
   one chunk, read directly) and the one the 2 ranks saved (two chunks per tensor, assembled by
   DCP's reader).
+* ``tiekit.convert`` streams: its peak memory (RSS growth of a fresh process) about the largest
+  tensor, not the model, both ways (folder to file, file to folder), against a plain conversion
+  that holds the state (``dcp.load`` + ``safetensors.torch.save_file``, and back).
 
 Every contender runs in the same processes, interleaved (each takes every position in turn),
 ``--repeats`` times, after an ``os.sync()`` so no contender pays for another's writes; best and
@@ -24,6 +27,8 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -147,6 +152,57 @@ def bench_convert(args: argparse.Namespace, root: Path) -> dict:
     return {"times": times, "bytes": disk_bytes(source)}
 
 
+# Runs in a fresh process: the peak RSS growth (VmHWM after a reset) of one conversion.
+MEMORY = """
+import pathlib, sys
+import torch
+import tiekit
+
+def peak():
+    status = pathlib.Path("/proc/self/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]) * 1024
+
+how, src, dst = sys.argv[1:4]
+if how.startswith("plain"):
+    import safetensors.torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+pathlib.Path("/proc/self/clear_refs").write_text("5")
+before = peak()
+if how.startswith("tiekit"):
+    tiekit.convert(src, dst)
+elif how == "plain to file":  # the whole state read, then written
+    folder = next(pathlib.Path(src).glob("save-*"))
+    meta = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    tensors = {k: m for k, m in meta.items() if isinstance(m, TensorStorageMetadata)}
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in tensors.items()}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
+    safetensors.torch.save_file(state, dst)
+else:
+    dcp.save(safetensors.torch.load_file(src), storage_writer=dcp.FileSystemWriter(dst), no_dist=True)
+print(peak() - before)
+"""
+
+
+def bench_convert_memory(root: Path) -> dict[str, int]:
+    """Peak RSS growth of each conversion of the GPT-2 folder ``root / "gpt2"``, each in a fresh process."""
+    folder, file = root / "gpt2", root / "memory.safetensors"
+    growth = {}
+    for how, src, dst in (
+        ("tiekit folder to file", folder, file),
+        ("tiekit file to folder", file, root / "memory-back"),
+        ("plain to file", folder, root / "plain.safetensors"),
+        ("plain to folder", file, root / "plain-back"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-c", MEMORY, how, str(src), str(dst)], capture_output=True, text=True, check=False
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{how}: {done.stderr[-2000:]}")
+        growth[how] = int(done.stdout.split()[-1])
+    return growth
+
+
 def summary(times: list[float]) -> str:
     return f"best {min(times):.3f} s, median {statistics.median(times):.3f} s"
 
@@ -191,6 +247,15 @@ def main() -> None:
                   f"same bytes (fsynced) {summary(times['read + write' + suffix])}")  # fmt: skip
             ratio = ratios(times["tiekit.convert" + suffix], times["read + write" + suffix])
             print(f"    convert / read + write: {ratio} (target <= 1.2x)")
+        memory = bench_convert_memory(root)
+        model = gpt2_small(args.small)
+        largest = max(t.numel() * t.element_size() for t in model.state_dict().values())
+        print(f"convert, peak RSS growth (fresh process; largest tensor {largest / 2**20:.0f} MiB, "
+              f"checkpoint {conv['bytes'] / 2**20:.0f} MiB)")  # fmt: skip
+        for way, plain in (("folder to file", "plain to file"), ("file to folder", "plain to folder")):
+            ours, theirs = memory["tiekit " + way], memory[plain]
+            print(f"  {way}: tiekit.convert {ours / 2**20:.0f} MiB ({ours / largest:.2f}x the largest tensor), "
+                  f"plain {theirs / 2**20:.0f} MiB ({theirs / largest:.2f}x); ratio {ours / theirs:.2f}x")  # fmt: skip
         shown = ", ".join(f"{x:.1f}" for x in loads)
         print(f"({time.perf_counter() - started:.0f} s in all; 1-minute load average at start, after save, end: {shown}"
               f" on {os.cpu_count()} CPUs)")  # fmt: skip
