@@ -480,3 +480,46 @@ def test_convert_refuses_a_model_tie_meeting_a_recorded_one_at_a_view_only(tmp_p
     with pytest.raises(tiekit.CheckpointError, match=re.escape(said)):
         tiekit.convert(tmp_path / "ck", tmp_path / "m.safetensors", plan=given)
     assert not (tmp_path / "m.safetensors").exists()
+
+
+class TwoTies(nn.Module):
+    """Two ties: embed/head, and a second pair whose names a checkpoint may not store."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+        self.extra = nn.Linear(4, 4)
+        self.extra_copy = nn.Linear(4, 4)
+        self.extra_copy.weight = self.extra.weight
+
+
+def test_convert_with_a_model_whose_tied_names_the_source_lacks(tmp_path: Path) -> None:
+    """A model whose tied names are none of the source's keys (a ``dcp.save({"model": ...})``
+    folder stores ``model.embed.weight``) is refused, nothing written; it recorded the model's
+    plan and wrote a checkpoint no loader could read ("names key 'embed.weight' ... no such
+    tensor"). A group naming no stored key is left out of the recorded plan; the others are kept."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    model = TwoTies()
+    prefixed = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
+    save(prefixed, storage_writer=FileSystemWriter(tmp_path / "prefixed"), no_dist=True)
+    save_file(prefixed, tmp_path / "prefixed.safetensors")
+    for src, dst in (("prefixed", "p.safetensors"), ("prefixed", "p-dcp"), ("prefixed.safetensors", "p2-dcp")):
+        with pytest.raises(tiekit.CheckpointError, match=r"stores none of the tied names .*'embed\.weight'.*'model\."):
+            tiekit.convert(tmp_path / src, tmp_path / dst, plan=TwoTies())
+        assert not (tmp_path / dst).exists()
+
+    # The embed/head tie stored, the extra pair not (a checkpoint of another head): only the first is recorded.
+    partial = {k: v.clone() for k, v in model.state_dict().items() if not k.startswith("extra")}
+    save(partial, storage_writer=FileSystemWriter(tmp_path / "partial"), no_dist=True)
+    result = tiekit.convert(tmp_path / "partial", tmp_path / "out.safetensors", plan=TwoTies())
+    assert result.merged == ("head.weight",)
+    report = inspect_file(tmp_path / "out.safetensors")
+    assert report.plan is not None and [g.names for g in report.plan.groups] == [("embed.weight", "head.weight")]
+    loaded = TwoTies()
+    tiekit.load_model(loaded, tmp_path / "out.safetensors", strict=False)
+    assert loaded.head.weight is loaded.embed.weight and torch.equal(loaded.embed.weight, model.embed.weight)

@@ -105,7 +105,8 @@ def convert(
     to reshard a safetensors checkpoint, `tiekit.load_model` it and `tiekit.save_model` it with
     ``max_shard_size``). ``plan`` (a `TiePlan`, or a model whose ties to take) adds ties
     the source does not record (the ties it records stay; a tie sharing a name with a recorded
-    one is merged with it, under the recorded source). The destination must be a new path,
+    one is merged with it, under the recorded source; one naming no stored key is left out, and a
+    ``plan`` none of whose ties names a stored key is refused). The destination must be a new path,
     outside the source, not a folder holding a checkpoint already; no file is replaced (with
     ``max_shard_size``, none named as a shard of ``dst`` either). Local: one process, no
     process group. `CheckpointError` naming the file and key on anything wrong, such as two tied
@@ -140,7 +141,7 @@ def convert_silently(
 def _convert(src: Path, dst: Path, plan: TiePlan | nn.Module | None, max_shard_size: int | str | None) -> ConvertResult:
     _refuse_overlap(src, dst)
     source = _open(src)
-    tie_plan = _plan(plan, source.plan, source.where)
+    tie_plan = _plan(plan, source.plan, source.where, {spec[0] for spec in source.specs})
     specs, merged, checks = _layout(source, tie_plan)
     if source.where.endswith((".safetensors", INDEX_SUFFIX)) or not _is_dcp(src):
         _refuse_for_sharded_folder(src, dst, max_shard_size)
@@ -307,17 +308,36 @@ def _dcp_read(folder: Path) -> Callable[[list[str]], dict]:
     return read
 
 
-def _plan(given: TiePlan | nn.Module | None, recorded: TiePlan | None, where: str) -> TiePlan | None:
+def _plan(given: TiePlan | nn.Module | None, recorded: TiePlan | None, where: str, keys: set[str]) -> TiePlan | None:
     """The plan the destination records: the source's with ``given``'s ties added (`_with_ties`);
     None when neither says anything (a plain DCP folder or safetensors file): the destination
     records no plan either, so a loader takes the model's ties and accepts their equal copies, as
-    for the source. An empty plan would say "no ties", which a tied model's loader refuses."""
+    for the source. An empty plan would say "no ties", which a tied model's loader refuses.
+    ``keys``: the source's stored tensors, which ``given``'s ties must name (`_naming_stored`)."""
     if isinstance(given, nn.Module):
         ties = find_ties(given, declared=declared_ties(given) or None)
         given = stored_only(ties, set(given.state_dict(keep_vars=True)))
+    if given is not None:
+        given = _naming_stored(given, keys, where)
     if given is None or recorded is None:
         return given if given is not None else recorded
     return _with_ties(recorded, given, where)
+
+
+def _naming_stored(given: TiePlan, keys: set[str], where: str) -> TiePlan:
+    """``given`` without the groups none of whose names the source stores: a recorded group naming
+    no stored key makes the destination unreadable ("the plan names a key the file lacks"). If no
+    group is left of a plan that had some, its names are not the source's (a ``dcp.save`` of
+    ``{"model": state_dict}`` stores ``model.embed.weight``): `CheckpointError` naming both."""
+    kept = tuple(g for g in given.groups if any(name in keys for name in g.names))
+    if given.groups and not kept:
+        names = ", ".join(repr(n) for g in given.groups[:3] for n in g.names[:2])
+        sample = ", ".join(repr(k) for k in sorted(keys)[:3])
+        raise CheckpointError(
+            f"{where}: stores none of the tied names of the given plan or model ({names}); its keys look like "
+            f"{sample}. Give a model (or plan) whose names are the checkpoint's keys; nothing was written"
+        )
+    return replace(given, groups=kept)
 
 
 def _with_ties(recorded: TiePlan, given: TiePlan, where: str) -> TiePlan:
