@@ -175,12 +175,14 @@ def _check_entries_of(group: TieGroup, state_dict: Mapping[str, Any]) -> None:
         )
     if tuple(held.shape) != group.shape:
         return  # torch refuses the entry itself, naming its shape
+    # Every view member is rebuilt from the held tensor after the load, given or left out.
+    view = next((m for m in group.members if m.view is not None), None)
+    if view is not None and not held.is_contiguous():
+        raise TieError(
+            f"the state dict's {first.name!r} is not contiguous, so {view.name!r} cannot be rebuilt "
+            f"as a view of it after the load; give it contiguous (.contiguous()); nothing was loaded"
+        )
     for member in given[1:]:
-        if member.view is not None and not held.is_contiguous():
-            raise TieError(
-                f"the state dict's {first.name!r} is not contiguous, so {member.name!r} cannot be rebuilt "
-                f"as a view of it after the load; nothing was loaded"
-            )
         expected = held if member.view is None else _view_of(held, member.view)
         entry = _given(state_dict, member.name)
         assert entry is not None
