@@ -210,3 +210,69 @@ def test_an_assign_load_that_cannot_be_one_tie_is_refused_before_loading(build, 
     with pytest.raises(TieError, match=match):
         model.load_state_dict(state(), strict=False, assign=True)
     assert_unchanged(model, before)
+
+
+# -- a mixin model loaded through a module holding it ------------------------------------------
+
+
+def holding(model: nn.Module, how: str) -> nn.Module:
+    """``model`` inside a plain container, or wrapped by torch.compile (not compiled until called)."""
+    return nn.Sequential(model) if how == "sequential" else torch.compile(model)  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("how", ["sequential", "compile"])
+def test_a_mixin_model_held_by_another_module_keeps_its_tie_through_an_assign_load(how: str, swap_flag: bool) -> None:
+    """torch loads a held module through its _load_from_state_dict, never calling the mixin's
+    load_state_dict: head.weight kept the old tensor, embed.weight got the new one (probe)."""
+    model = TiedLM()
+    outer = holding(model, how)
+    state = {k: torch.randn_like(v) for k, v in outer.state_dict().items()}
+    key = next(k for k in state if k.endswith("embed.weight"))
+    state[key.replace("embed", "head")] = state[key]
+    outer.load_state_dict(state, assign=True)
+    assert model.head.weight is model.embed.weight and torch.equal(model.embed.weight, state[key])
+
+
+def test_an_assign_load_through_a_container_that_cannot_be_one_tie_is_refused_before_loading() -> None:
+    model = TiedLM()
+    before = snapshot(model)
+    state = {"0.embed.weight": torch.randn(10, 4), "0.head.weight": torch.randn(10, 4)}
+    with pytest.raises(TieError, match=r"'head\.weight' and 'embed\.weight' differ \(values\)"):
+        nn.Sequential(model).load_state_dict(state, assign=True)
+    assert_unchanged(model, before)
+
+
+class TiedLMWithHead(tiekit.TPUMixin, nn.Module):
+    """A mixin model holding a mixin model, tied across the two."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = TiedLM()
+        self.out = nn.Linear(4, 10, bias=False)
+        self.out.weight = self.lm.embed.weight
+
+
+def test_a_mixin_model_inside_a_mixin_model_is_re_tied_by_the_outer_one() -> None:
+    model = TiedLMWithHead()
+    state = {"lm.embed.weight": torch.randn(10, 4)}
+    nn.Sequential(model).load_state_dict({f"0.{k}": v for k, v in state.items()}, strict=False, assign=True)
+    assert model.out.weight is model.lm.embed.weight is model.lm.head.weight
+    assert torch.equal(model.out.weight, state["lm.embed.weight"])
+
+
+class Failing(nn.Module):
+    def _load_from_state_dict(self, *args: object) -> None:
+        raise ValueError("this module cannot load")
+
+
+def test_an_assign_load_that_failed_half_way_does_not_stop_the_next_one() -> None:
+    """The mixin's check before a load leaves its plan for the re-tie after it; a load that raises
+    in between must not leave the next load thinking another mixin module handles it."""
+    broken = TiedLM()
+    broken.extra = Failing()
+    with pytest.raises(ValueError, match="cannot load"):
+        broken.load_state_dict(TiedLM().state_dict(), strict=False, assign=True)
+    model = TiedLM()
+    state = {"0.embed.weight": torch.randn(10, 4)}
+    nn.Sequential(model).load_state_dict(state, strict=False, assign=True)
+    assert model.head.weight is model.embed.weight and torch.equal(model.embed.weight, state["0.embed.weight"])

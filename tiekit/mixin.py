@@ -3,13 +3,16 @@
 ``class Net(TPUMixin, nn.Module)``: ``.to(xla)``, ``.to(dtype)``, ``.cuda()``, ``.bfloat16()``,
 ``.half()`` and ``.to_empty(device=...)`` all go through ``nn.Module._apply``; the mixin plans
 before it, re-ties after it and verifies the parameter count, once, at the outermost module.
+``load_state_dict`` reaches every module through ``_load_from_state_dict``, wherever the load
+starts; the mixin checks there and re-ties in a load_state_dict post hook.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -60,8 +63,8 @@ def _watch_registrations() -> None:
 
 @contextmanager
 def outermost_conversion() -> Iterator[bool]:
-    """Yields True in the outermost of nested ``_apply``/``load_state_dict`` calls of this thread:
-    only that one plans and re-ties (inner calls run inside it)."""
+    """Yields True in the outermost of nested ``_apply`` calls of this thread: only that one
+    plans and re-ties (inner calls run inside it)."""
     depth = getattr(_state, "depth", 0)
     _state.depth = depth + 1
     try:
@@ -77,6 +80,14 @@ def forget_plans() -> None:
 
 class TPUMixin:
     """Keep tied weights tied through device moves, dtype casts, ``to_empty`` and assign-loads.
+
+    After ``load_state_dict(..., assign=True)``, of this module or of any module holding it (a
+    container, ``torch.compile``), each tie holds the tensor the state dict gives under its
+    source's name, or else under a name tied to the source by identity; the tied names it
+    leaves out (a de-duplicated file) follow that tensor, its values and dtype. Names of one tie
+    whose entries differ (dtype, shape, values), a view given without its source, and a source
+    given non-contiguous where the tie has views, are refused with a `TieError` before anything
+    of this module is loaded.
 
     Declare ties the model is built without (or built on meta without) as
     ``tied_weights = {"target.name": "source.name"}``; they are applied by
@@ -127,46 +138,98 @@ class TPUMixin:
             verify(self, plan)
             return result
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        """``nn.Module.load_state_dict``; with ``assign=True`` the ties are restored afterwards.
+    def _load_from_state_dict(
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        """torch's per-module load step, which runs however the load reaches this module (its own
+        ``load_state_dict``, or a container's: ``nn.Sequential``, ``torch.compile``, DDP).
 
-        Each tie then holds the tensor the state dict gives under its source's name, or else
-        under a name tied to the source by identity; the tied names it leaves out (a
-        de-duplicated file) follow that tensor, its values and dtype. Names of one tie whose
-        entries differ (dtype, shape, values), and a view given without its source, are refused
-        with a `TieError` before anything is loaded.
+        Before torch loads anything of this module's subtree, an assign-load is checked (`_before_load`);
+        `_after_load`, a load_state_dict post hook, restores the ties once the subtree is loaded.
         """
-        with outermost_conversion() as outermost:
-            if not (assign and outermost):
-                return super().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[misc]
-            assert isinstance(self, nn.Module)
-            plan = fitting_plan(self, self.tie_plan())
-            for group in plan.groups:
-                _check_entries_of(group, state_dict)  # before the load changes anything
-            result = super().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[misc]
-            assert isinstance(self, nn.Module)
-            for group in plan.groups:
-                _hold_the_given_member(self, group, state_dict)
-            retie(self, plan, replacing=[name for name in plan.tied_names if _given(state_dict, name) is None])
-            verify(self, plan)
-            return result
+        assert isinstance(self, nn.Module)
+        if local_metadata.get("assign_to_params_buffers", False) and not _enclosing_mixin_loads(missing_keys):
+            _before_load(self, self.tie_plan(), state_dict, prefix, missing_keys)
+        super()._load_from_state_dict(  # type: ignore[misc]
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
 
-def _given(state_dict: Mapping[str, Any], name: str) -> torch.Tensor | None:
-    """The state dict's tensor for ``name``; None if it has none (torch reports a non-tensor)."""
-    entry = state_dict.get(name)
-    return entry if isinstance(entry, torch.Tensor) else None
+@dataclass(frozen=True)
+class _Load:
+    """What the check before an assign-load of a mixin module leaves for the re-tie after it."""
+
+    missing_keys: list[str]  # torch's list for one load_state_dict call: tells this call from a failed earlier one
+    plan: TiePlan
+    given: frozenset[str]  # the plan's names (relative to the module) the state dict gives a tensor for
 
 
-def _check_entries_of(group: TieGroup, state_dict: Mapping[str, Any]) -> None:
-    """`TieError` unless the entries ``state_dict`` gives for ``group``'s names can be one tie:
-    the first given (the source's, else a name tied to it by identity) is what the tie will
-    hold, so the others must be it (or the views of it) in dtype, shape and value."""
-    given = [m for m in group.members if _given(state_dict, m.name) is not None]
+def _enclosing_mixin_loads(missing_keys: list[str]) -> bool:
+    """Whether a mixin module enclosing this one plans and re-ties the load that ``missing_keys``
+    belongs to (then it does the work once, for both, as in ``_apply``)."""
+    loading = getattr(_state, "loading", None)
+    return loading is not None and loading[0] is missing_keys
+
+
+def _before_load(
+    model: nn.Module, plan: TiePlan, state_dict: Mapping[str, Any], prefix: str, missing_keys: list[str]
+) -> None:
+    """Check an assign-load of ``model`` (at ``prefix`` in the module being loaded) against its
+    ``plan`` before torch loads any of it, and leave the plan for `_after_load`."""
+    plan = fitting_plan(model, plan)
+    entries = _entries_for(plan, state_dict, prefix)
+    for group in plan.groups:
+        _check_entries_of(group, entries)  # before the load changes anything
+    _state.loading = (missing_keys, id(model))
+    model.__dict__["_tiekit_load"] = _Load(missing_keys, plan, frozenset(entries))
+    if _after_load not in model._load_state_dict_post_hooks.values():
+        # Registered on first use (the mixin has no __init__); torch runs a module's post
+        # hooks after its whole subtree is loaded, and before load_state_dict raises for strict.
+        model.register_load_state_dict_post_hook(_after_load)  # type: ignore[no-untyped-call]
+
+
+def _after_load(model: nn.Module, incompatible_keys: Any) -> None:
+    """load_state_dict post hook: restore the ties of ``model`` after an assign-load of its subtree.
+
+    Each tie then holds the tensor the state dict gives under its source's name, or else under a
+    name tied to the source by identity; the tied names it leaves out follow that tensor."""
+    load = model.__dict__.pop("_tiekit_load", None)
+    if load is None or load.missing_keys is not incompatible_keys.missing_keys:
+        return  # not an assign-load this mixin planned (or one that failed before reaching here)
+    if getattr(_state, "loading", (None, None))[1] == id(model):
+        _state.loading = None
+    for group in load.plan.groups:
+        _hold_the_given_member(model, group, load.given)
+    retie(model, load.plan, replacing=[name for name in load.plan.tied_names if name not in load.given])
+    verify(model, load.plan)
+
+
+def _entries_for(plan: TiePlan, state_dict: Mapping[str, Any], prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors ``state_dict`` gives for the names of ``plan``'s groups (keyed without ``prefix``)."""
+    entries = {}
+    for group in plan.groups:
+        for name in group.names:
+            entry = state_dict.get(prefix + name)
+            if isinstance(entry, torch.Tensor):  # torch reports a non-tensor itself
+                entries[name] = entry
+    return entries
+
+
+def _check_entries_of(group: TieGroup, entries: Mapping[str, torch.Tensor]) -> None:
+    """`TieError` unless the ``entries`` given for ``group``'s names can be one tie: the first
+    given (the source's, else a name tied to it by identity) is what the tie will hold, so the
+    others must be it (or the views of it) in dtype, shape and value."""
+    given = [m for m in group.members if m.name in entries]
     if not given:
         return
-    first, held = given[0], _given(state_dict, given[0].name)
-    assert held is not None
+    first, held = given[0], entries[given[0].name]
     if first.view is not None:
         raise TieError(
             f"the state dict gives {first.name!r}, a view of {group.source!r}, without {group.source!r}: "
@@ -184,8 +247,7 @@ def _check_entries_of(group: TieGroup, state_dict: Mapping[str, Any]) -> None:
         )
     for member in given[1:]:
         expected = held if member.view is None else _view_of(held, member.view)
-        entry = _given(state_dict, member.name)
-        assert entry is not None
+        entry = entries[member.name]
         difference = _difference(entry, expected)
         if difference:
             how = "the same tensor" if member.view is None else "a view of it"
@@ -225,15 +287,15 @@ def _same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def _hold_the_given_member(model: nn.Module, group: TieGroup, state_dict: Mapping[str, Any]) -> None:
+def _hold_the_given_member(model: nn.Module, group: TieGroup, given: Collection[str]) -> None:
     """After the load, point the source of ``group`` at the tensor loaded under a name tied to
-    it by identity if the state dict left the source itself out, so that `retie` ties the group
-    to the loaded tensor, not to the source's old one."""
-    if _given(state_dict, group.source) is not None:
+    it by identity if the state dict left the source itself out (``given``: the names it gave),
+    so that `retie` ties the group to the loaded tensor, not to the source's old one."""
+    if group.source in given:
         return
-    given = next((m for m in group.members[1:] if m.view is None and _given(state_dict, m.name) is not None), None)
-    if given is None:
+    member = next((m for m in group.members[1:] if m.view is None and m.name in given), None)
+    if member is None:
         return
-    _, _, loaded, _ = resolve(model, given.name)
+    _, _, loaded, _ = resolve(model, member.name)
     module, attr, _, kind = resolve(model, group.source)
     assign(module, attr, loaded, kind)
