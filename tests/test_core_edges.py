@@ -3,7 +3,9 @@ another dtype, an assign-load of a state dict whose tied names are left out or d
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -276,3 +278,75 @@ def test_an_assign_load_that_failed_half_way_does_not_stop_the_next_one() -> Non
     state = {"0.embed.weight": torch.randn(10, 4)}
     nn.Sequential(model).load_state_dict(state, strict=False, assign=True)
     assert model.head.weight is model.embed.weight and torch.equal(model.embed.weight, state["0.embed.weight"])
+
+
+# -- strict loads of a mixin model whose state dict leaves tied names out -----------------------
+
+
+@pytest.mark.parametrize("assign", [True, False], ids=["assign", "in_place"])
+@pytest.mark.parametrize("given", ["source", "tied_name", "view_source"])
+def test_a_strict_load_leaving_out_tied_names_its_tie_fills_loads(given: str, assign: bool, swap_flag: bool) -> None:
+    """The state dict of safetensors.load_file on a tiekit file, with the default strict=True:
+    torch raised 'Missing key(s)' for head.weight after it had assigned embed.weight, and the
+    mixin never re-tied: the model was left untied and half-loaded (probe)."""
+    model: nn.Module = ViewOfWeight() if given == "view_source" else TiedLM()
+    name = {"source": "embed.weight", "tied_name": "head.weight", "view_source": "w"}[given]
+    state = {name: torch.randn_like(model.get_parameter(name))}
+    result = model.load_state_dict(state, assign=assign)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    if given == "view_source":
+        assert same_memory(model.wt, model.w) and torch.equal(model.wt, state["w"].t())
+    else:
+        assert model.head.weight is model.embed.weight and torch.equal(model.embed.weight, state[name])
+
+
+def test_a_strict_load_of_a_de_duplicated_file_loads(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    saved = TiedLM()
+    tiekit.save_model(saved, tmp_path / "m.safetensors")
+    state = load_file(tmp_path / "m.safetensors")
+    assert list(state) == ["embed.weight"]
+    model = TiedLM()
+    model.load_state_dict(state, assign=True)
+    assert model.head.weight is model.embed.weight and torch.equal(model.embed.weight, saved.embed.weight)
+
+
+@pytest.mark.parametrize("assign", [True, False], ids=["assign", "in_place"])
+def test_a_strict_load_missing_other_keys_raises_as_torch_does_with_the_ties_restored(assign: bool) -> None:
+    """Through a container, so that the names carry its prefix: only the keys nothing filled are
+    reported, in torch's words, after the load (as torch's own strict load)."""
+    model = TiedLM()
+    outer = nn.Sequential(model, nn.Linear(2, 2))
+    state = {"0.embed.weight": torch.randn(10, 4), "stale.key": torch.zeros(1)}
+    message = 'Missing key(s) in state_dict: "1.weight", "1.bias". \n\tUnexpected key(s) in state_dict: "stale.key". '
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        outer.load_state_dict(state, assign=assign)
+    assert model.head.weight is model.embed.weight and torch.equal(model.embed.weight, state["0.embed.weight"])
+    result = outer.load_state_dict(state, strict=False, assign=assign)
+    assert result.missing_keys == ["1.weight", "1.bias"] and result.unexpected_keys == ["stale.key"]
+
+
+def test_a_strict_assign_load_with_an_unexpected_key_raises_with_the_ties_restored() -> None:
+    """torch raised after assigning both names of the tie: head.weight was no longer embed.weight (probe)."""
+    state = {k: v.clone() for k, v in TiedLM().state_dict().items()} | {"stale.key": torch.zeros(1)}
+    model = TiedLM()
+    with pytest.raises(RuntimeError, match=re.escape('Unexpected key(s) in state_dict: "stale.key"')):
+        model.load_state_dict(state, assign=True)
+    assert model.head.weight is model.embed.weight and torch.equal(model.embed.weight, state["embed.weight"])
+
+
+def test_a_load_in_place_leaves_a_declared_tie_it_does_not_apply_missing() -> None:
+    """A declared tie not applied yet: copying into embed.weight does not fill head.weight."""
+
+    class Declared(tiekit.TPUMixin, nn.Module):
+        tied_weights: ClassVar[dict[str, str]] = {"head.weight": "embed.weight"}
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(10, 4)
+            self.head = nn.Linear(4, 10, bias=False)
+
+    model = Declared()
+    result = model.load_state_dict({"embed.weight": torch.randn(10, 4)}, strict=False)
+    assert result.missing_keys == ["head.weight"]

@@ -21,8 +21,8 @@ from torch import nn
 from tiekit import devices
 from tiekit.analyze import find_ties
 from tiekit.errors import TieError
-from tiekit.plan import TieGroup, TiePlan, ViewGeometry
-from tiekit.retie import fitting_plan, once_per_tensor, retie, still_holds, verify
+from tiekit.plan import TieGroup, TieMember, TiePlan, ViewGeometry
+from tiekit.retie import _is_view_of, fitting_plan, once_per_tensor, retie, still_holds, verify
 from tiekit.slots import assign, resolve
 
 # torch_xla.launch runs one replica per thread in a single process, so "already inside a
@@ -152,11 +152,13 @@ class TPUMixin:
         ``load_state_dict``, or a container's: ``nn.Sequential``, ``torch.compile``, DDP).
 
         Before torch loads anything of this module's subtree, an assign-load is checked (`_before_load`);
-        `_after_load`, a load_state_dict post hook, restores the ties once the subtree is loaded.
+        `_after_load`, a load_state_dict post hook, restores the ties once the subtree is loaded and
+        takes the tied names the load filled out of the missing keys, before torch's strict check.
         """
         assert isinstance(self, nn.Module)
-        if local_metadata.get("assign_to_params_buffers", False) and not _enclosing_mixin_loads(missing_keys):
-            _before_load(self, self.tie_plan(), state_dict, prefix, missing_keys)
+        if not _enclosing_mixin_loads(missing_keys):
+            assign = bool(local_metadata.get("assign_to_params_buffers", False))
+            _before_load(self, self.tie_plan(), state_dict, prefix, missing_keys, assign=assign)
         super()._load_from_state_dict(  # type: ignore[misc]
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
@@ -164,31 +166,44 @@ class TPUMixin:
 
 @dataclass(frozen=True)
 class _Load:
-    """What the check before an assign-load of a mixin module leaves for the re-tie after it."""
+    """What the check before a load of a mixin module leaves for the work after it."""
 
     missing_keys: list[str]  # torch's list for one load_state_dict call: tells this call from a failed earlier one
+    prefix: str  # of the mixin module in the module being loaded
     plan: TiePlan
     given: frozenset[str]  # the plan's names (relative to the module) the state dict gives a tensor for
+    assign: bool
 
 
 def _enclosing_mixin_loads(missing_keys: list[str]) -> bool:
-    """Whether a mixin module enclosing this one plans and re-ties the load that ``missing_keys``
-    belongs to (then it does the work once, for both, as in ``_apply``)."""
+    """Whether a mixin module enclosing this one handles the load that ``missing_keys`` belongs
+    to (then it does the work once, for both, as in ``_apply``)."""
     loading = getattr(_state, "loading", None)
     return loading is not None and loading[0] is missing_keys
 
 
 def _before_load(
-    model: nn.Module, plan: TiePlan, state_dict: Mapping[str, Any], prefix: str, missing_keys: list[str]
+    model: nn.Module,
+    plan: TiePlan,
+    state_dict: Mapping[str, Any],
+    prefix: str,
+    missing_keys: list[str],
+    *,
+    assign: bool,
 ) -> None:
     """Check an assign-load of ``model`` (at ``prefix`` in the module being loaded) against its
-    ``plan`` before torch loads any of it, and leave the plan for `_after_load`."""
-    plan = fitting_plan(model, plan)
+    ``plan`` before torch loads any of it, and leave the plan for `_after_load`. A load in place
+    (not assign) changes no tie; only its missing keys are looked at afterwards."""
+    if not (assign or plan.groups):
+        return  # nothing to re-tie, no tied name to fill
+    if assign:
+        plan = fitting_plan(model, plan)
     entries = _entries_for(plan, state_dict, prefix)
-    for group in plan.groups:
-        _check_entries_of(group, entries)  # before the load changes anything
+    if assign:
+        for group in plan.groups:
+            _check_entries_of(group, entries)  # before the load changes anything
     _state.loading = (missing_keys, id(model))
-    model.__dict__["_tiekit_load"] = _Load(missing_keys, plan, frozenset(entries))
+    model.__dict__["_tiekit_load"] = _Load(missing_keys, prefix, plan, frozenset(entries), assign)
     if _after_load not in model._load_state_dict_post_hooks.values():
         # Registered on first use (the mixin has no __init__); torch runs a module's post
         # hooks after its whole subtree is loaded, and before load_state_dict raises for strict.
@@ -196,19 +211,45 @@ def _before_load(
 
 
 def _after_load(model: nn.Module, incompatible_keys: Any) -> None:
-    """load_state_dict post hook: restore the ties of ``model`` after an assign-load of its subtree.
+    """load_state_dict post hook: restore the ties of ``model`` after an assign-load of its
+    subtree, then drop the tied names the load filled from ``incompatible_keys.missing_keys``
+    (torch raises for strict=True only after its post hooks, so the ties hold by then).
 
     Each tie then holds the tensor the state dict gives under its source's name, or else under a
     name tied to the source by identity; the tied names it leaves out follow that tensor."""
     load = model.__dict__.pop("_tiekit_load", None)
     if load is None or load.missing_keys is not incompatible_keys.missing_keys:
-        return  # not an assign-load this mixin planned (or one that failed before reaching here)
+        return  # not a load this mixin planned (or one that failed before reaching here)
     if getattr(_state, "loading", (None, None))[1] == id(model):
         _state.loading = None
-    for group in load.plan.groups:
-        _hold_the_given_member(model, group, load.given)
-    retie(model, load.plan, replacing=[name for name in load.plan.tied_names if name not in load.given])
-    verify(model, load.plan)
+    if load.assign:
+        for group in load.plan.groups:
+            _hold_the_given_member(model, group, load.given)
+        retie(model, load.plan, replacing=[name for name in load.plan.tied_names if name not in load.given])
+        verify(model, load.plan)
+    missing = incompatible_keys.missing_keys  # torch's own list: it reports and returns this one
+    if missing:
+        filled = {load.prefix + name for name in _filled_names(model, load.plan, load.given)}
+        missing[:] = [key for key in missing if key not in filled]
+
+
+def _filled_names(model: nn.Module, plan: TiePlan, given: Collection[str]) -> list[str]:
+    """The names of ``plan`` the state dict left out that the load filled all the same: each is,
+    after the load, the tensor given under its source's or another identity member's name, or a
+    view of it. (A declared tie a load in place does not apply leaves its target unfilled.)"""
+    filled: list[str] = []
+    for group in plan.groups:
+        _, _, source, _ = resolve(model, group.source)
+        if not any(m.view is None and m.name in given and _holds(model, m, source) for m in group.members):
+            continue
+        filled.extend(m.name for m in group.members if m.name not in given and _holds(model, m, source))
+    return filled
+
+
+def _holds(model: nn.Module, member: TieMember, source: torch.Tensor) -> bool:
+    """Whether ``member`` is its group's ``source`` tensor (or the view of it the plan records)."""
+    _, _, current, _ = resolve(model, member.name)
+    return current is source if member.view is None else _is_view_of(current, source, member)
 
 
 def _entries_for(plan: TiePlan, state_dict: Mapping[str, Any], prefix: str) -> dict[str, torch.Tensor]:
