@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from models import MixinWeightSharingModule, ViewBuffers, WeightSharingModule, gpt2, llama
@@ -178,3 +180,33 @@ def test_find_ties_on_xla_tensors_does_not_crash(xla_device: torch.device) -> No
     assert [g.names for g in plan.groups] == [("layer_1.weight", "layer_3.weight")]
     broken = WeightSharingModule().to(xla_device)
     assert tiekit.find_ties(broken, check_values=True).suspected == (("layer_1.weight", "layer_3.weight"),)
+
+
+class MixinViewBuffers(tiekit.TPUMixin, ViewBuffers):
+    pass
+
+
+def test_the_mixin_replans_on_xla_when_a_view_buffer_is_no_longer_a_view(xla_device: torch.device) -> None:
+    """XLA hides memory, so the check of a cached plan skipped views: after ``w.data = new`` the
+    plan still said wt is a view of w, and the next move rebuilt wt from w's new memory, losing
+    wt's values (probe). The plan is still reused while the views hold."""
+    model = MixinViewBuffers()
+    plan = model.tie_plan()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tiekit.TieWarning)  # a plan made on XLA would warn of hidden views
+        model.to(xla_device)
+        with torch.no_grad():
+            model.w.mul_(2)  # new values in the same storage: the views hold
+        assert model.tie_plan() is plan
+    views = {name: getattr(model, name).cpu() for name in ("wt", "ws", "wv")}
+    with torch.no_grad():
+        model.w.data = torch.randn(4, 6, device=xla_device)
+    # The new plan is made on XLA, where the three buffers (views of w's old storage) cannot be recorded.
+    with pytest.warns(tiekit.TieWarning, match="wt, ws, wv share one XLA storage"):
+        model.to("cpu")
+    assert all(torch.equal(getattr(model, name), values) for name, values in views.items())
+    assert not any(same_storage(getattr(model, name), model.w) for name in views)
+
+
+def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

@@ -148,8 +148,10 @@ def still_holds(model: nn.Module, plan: TiePlan) -> bool:
     plan may be reused: every name resolves, every source has the plan's shape, every identity
     member is its source and every view member is still a view of its source at its geometry.
 
-    One look-up per tied name, no walk of the model. A view is checked only where memory is
-    visible: XLA hides view geometry, so a new plan made there could not see the view anyway.
+    One look-up per tied name, no walk of the model. A view is checked by its geometry where
+    memory is visible, and on XLA (which hides geometry) by its storage: after ``w.data = new``
+    a buffer that was a view of ``w`` no longer shares w's storage there either, and a plan
+    reused then would rebuild it from w's new memory on the next move.
     """
     for group in plan.groups:
         try:
@@ -161,11 +163,7 @@ def still_holds(model: nn.Module, plan: TiePlan) -> bool:
                 if member.view is None:
                     if current is not source:
                         return False
-                elif (
-                    devices.memory_visible(current)
-                    and devices.memory_visible(source)
-                    and not _is_view_of(current, source, member)
-                ):
+                elif not _is_view_of(current, source, member):
                     return False
         except TieError:  # a module or tensor deleted without a registration (del model.head)
             return False
