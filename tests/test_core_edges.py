@@ -350,3 +350,23 @@ def test_a_load_in_place_leaves_a_declared_tie_it_does_not_apply_missing() -> No
     model = Declared()
     result = model.load_state_dict({"embed.weight": torch.randn(10, 4)}, strict=False)
     assert result.missing_keys == ["head.weight"]
+
+
+class TwoLayers(tiekit.TPUMixin, nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4, bias=False)
+        self.b = nn.Linear(4, 4, bias=False)
+
+
+@pytest.mark.parametrize("moved_before", [False, True])
+def test_memory_shared_by_a_data_assignment_is_kept_after_forget_plans(moved_before: bool) -> None:
+    """A cached plan is re-checked only for the ties it knows: sharing made by ``.data =`` after
+    it was cached made two copies on the next move (probe). Documented: call forget_plans()."""
+    model = TwoLayers()
+    if moved_before:
+        model.double()
+    model.b.weight.data = model.a.weight.data
+    tiekit.mixin.forget_plans()
+    model.float()
+    assert same_memory(model.a.weight, model.b.weight)

@@ -74,7 +74,16 @@ def outermost_conversion() -> Iterator[bool]:
 
 
 def forget_plans() -> None:
-    """Invalidate every cached mixin plan (after writing into ``_parameters`` by hand)."""
+    """Invalidate every cached mixin plan: call it after writing into ``_parameters`` by hand,
+    and after ``.data =`` assignments that make tensors share memory.
+
+    A cached plan is re-checked only for the ties it knows (`tiekit.retie.still_holds`, one
+    look-up per tied name). Sharing made without a registration (``m.b.weight.data =
+    m.a.weight.data``) is a tie it does not know, and seeing one would take a walk of every
+    tensor, the cost the cache saves on each move; so a model whose plan was cached before
+    such an assignment would convert a and b into two copies on its next move (a model never
+    moved before keeps them sharing: its first plan sees it), unless this is called first.
+    """
     _registrations[0] += 1
 
 
@@ -103,8 +112,8 @@ class TPUMixin:
         Cached until any module registers a parameter, buffer or submodule, and as long as the
         model still holds the plan's ties (`tiekit.retie.still_holds`: a source given new memory
         with ``w.data = ...`` has no views any more); code that writes into
-        ``module._parameters`` directly should call ``tie_plan`` only after
-        ``tiekit.mixin.forget_plans()``.
+        ``module._parameters`` directly, or makes tensors share memory with ``.data =``,
+        should call ``tie_plan`` only after ``tiekit.mixin.forget_plans()``.
         """
         assert isinstance(self, nn.Module)
         _watch_registrations()
