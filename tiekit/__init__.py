@@ -9,8 +9,9 @@ from tiekit.collective import collective_save_checkpoint, collective_save_model,
 from tiekit.dcp import ConvertResult, SaveHandle, ShardedLoadResult, convert, load_sharded, save_sharded
 from tiekit.errors import CheckpointError, TieError, TiekitError, TieWarning
 from tiekit.mixin import TPUMixin
+from tiekit.moving import move, preserve_ties, rebind_optimizer
 from tiekit.plan import PLAN_VERSION, CrossModuleUse, TieGroup, TieMember, TiePlan, TieUse, ViewGeometry
-from tiekit.retie import VerifyReport, move, preserve_ties, rebind_optimizer, retie, verify
+from tiekit.retie import VerifyReport, retie, verify
 from tiekit.sharding import check_sharding, shard
 
 if TYPE_CHECKING:

@@ -21,8 +21,9 @@ from torch import nn
 from tiekit import devices
 from tiekit.analyze import find_ties
 from tiekit.errors import TieError
+from tiekit.moving import once_per_tensor
 from tiekit.plan import TieGroup, TieMember, TiePlan, ViewGeometry
-from tiekit.retie import _is_view_of, fitting_plan, once_per_tensor, retie, still_holds, verify
+from tiekit.retie import fitting_plan, is_view_of, retie, still_holds, verify
 from tiekit.slots import assign, resolve
 
 # torch_xla.launch runs one replica per thread in a single process, so "already inside a
@@ -258,7 +259,7 @@ def _filled_names(model: nn.Module, plan: TiePlan, given: Collection[str]) -> li
 def _holds(model: nn.Module, member: TieMember, source: torch.Tensor) -> bool:
     """Whether ``member`` is its group's ``source`` tensor (or the view of it the plan records)."""
     _, _, current, _ = resolve(model, member.name)
-    return current is source if member.view is None else _is_view_of(current, source, member)
+    return current is source if member.view is None else is_view_of(current, source, member)
 
 
 def _entries_for(plan: TiePlan, state_dict: Mapping[str, Any], prefix: str) -> dict[str, torch.Tensor]:

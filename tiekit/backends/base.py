@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from tiekit.collective import Ranks
+from tiekit.moving import move
 from tiekit.plan import TiePlan
-from tiekit.retie import move
 
 if TYPE_CHECKING:
     from tiekit.backends.xla import XlaCounters

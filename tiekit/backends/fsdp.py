@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from tiekit.backends.torch_distributed import TorchBackend
+from tiekit.moving import move
 from tiekit.plan import TiePlan
-from tiekit.retie import move
 
 BROADCAST_BUCKET_BYTES = 250 * 2**20  # DDP's bucket for the same broadcast
 

@@ -13,8 +13,8 @@ from torch import nn
 from tiekit.backends.xla import XlaBackend, xla_device_count, xla_module, xla_wait
 from tiekit.collective import ranks
 from tiekit.devices import xla
+from tiekit.moving import move
 from tiekit.plan import TiePlan
-from tiekit.retie import move
 
 
 def spmd_mesh(axis: str) -> tuple[torch.device, Any, int, int]:

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from tiekit.analyze import find_ties
-from tiekit.retie import OnError, move, rebind_optimizer, retie, verify
+from tiekit.moving import move, rebind_optimizer
+from tiekit.retie import OnError, retie, verify
 
 __all__ = ["prepare_tied"]
 

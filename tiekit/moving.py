@@ -1,0 +1,200 @@
+"""Moves that keep ties: `move` and `preserve_ties`, for models you cannot subclass
+(`tiekit.TPUMixin` does the same inside ``nn.Module._apply``), and the pieces both use:
+converting each tensor once (`once_per_tensor`) and re-binding an optimizer (`rebind_optimizer`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from tiekit import devices
+from tiekit.analyze import find_ties
+from tiekit.errors import TieError, TieWarning
+from tiekit.plan import TiePlan
+from tiekit.retie import OnError, fitting_plan, retie, verify
+
+
+def move(
+    model: nn.Module,
+    device: torch.device | str | int | None = None,
+    dtype: torch.dtype | None = None,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    plan: TiePlan | None = None,
+    on_error: OnError = "raise",
+) -> nn.Module:
+    """Move/cast ``model`` keeping its ties: plan, ``.to``, retie, verify. Returns ``model``.
+
+    Each tensor object is converted once, however many modules register it: a tied weight
+    crosses to the device once and never exists twice there.
+
+    ``device="xla"`` means this process's XLA device. With ``optimizer``, its param groups and
+    state are re-bound, by name, to the moved parameters.
+    """
+    if device is None and dtype is None:
+        raise ValueError("tiekit.move needs a device, a dtype or both")
+    target = devices.resolve_device(device)
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TieError(f"tiekit.move: optimizer must be a torch.optim.Optimizer, not a {type(optimizer).__name__}")
+    # A plan made here is checked too: one retie could not apply must refuse before anything moves.
+    plan = fitting_plan(model, _moving_plan(model, None) if plan is None else plan)
+    names = {id(p): n for n, p in model.named_parameters()} if optimizer is not None else {}
+    kwargs: dict[str, object] = {}
+    if target is not None:
+        kwargs["device"] = target
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    with converting_once(model):
+        model.to(**kwargs)  # type: ignore[call-overload]
+    retie(model, plan)
+    verify(model, plan, on_error=on_error)
+    if optimizer is not None:
+        rebind_optimizer(optimizer, model, names)
+    return model
+
+
+def _moving_plan(model: nn.Module, declared: Mapping[str, str] | None) -> TiePlan:
+    """The ties ``model`` holds, the ones it declares (``TPUMixin.tied_weights``, transformers'
+    ``_tied_weights_keys``) where their tensors are equal in value (a tie a plain ``.to`` broke
+    before: the move restores it), and ``declared``."""
+    from tiekit.checkpoint.contents import declared_ties_holding  # the checkpoint package imports this one
+    from tiekit.errors import CheckpointError
+
+    try:
+        holding = declared_ties_holding(model)
+    except CheckpointError as exc:  # a tied_weights name that does not resolve
+        raise TieError(str(exc)) from exc
+    merged = {**holding, **(declared or {})}
+    return find_ties(model, declared=merged or None)
+
+
+def once_per_tensor(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``fn`` (a conversion ``nn.Module._apply`` calls per slot), called once per tensor object:
+    a tensor met again under another module's name gets the first result. torch calls ``fn``
+    once per owning module, so a tied weight would be copied to the device once per owner."""
+    if getattr(fn, "_tiekit_once", False):
+        return fn
+    results: dict[int, torch.Tensor] = {}
+    converted: set[int] = set()  # the storages of new outputs, held (in results) until the end
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        # A tensor over the memory of an output is converted already: the output itself met
+        # again (a module registered twice), the Parameter torch made over it, a tensor that
+        # swap_tensors gave it to. Returned as it is: a conversion is not always idempotent.
+        memory = devices.storage_key(t)
+        if memory is not None and memory in converted:
+            return t
+        # Keyed by id without holding the old tensor (holding every one would keep the whole
+        # unconverted model alive until the end; swap_tensors refuses weak references). A freed
+        # input's id can go to a new object, but during one _apply the new objects are outputs
+        # and Parameters over them, which the check above has answered.
+        out = results.get(id(t))
+        if out is None:
+            out = results[id(t)] = fn(t)
+            made = devices.storage_key(out)
+            if out is not t and made is not None and made != memory:
+                converted.add(made)
+        return out
+
+    convert._tiekit_once = True  # type: ignore[attr-defined]
+    return convert
+
+
+@contextmanager
+def converting_once(model: nn.Module) -> Iterator[None]:
+    """Within the block, ``model``'s conversions (``.to``, ``.to_empty``, ``.bfloat16()``...) go
+    through `once_per_tensor`; ``nn.Module._apply`` passes the wrapped function on to every
+    submodule. (`tiekit.TPUMixin` does the same in its own ``_apply``.)"""
+    original = model._apply
+
+    def apply(fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+        return original(once_per_tensor(fn), recurse)  # type: ignore[no-untyped-call,no-any-return]
+
+    model.__dict__["_apply"] = apply  # an instance attribute shadows the method for this block only
+    try:
+        yield
+    finally:
+        model.__dict__.pop("_apply", None)
+
+
+def rebind_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, names: Mapping[int, str]) -> None:
+    """Re-point ``optimizer``'s params and state at the model's current parameters.
+
+    ``names`` maps ``id(old_param)`` to its name, taken before the move while the old
+    parameters were alive. Names are looked up with their aliases, so two old tensors that
+    are now one tied parameter (a declared tie applied by the move) become one entry: the one
+    under the parameter's first name keeps its place and state, the duplicate goes (an
+    optimizer holding a parameter twice would step it twice, and cannot be saved).
+    """
+    current = dict(model.named_parameters(remove_duplicate=False))
+    first_name = {id(p): name for name, p in model.named_parameters()}
+    # Which old tensor keeps each new parameter: the one under its first name, else the first met.
+    keeper: dict[int, int] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = names.get(id(p))
+            if name is not None and name in current:
+                new = current[name]
+                if id(new) not in keeper or first_name.get(id(new)) == name:
+                    keeper[id(new)] = id(p)
+    state = optimizer.state
+    unknown = 0
+    for group in optimizer.param_groups:
+        rebound = []
+        for p in group["params"]:
+            name = names.get(id(p))
+            if name is None or name not in current:
+                unknown += 1
+                rebound.append(p)
+                continue
+            new = current[name]
+            old_state = state.pop(p, None)
+            if keeper[id(new)] != id(p):
+                continue  # the duplicate of a tied parameter, and its stale state
+            if old_state is not None:
+                state[new] = {k: _state_to(v, new, k) for k, v in old_state.items()}
+            rebound.append(new)
+        group["params"] = rebound
+    if unknown:
+        warnings.warn(
+            f"tiekit.move: the optimizer holds {unknown} tensor(s) that are not parameters of the "
+            "model; they were left where they are and will not follow the move",
+            TieWarning,
+            stacklevel=3,
+        )
+
+
+def _state_to(value: object, param: torch.Tensor, key: str) -> object:
+    # Same policy as Optimizer.load_state_dict: a CPU scalar `step` stays put; other
+    # floating state follows the parameter's device and dtype.
+    if not isinstance(value, torch.Tensor):
+        return value
+    if key == "step" and value.dim() == 0 and value.device.type == "cpu":
+        return value
+    dtype = param.dtype if value.is_floating_point() else None
+    return value.to(device=param.device, dtype=dtype)
+
+
+@contextmanager
+def preserve_ties(
+    model: nn.Module,
+    *,
+    plan: TiePlan | None = None,
+    declared: Mapping[str, str] | None = None,
+    on_error: OnError = "raise",
+) -> Iterator[TiePlan]:
+    """Plan on entry; retie and verify on a normal exit. Yields the plan.
+
+    For code that replaces tensors behind the model's back: ``.to(xla)``, ``to_empty``,
+    ``load_state_dict(assign=True)``, third-party wrappers.
+    """
+    plan = fitting_plan(model, _moving_plan(model, declared) if plan is None else plan)
+    with converting_once(model):
+        yield plan
+    retie(model, plan)
+    verify(model, plan, on_error=on_error)
