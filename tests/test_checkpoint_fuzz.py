@@ -143,6 +143,10 @@ def load_into_fresh(target: Path) -> tuple[nn.Module, torch.optim.Optimizer, Any
         (lambda o: with_state(o, "step", None), "optimizer state 'step' of 'layer_1.weight' is None"),
         (lambda o: with_state(o, "exp_avg", 0.5), "optimizer state 'exp_avg' of 'layer_1.weight' is 0.5"),
         (lambda o: with_options(o, amsgrad=True), "built with amsgrad=True, this one with amsgrad=False"),
+        # Found by the fuzzer: torch checks options when an optimizer is built, not when they are loaded,
+        # and the first step failed ("result type ComplexFloat can't be cast to ... Float").
+        (lambda o: with_options(o, betas=[0, 2]), "AdamW refuses the saved options: Invalid beta parameter"),
+        (lambda o: with_options(o, lr=-1.0), "AdamW refuses the saved options: Invalid learning rate"),
     ],
 )
 def test_malformed_optimizer_entries(

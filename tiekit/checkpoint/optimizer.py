@@ -7,6 +7,7 @@ optimizer before the model changes, and returns the step that restores it afterw
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -99,6 +100,7 @@ def stage_optimizer(
         if not isinstance(decoded, dict):
             raise CheckpointError(f"{where}: corrupted options of optimizer param group {i}")
         options.append(_checked_options(decoded, live, i, where))
+        _check_values_torch_accepts(optimizer, options[-1], i, where)
     saved_state = record.get("state", {})
     if not isinstance(saved_state, dict):
         raise CheckpointError(f"{where}: corrupted optimizer state (not an object of parameter names)")
@@ -204,6 +206,27 @@ def _checked_options(saved: dict[str, Any], live: Mapping[str, Any], group: int,
                 f"{saved[key]!r}, this one with {key}={now!r}; build it as when saving"
             )
     return out
+
+
+def _check_values_torch_accepts(
+    optimizer: torch.optim.Optimizer, options: dict[str, Any], group: int, where: str
+) -> None:
+    """A torch.optim optimizer checks its options when built (``betas`` in [0, 1), ``lr`` >= 0...)
+    but not when they come through ``load_state_dict``: betas of (0, 2) loaded, and the first
+    step failed in torch's arithmetic. So one is built with the saved options, on a stand-in
+    parameter, and its ``ValueError`` becomes a `CheckpointError`. Other optimizers are left to
+    themselves: building one may have effects."""
+    cls = type(optimizer)
+    if not cls.__module__.startswith("torch.optim"):
+        return
+    accepted = inspect.signature(cls).parameters
+    given = {k: v for k, v in options.items() if k in accepted and k != "params"}
+    try:
+        cls([torch.zeros(1, requires_grad=True)], **given)
+    except (ValueError, TypeError) as exc:
+        raise CheckpointError(
+            f"{where}: optimizer param group {group}: {cls.__name__} refuses the saved options: {exc}"
+        ) from exc
 
 
 def _same_kind(saved: Any, live: Any) -> bool:
