@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import resource
 import shutil
@@ -108,6 +109,31 @@ def test_a_failed_dcp_write_is_a_checkpoint_error_and_keeps_the_previous_save(
     assert json.loads((saved / MARKER_NAME).read_text()) == before
     assert sorted(p.name for p in saved.iterdir()) == [before["folder"], MARKER_NAME]  # its own folder gone
     assert tiekit.load_sharded(Tied(), saved).save_id == before["save_id"]
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
+def test_a_save_whose_planner_left_a_tensor_out_is_not_committed(
+    saved: Path, monkeypatch: pytest.MonkeyPatch, blocking: bool
+) -> None:
+    """A planner that writes none of a tensor without an error (torch_xla 2.9's SPMDSavePlanner did
+    so for a tensor replicated over part of a 2-D mesh; here DCP's default planner with that key's
+    items dropped): the save is refused at its commit, naming the key, and the previous save stays."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    before = json.loads((saved / MARKER_NAME).read_text())
+    planned = DefaultSavePlanner.create_local_plan
+
+    def leaving_out_mlp_weight(self: DefaultSavePlanner) -> object:
+        plan = planned(self)
+        return dataclasses.replace(plan, items=[i for i in plan.items if i.index.fqn != "mlp.weight"])
+
+    monkeypatch.setattr(DefaultSavePlanner, "create_local_plan", leaving_out_mlp_weight)
+    with pytest.raises(
+        tiekit.CheckpointError, match=r"does not cover 'mlp\.weight' \(not stored\).*Nothing was committed"
+    ):
+        tiekit.save_sharded(Tied(), saved, blocking=blocking).wait(timeout=60)
+    assert json.loads((saved / MARKER_NAME).read_text()) == before
+    assert sorted(p.name for p in saved.iterdir()) == [before["folder"], MARKER_NAME]  # its own folder gone
 
 
 @contextlib.contextmanager
