@@ -118,6 +118,36 @@ def spmd_empty_like(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | No
     return made
 
 
+def spmd_writable(state: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """``state`` as torch_xla's ``SPMDSavePlanner`` writes it whole: a tensor sharded over part of
+    the mesh and replicated over the rest (a norm weight sharded on one axis of a 2-D mesh) as
+    the host copies of its shards' first replicas. Given the device tensor, torch_xla 2.9 plans
+    every replica of each shard and DCP then stores none of the tensor, without an error. Other
+    tensors are left as they are, on the device."""
+    torch_xla = xla()
+    partial = [k for k, t in state.items() if t.device.type == "xla" and _replicated_shards(torch_xla, t)]
+    if not partial:
+        return dict(state)
+    helpers = xla_module("torch_xla.experimental.distributed_checkpoint._helpers")
+    copied = helpers._sharded_cpu_state_dict({k: state[k] for k in partial})
+    return {**state, **{k: _first_replicas(helpers, copied[k]) for k in partial}}
+
+
+def _replicated_shards(torch_xla: Any, t: torch.Tensor) -> bool:
+    """Whether some shard of ``t`` is held by more than one device (a replica id other than 0)."""
+    if not torch_xla._XLAC._get_xla_sharding_spec(t):
+        return False
+    return any(replica != 0 for replica, _ in torch_xla._XLAC._get_local_shard_replica_and_indices([t])[0])
+
+
+def _first_replicas(helpers: Any, shards: Any) -> Any:
+    """torch_xla's host shards of one tensor, each shard once (replica 0: exactly one device of the
+    whole mesh holds it, so across hosts every shard is written once)."""
+    if not isinstance(shards, helpers._CpuShards):
+        return shards
+    return helpers._CpuShards(shards=[s for s in shards.shards if s.replica_id == 0], global_shape=shards.global_shape)
+
+
 def spmd_host_copy(state: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """``state`` copied to host memory for a background save: a sharded tensor as its devices'
     shards (torch_xla's ``_CpuShards``, which ``SPMDSavePlanner`` writes without touching the
@@ -128,7 +158,7 @@ def spmd_host_copy(state: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     is no public one in torch_xla 2.9."""
     helpers = xla_module("torch_xla.experimental.distributed_checkpoint._helpers")
     on_device = {k: t for k, t in state.items() if t.device.type == "xla"}
-    copied = dict(helpers._sharded_cpu_state_dict(on_device))
+    copied = {k: _first_replicas(helpers, v) for k, v in helpers._sharded_cpu_state_dict(on_device).items()}
     return {k: copied[k] if k in copied else t.detach().clone() for k, t in state.items()}
 
 

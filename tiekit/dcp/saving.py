@@ -120,8 +120,9 @@ def save_sharded_staged(
     if blocking:
         error = None
         try:
+            tensors = _spmd_writable(state.tensors) if spmd else state.tensors
             with running_dcp(folder, reading=False):
-                save(state.tensors, storage_writer=DurableWriter(folder), planner=planner, no_dist=not distributed)
+                save(tensors, storage_writer=DurableWriter(folder), planner=planner, no_dist=not distributed)
         except Exception as exc:  # noqa: BLE001 - reported on every rank below
             conflict = _writer_conflict(root, save_id, before, exc) if writes_marker else None
             error = conflict or exc
@@ -187,6 +188,12 @@ def _copy_and_check(copies: DeferredCopies, folder: Path) -> None:
     the save on every rank before any of them writes."""
     copies.copy()
     copies.confirmed(folder)
+
+
+def _spmd_writable(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    from tiekit.backends.xla_spmd import spmd_writable
+
+    return spmd_writable(tensors)
 
 
 def _spmd_planner() -> Any:
