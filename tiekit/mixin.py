@@ -9,11 +9,13 @@ starts; the mixin checks there and re-ties in a load_state_dict post hook.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -118,6 +120,7 @@ class TPUMixin:
         """
         assert isinstance(self, nn.Module)
         _watch_registrations()
+        finish_interrupted_load(self)  # a load left half done: its plan still knows the ties
         key = (_registrations[0], id(self.tied_weights))
         cached = self.__dict__.get("_tiekit_plan")
         if cached is not None and cached[0] == key and still_holds(self, cached[1]):
@@ -147,6 +150,16 @@ class TPUMixin:
             retie(self, plan)
             verify(self, plan)
             return result
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict``, the ties restored also when it raises half way (see the
+        class docstring; a load through a container is restored at the next load or move)."""
+        try:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[misc]
+        except BaseException:
+            assert isinstance(self, nn.Module)
+            finish_interrupted_load(self)
+            raise
 
     def _load_from_state_dict(
         self,
@@ -213,11 +226,36 @@ def _before_load(
         for group in plan.groups:
             _check_entries_of(group, entries)  # before the load changes anything
     _state.loading = (missing_keys, id(model))
-    model.__dict__["_tiekit_load"] = _Load(missing_keys, prefix, plan, frozenset(entries), assign)
-    if _after_load not in model._load_state_dict_post_hooks.values():
+    _loads(model)[threading.get_ident()] = _Load(missing_keys, prefix, plan, frozenset(entries), assign)
+    hooks = model._load_state_dict_post_hooks
+    if _after_load not in hooks.values():
         # Registered on first use (the mixin has no __init__); torch runs a module's post
         # hooks after its whole subtree is loaded, and before load_state_dict raises for strict.
-        model.register_load_state_dict_post_hook(_after_load)  # type: ignore[no-untyped-call]
+        # First of them: hooks the model's own code registered see it loaded and tied.
+        handle = model.register_load_state_dict_post_hook(_after_load)  # type: ignore[no-untyped-call]
+        cast("OrderedDict[int, Any]", hooks).move_to_end(handle.id, last=False)
+
+
+def _loads(model: nn.Module) -> dict[int, _Load]:
+    """The loads of ``model`` under way, by thread (one model may be loaded in two threads)."""
+    loads: dict[int, _Load] = model.__dict__.setdefault("_tiekit_loads", {})
+    return loads
+
+
+def finish_interrupted_load(model: nn.Module) -> None:
+    """Re-tie ``model`` after an assign-load of it that raised before its post hook ran (a
+    module's own load step failing half way, a KeyboardInterrupt): torch had assigned some
+    entries and not others, so a tie could be split, and a new plan would no longer see it.
+    Best effort: a tie that cannot be restored is left to the next load or move's checks."""
+    load = _loads(model).pop(threading.get_ident(), None)
+    if (getattr(_state, "loading", None) or (None, None))[1] == id(model):
+        _state.loading = None
+    if load is None or not load.assign:
+        return
+    with contextlib.suppress(TieError):
+        for group in load.plan.groups:
+            _hold_the_given_member(model, group, load.given)
+        retie(model, load.plan, replacing=[name for name in load.plan.tied_names if name not in load.given])
 
 
 def _after_load(model: nn.Module, incompatible_keys: Any) -> None:
@@ -227,10 +265,11 @@ def _after_load(model: nn.Module, incompatible_keys: Any) -> None:
 
     Each tie then holds the tensor the state dict gives under its source's name, or else under a
     name tied to the source by identity; the tied names it leaves out follow that tensor."""
-    load = model.__dict__.pop("_tiekit_load", None)
+    load = _loads(model).get(threading.get_ident())
     if load is None or load.missing_keys is not incompatible_keys.missing_keys:
         return  # not a load this mixin planned (or one that failed before reaching here)
-    if getattr(_state, "loading", (None, None))[1] == id(model):
+    del _loads(model)[threading.get_ident()]
+    if (getattr(_state, "loading", None) or (None, None))[1] == id(model):
         _state.loading = None
     if load.assign:
         for group in load.plan.groups:
@@ -320,8 +359,17 @@ def _difference(entry: torch.Tensor, expected: torch.Tensor) -> str:
             return f"{what} {a} and {b}"
     if entry.device != expected.device:
         return f"device {entry.device} and {expected.device}"
-    if entry.is_meta or _same_elements(entry, expected):
+    if entry.is_meta:
         return ""  # a meta entry has no values to differ
+    if hasattr(entry, "to_local") or hasattr(expected, "to_local"):
+        # DTensors (FSDP2): this rank's shards, compared where both are sharded alike; a
+        # comparison of the whole tensors would wait for the other ranks.
+        layouts = [(getattr(t, "device_mesh", None), getattr(t, "placements", None)) for t in (entry, expected)]
+        if layouts[0] != layouts[1]:
+            return "sharding"
+        entry, expected = entry.to_local(), expected.to_local()  # type: ignore[attr-defined]
+    if _same_elements(entry, expected):
+        return ""
     # Compared as bytes: tied weights holding NaN are still equal.
     entry_bytes, expected_bytes = (t.detach().cpu().reshape(-1).view(torch.uint8) for t in (entry, expected))
     return "" if torch.equal(entry_bytes, expected_bytes) else "values"
@@ -329,10 +377,12 @@ def _difference(entry: torch.Tensor, expected: torch.Tensor) -> str:
 
 def _same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` (of one dtype and shape) lie on the same memory, as the entries of a
-    tied tensor in ``model.state_dict()`` do: equal without reading them."""
+    tied tensor in ``model.state_dict()`` do: equal without reading them. (A wrapper subclass
+    reports a data pointer of 0 whatever it wraps: that says nothing.)"""
     return (
         devices.memory_visible(a)
         and devices.memory_visible(b)
+        and a.data_ptr() != 0
         and a.data_ptr() == b.data_ptr()
         and a.stride() == b.stride()
     )
