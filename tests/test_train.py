@@ -127,7 +127,9 @@ def test_a_resume_at_or_past_max_steps_trains_nothing_and_leaves_the_checkpoint_
 def test_a_resume_with_another_batch_size_says_the_position_is_taken_in_the_new_batches(tmp_path: Path) -> None:
     kw: dict[str, Any] = {**CPU, "checkpoint_dir": tmp_path, "seed": 1}
     tiekit.fit(DropoutNet, data(), max_steps=3, batch_size=4, **kw)  # 3 of 10 batches of 4: sample 12 next
-    with pytest.warns(UserWarning, match=r"saved by a run with batch_size=4 per replica, with batch_size=8: its "):
+    with pytest.warns(
+        UserWarning, match=r"saved by a run whose replicas loaded batches of 4 samples, with batches of 8 "
+    ):
         resumed = tiekit.fit(DropoutNet, data(), max_steps=5, batch_size=8, resume="last", **kw)
     assert resumed.steps == 5
     with warnings.catch_warnings():  # the same batch size: nothing to say

@@ -168,9 +168,11 @@ def resume(
     saved_batch = extra.get("batch_size")  # None: saved before tiekit recorded it
     if saved_batch is not None and saved_batch != batch_size:
         warnings.warn(
-            f"resuming {path}, saved by a run with batch_size={saved_batch} per replica, with batch_size="
-            f"{batch_size}: its position in the epoch ({extra['batches']} batches) is taken in batches of "
-            f"{batch_size}, so the rest of this epoch skips or repeats samples; the data order differs from here on",
+            f"resuming {path}, saved by a run whose replicas loaded batches of {saved_batch} samples, with batches "
+            f"of {batch_size} (batch_size per replica; under spmd and spmd_fsdp a replica is a host, whose "
+            f"batches are batch_size times its devices): its position in the epoch ({extra['batches']} batches) "
+            f"is taken in batches of {batch_size}, so the rest of this epoch skips or repeats samples; the data "
+            "order differs from here on",
             UserWarning,
             stacklevel=3,
         )
