@@ -220,7 +220,9 @@ def _check_values_torch_accepts(
     if not cls.__module__.startswith("torch.optim"):
         return
     accepted = inspect.signature(cls).parameters
-    given = {k: v for k, v in options.items() if k in accepted and k != "params"}
+    # The implementation choices are the live optimizer's (fused=True wants the run's device, not
+    # the stand-in's), so only the options a checkpoint carries are checked.
+    given = {k: v for k, v in options.items() if k in accepted and k not in _IMPLEMENTATION_OPTIONS | {"params"}}
     try:
         cls([torch.zeros(1, requires_grad=True)], **given)
     except (ValueError, TypeError) as exc:
