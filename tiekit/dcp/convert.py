@@ -16,20 +16,27 @@ import shutil
 import stat
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from tiekit.analyze import dtype_name, find_ties
-from tiekit.checkpoint.contents import declared_ties, stored_only
+from tiekit.analyze import dtype_name
 from tiekit.checkpoint.files import removed_on_failure
 from tiekit.checkpoint.layout import INDEX_SUFFIX, WEIGHTS_NAME, PathLike, parse_size
 from tiekit.checkpoint.reads import read_tensor
 from tiekit.checkpoint.source import open_source, training_record
 from tiekit.dcp.chunks import read_rows, row_chunks
+from tiekit.dcp.convert_plan import recorded_plan
+from tiekit.dcp.destinations import (
+    refuse_existing_files,
+    refuse_for_sharded_folder,
+    refuse_held_checkpoint,
+    refuse_overlap,
+    refuse_unwritable,
+)
 from tiekit.dcp.layout import (
     DCP_METADATA,
     MARKER_NAME,
@@ -44,9 +51,9 @@ from tiekit.dcp.layout import (
     write_marker,
 )
 from tiekit.dcp.state import running_dcp
-from tiekit.dcp.stream import Spec, Value, nbytes, shards_beside, write_dcp, write_safetensors
+from tiekit.dcp.stream import Spec, Value, nbytes, write_dcp, write_safetensors
 from tiekit.errors import CheckpointError
-from tiekit.plan import TieGroup, TiePlan
+from tiekit.plan import TiePlan
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -139,53 +146,18 @@ def convert_silently(
 
 
 def _convert(src: Path, dst: Path, plan: TiePlan | nn.Module | None, max_shard_size: int | str | None) -> ConvertResult:
-    _refuse_overlap(src, dst)
+    refuse_overlap(src, dst)
     source = _open(src)
-    tie_plan = _plan(plan, source.plan, source.where, {spec[0] for spec in source.specs})
+    tie_plan = recorded_plan(plan, source.plan, source.where, {spec[0] for spec in source.specs})
     specs, merged, checks = _layout(source, tie_plan)
     if source.where.endswith((".safetensors", INDEX_SUFFIX)) or not _is_dcp(src):
-        _refuse_for_sharded_folder(src, dst, max_shard_size)
+        refuse_for_sharded_folder(src, dst, max_shard_size)
         files = _to_dcp(source, specs, tie_plan, checks, dst)
     else:
         files = _to_safetensors(source, specs, tie_plan, checks, dst, max_shard_size)
     total = sum(nbytes(s) for s in specs)
     stored = tuple(s[0] for s in specs)
     return ConvertResult(tuple(os.fspath(f) for f in files), stored, merged, total, source.left_out)
-
-
-def _refuse_overlap(src: Path, dst: Path) -> None:
-    """`CheckpointError` naming both when ``dst`` is ``src``, inside it or holds it: the writing
-    (and a sharded folder's removal of its older saves) would change the source it reads."""
-    source, target = src.resolve(), dst.resolve()
-    if target == source:
-        where = "is the source"
-    elif source in target.parents:
-        where = "is inside the source"
-    elif target in source.parents:
-        where = "contains the source"
-    else:
-        return
-    raise CheckpointError(f"{dst}: the destination {where} {src}; convert into a new path outside it")
-
-
-def _refuse_for_sharded_folder(src: Path, dst: Path, max_shard_size: int | str | None) -> None:
-    """A safetensors source converts to a sharded (DCP) folder only: `CheckpointError` for a
-    ``.safetensors`` destination (it would be a folder so named) or a shard size (DCP's files are
-    one per rank), saying how to reshard a safetensors checkpoint instead."""
-    reshard = (
-        f"to reshard it, load it (tiekit.load_model(model, {os.fspath(src)!r})) and save it with "
-        "tiekit.save_model(model, path, max_shard_size=...)"
-    )
-    if dst.name.endswith((".safetensors", INDEX_SUFFIX)):
-        raise CheckpointError(
-            f"{dst}: {src} is a safetensors checkpoint, which converts to a sharded (DCP) folder, not to a "
-            f"safetensors file; give a folder name, or {reshard}"
-        )
-    if max_shard_size is not None:
-        raise CheckpointError(
-            f"{dst}: max_shard_size (--max-shard-size) applies to a safetensors destination; {src} converts "
-            f"to a sharded (DCP) folder, whose files DCP sizes itself (one per saving rank). Leave it out, or {reshard}"
-        )
 
 
 def _is_dcp(path: Path) -> bool:
@@ -308,83 +280,6 @@ def _dcp_read(folder: Path) -> Callable[[list[str]], dict]:
     return read
 
 
-def _plan(given: TiePlan | nn.Module | None, recorded: TiePlan | None, where: str, keys: set[str]) -> TiePlan | None:
-    """The plan the destination records: the source's with ``given``'s ties added (`_with_ties`);
-    None when neither says anything (a plain DCP folder or safetensors file): the destination
-    records no plan either, so a loader takes the model's ties and accepts their equal copies, as
-    for the source. An empty plan would say "no ties", which a tied model's loader refuses.
-    ``keys``: the source's stored tensors, which ``given``'s ties must name (`_naming_stored`)."""
-    if isinstance(given, nn.Module):
-        ties = find_ties(given, declared=declared_ties(given) or None)
-        given = stored_only(ties, set(given.state_dict(keep_vars=True)))
-    if given is not None:
-        given = _naming_stored(given, keys, where)
-    if given is None or recorded is None:
-        return given if given is not None else recorded
-    return _with_ties(recorded, given, where)
-
-
-def _naming_stored(given: TiePlan, keys: set[str], where: str) -> TiePlan:
-    """``given`` without the groups none of whose names the source stores: a recorded group naming
-    no stored key makes the destination unreadable ("the plan names a key the file lacks"). If no
-    group is left of a plan that had some, its names are not the source's (a ``dcp.save`` of
-    ``{"model": state_dict}`` stores ``model.embed.weight``): `CheckpointError` naming both."""
-    kept = tuple(g for g in given.groups if any(name in keys for name in g.names))
-    if given.groups and not kept:
-        names = ", ".join(repr(n) for g in given.groups[:3] for n in g.names[:2])
-        sample = ", ".join(repr(k) for k in sorted(keys)[:3])
-        raise CheckpointError(
-            f"{where}: stores none of the tied names of the given plan or model ({names}); its keys look like "
-            f"{sample}. Give a model (or plan) whose names are the checkpoint's keys; nothing was written"
-        )
-    return replace(given, groups=kept)
-
-
-def _with_ties(recorded: TiePlan, given: TiePlan, where: str) -> TiePlan:
-    """``recorded`` plus the ties of ``given``: a given group that shares a name with recorded
-    groups is merged with them (`_merged`: the union of their names, under the recorded source,
-    which the source stores); one that shares none is added. So a recorded tie is never undone
-    (the source stores its names once: untying one would lose it) and every name ``given`` ties
-    is tied. Whether the merged names' stored values are equal is checked when they are read."""
-    groups = list(recorded.groups)
-    for group in given.groups:
-        touched = [g for g in groups if set(g.names) & set(group.names)]
-        if not touched:
-            groups.append(group)
-            continue
-        at = groups.index(touched[0])
-        groups[at] = _merged(touched, group, where)
-        groups = [g for g in groups if g not in touched[1:]]
-    return replace(recorded, groups=tuple(groups))
-
-
-def _merged(touched: list[TieGroup], group: TieGroup, where: str) -> TieGroup:
-    """The recorded groups ``touched`` and the given ``group`` as one group under the first's
-    source. Every source is one tensor with that source when the groups meet at a name that is
-    that very tensor (not a view) in both, so each member keeps its view geometry; a meeting at a
-    view only cannot be said in one group: `CheckpointError` naming the source ``where`` and the names."""
-    base = touched[0]
-    same = _identical_names(group)
-    for other in touched:
-        if not same & _identical_names(other):
-            raise CheckpointError(
-                f"{where}: the model ties {', '.join(group.names)} and the source records "
-                f"{', '.join(other.names)} tied, meeting only at a view of the tied tensor: convert cannot "
-                "merge the two ties; give a plan without the model's"
-            )
-    # A name in two groups keeps the recorded relation (the base's first): what the file was saved with.
-    member = {m.name: m for g in (group, *reversed(touched)) for m in g.members}
-    ordered = [member[name] for name in dict.fromkeys(n for g in (*touched, group) for n in g.names)]
-    uses = tuple(dict.fromkeys(u for g in (*touched, group) for u in g.uses))
-    kind = "view" if any(m.view is not None for m in ordered) else base.kind
-    return replace(base, members=tuple(ordered), kind=kind, uses=uses)
-
-
-def _identical_names(group: TieGroup) -> set[str]:
-    """The names of ``group`` that are its tensor itself, not a view of it (its source's included)."""
-    return {m.name for m in group.members if m.view is None or m.name == group.source}
-
-
 def _layout(source: _Reader, plan: TiePlan | None) -> tuple[list[Spec], tuple[str, ...], dict[str, str]]:
     """The specs to write (tied names dropped), the dropped names, and {dropped: source} to compare."""
     stored = {s[0]: s for s in source.specs}
@@ -455,54 +350,6 @@ def whole(value: Value) -> torch.Tensor:
     return torch.cat(value) if isinstance(value, list) else value
 
 
-def _refuse_unwritable(folder: Path, dst: Path) -> None:
-    """`CheckpointError` naming ``dst`` when ``folder`` (where it is written) or the nearest of its
-    parents that exists is a file, not a folder: checked before anything is created."""
-    for path in (folder, *folder.parents):
-        if path.is_dir():
-            return
-        if path.exists() or path.is_symlink():
-            where = "is a file" if path == dst else f"lies in {path}, a file"
-            raise CheckpointError(f"{dst}: cannot be written: it {where}, not a folder; give a new path")
-
-
-#: The files that make a folder a checkpoint `tiekit.load_model` or `load_sharded` (or DCP) reads.
-CHECKPOINT_FILES = (MARKER_NAME, DCP_METADATA, WEIGHTS_NAME, WEIGHTS_NAME + INDEX_SUFFIX)
-
-
-def _refuse_held_checkpoint(folder: Path) -> None:
-    """`CheckpointError` naming the file when the destination folder holds a checkpoint: a second
-    one beside it would leave the folder two checkpoints, read by different loaders."""
-    for name in CHECKPOINT_FILES:
-        if (folder / name).exists():
-            raise CheckpointError(
-                f"{folder / name}: exists; convert writes a new checkpoint and {folder} holds one already "
-                "(remove it first, or convert into a new folder)"
-            )
-
-
-def _refuse_existing_files(file: Path, *, sharded: bool) -> None:
-    """`CheckpointError` naming the first file the safetensors destination ``file`` would replace:
-    itself, its index and, ``sharded``, any file named as one of its shards (of any count: their
-    number is known only once written, and shards of another count beside the new index would
-    leave the folder two checkpoints' files). Checked before any tensor is read.
-
-    Unlike `tiekit.save_model`, which replaces the save it made before at that name (its index
-    and the shards it lists), convert writes a new checkpoint and replaces no file: shards
-    without their index (a user's, or those of a save or convert killed before its index) are
-    not known to be a previous save of this destination, so they are named, not guessed at."""
-    existing = [p for p in (file, file.with_name(file.name + INDEX_SUFFIX)) if p.exists() or p.is_symlink()]
-    if existing:
-        raise CheckpointError(f"{existing[0]}: exists; convert writes a new checkpoint (remove it first)")
-    shards = shards_beside(file) if sharded else []
-    if shards:
-        more = f" (and {len(shards) - 1} more)" if len(shards) > 1 else ""
-        raise CheckpointError(
-            f"{shards[0]}: exists{more}, named as a shard of {file.name}; convert writes a new checkpoint "
-            "and replaces no file (remove them first, or convert to another name)"
-        )
-
-
 def _to_safetensors(
     source: _Reader,
     specs: list[Spec],
@@ -512,19 +359,19 @@ def _to_safetensors(
     max_shard_size: int | str | None,
 ) -> list[Path]:
     file = target if target.name.endswith(".safetensors") else target / WEIGHTS_NAME
-    _refuse_unwritable(file.parent, target)
+    refuse_unwritable(file.parent, target)
     if file.parent == target:
-        _refuse_held_checkpoint(target)
+        refuse_held_checkpoint(target)
     limit = None if max_shard_size is None else parse_size(max_shard_size)
-    _refuse_existing_files(file, sharded=limit is not None)
+    refuse_existing_files(file, sharded=limit is not None)
     kept = None if plan is None else TiePlan(plan.groups, plan.unique_count, plan.total_count)
     with removed_on_failure(file.parent):
         return write_safetensors(file, specs, kept, _batches(source, specs, checks), limit)
 
 
 def _to_dcp(source: _Reader, specs: list[Spec], plan: TiePlan | None, checks: dict[str, str], root: Path) -> list[Path]:
-    _refuse_unwritable(root, root)
-    _refuse_held_checkpoint(root)
+    refuse_unwritable(root, root)
+    refuse_held_checkpoint(root)
     save_id = new_save_id()
     folder = root / f"{SAVE_PREFIX}{save_id}"
 
