@@ -59,12 +59,13 @@ def spmd_input_sharding(mesh: Any, example: Any, multi_host: bool) -> Any:
 def shard_parameters(model: nn.Module, mesh: Any) -> int:
     """Shard every unique parameter of ``model`` on dimension 0 over the mesh's (only) axis with
     ``mark_sharding``, FSDPv2 style; scalars stay replicated. A tie group is one parameter, so it
-    gets one annotation and one sharded buffer. Returns the number of parameters annotated."""
+    gets one annotation and one sharded buffer; a parameter without elements stays replicated
+    (torch_xla's save planner writes nothing for a sharded one). Returns the number annotated."""
     spmd = xla_module("torch_xla.distributed.spmd")
     axis = mesh.axis_names[0]
     annotated = 0
     for p in model.parameters():  # unique by identity: each tie group once
-        if p.dim() == 0:
+        if p.dim() == 0 or p.numel() == 0:
             continue
         spmd.mark_sharding(p, mesh, (axis,) + (None,) * (p.dim() - 1))
         annotated += 1
@@ -122,15 +123,18 @@ def spmd_writable(state: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """``state`` as torch_xla's ``SPMDSavePlanner`` writes it whole: a tensor sharded over part of
     the mesh and replicated over the rest (a norm weight sharded on one axis of a 2-D mesh) as
     the host copies of its shards' first replicas. Given the device tensor, torch_xla 2.9 plans
-    every replica of each shard and DCP then stores none of the tensor, without an error. Other
-    tensors are left as they are, on the device."""
+    every replica of each shard and DCP then stores none of the tensor, without an error. A
+    sharded tensor without elements, which that planner leaves out too, as an empty host tensor.
+    Other tensors are left as they are, on the device."""
     torch_xla = xla()
-    partial = [k for k, t in state.items() if t.device.type == "xla" and _replicated_shards(torch_xla, t)]
+    on_device = {k: t for k, t in state.items() if t.device.type == "xla"}
+    empty = {k: torch.empty(t.shape, dtype=t.dtype) for k, t in on_device.items() if t.numel() == 0}
+    partial = [k for k, t in on_device.items() if k not in empty and _replicated_shards(torch_xla, t)]
     if not partial:
-        return dict(state)
+        return {**state, **empty}
     helpers = xla_module("torch_xla.experimental.distributed_checkpoint._helpers")
     copied = helpers._sharded_cpu_state_dict({k: state[k] for k in partial})
-    return {**state, **{k: _first_replicas(helpers, copied[k]) for k in partial}}
+    return {**state, **empty, **{k: _first_replicas(helpers, copied[k]) for k in partial}}
 
 
 def _replicated_shards(torch_xla: Any, t: torch.Tensor) -> bool:
@@ -157,9 +161,10 @@ def spmd_host_copy(state: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     torch_xla's own ``CheckpointManager.save_async`` stages with the same private helper; there
     is no public one in torch_xla 2.9."""
     helpers = xla_module("torch_xla.experimental.distributed_checkpoint._helpers")
-    on_device = {k: t for k, t in state.items() if t.device.type == "xla"}
+    on_device = {k: t for k, t in state.items() if t.device.type == "xla" and t.numel()}
     copied = {k: _first_replicas(helpers, v) for k, v in helpers._sharded_cpu_state_dict(on_device).items()}
-    return {k: copied[k] if k in copied else t.detach().clone() for k, t in state.items()}
+    # A tensor without elements as an empty host tensor: the planner leaves a sharded one out.
+    return {k: copied[k] if k in copied else t.detach().cpu().clone() for k, t in state.items()}
 
 
 class SpmdBackend(XlaBackend):
