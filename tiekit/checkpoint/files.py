@@ -23,7 +23,7 @@ import torch
 
 from tiekit.checkpoint.direct import write_safetensors
 from tiekit.checkpoint.image import FileImage, LentMemory, write_image
-from tiekit.checkpoint.layout import INDEX_SUFFIX, PLAN_KEY, SAVE_ID_KEY, nbytes
+from tiekit.checkpoint.layout import INDEX_SUFFIX, PLAN_KEY, SAVE_ID_KEY, nbytes, shard_name
 from tiekit.errors import CheckpointError
 from tiekit.header import read_json
 from tiekit.plan import TiePlan
@@ -75,8 +75,7 @@ def _write_sharded(
 ) -> None:
     folder = target.parent
     shards = _split(state, limit)
-    stem = target.name.removesuffix(".safetensors")
-    files = [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    files = [shard_name(target, i + 1, len(shards)) for i in range(len(shards))]
     index_path = target.with_name(target.name + INDEX_SUFFIX)
     old_files = _weight_map_files(index_path) if index_path.exists() else []
     save_id = secrets.token_hex(8)

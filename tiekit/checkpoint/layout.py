@@ -58,3 +58,18 @@ def parse_size(size: int | str) -> int:
     if value <= 0:
         raise CheckpointError(f"max_shard_size must be positive, got {size!r}")
     return value
+
+
+def shard_name(target: Path, number: int, count: int) -> str:
+    """The name of shard ``number`` of ``count`` of the sharded safetensors file ``target``
+    (Hugging Face's: ``model-00001-of-00003.safetensors`` for ``model.safetensors``)."""
+    return f"{target.name.removesuffix('.safetensors')}-{number:05d}-of-{count:05d}.safetensors"
+
+
+def shards_beside(target: Path) -> list[Path]:
+    """The files beside ``target`` named as shards of it (`shard_name`), of any count. Local."""
+    stem = re.escape(target.name.removesuffix(".safetensors"))
+    pattern = re.compile(stem + r"-\d{5,}-of-\d{5,}\.safetensors")
+    if not target.parent.is_dir():
+        return []
+    return sorted(p for p in target.parent.iterdir() if pattern.fullmatch(p.name))

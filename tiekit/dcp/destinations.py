@@ -7,9 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tiekit.checkpoint.layout import INDEX_SUFFIX, WEIGHTS_NAME
+from tiekit.checkpoint.layout import INDEX_SUFFIX, WEIGHTS_NAME, shards_beside
 from tiekit.dcp.layout import DCP_METADATA, MARKER_NAME
-from tiekit.dcp.stream import shards_beside
 from tiekit.errors import CheckpointError
 
 

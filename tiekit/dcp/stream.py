@@ -14,7 +14,6 @@ import contextlib
 import gc
 import json
 import os
-import re
 import secrets
 import shutil
 from collections.abc import Callable, Iterator, Sequence
@@ -24,7 +23,7 @@ from typing import Any, cast
 import torch
 
 from tiekit.checkpoint.files import _fsync, _work_folder
-from tiekit.checkpoint.layout import INDEX_SUFFIX, PLAN_KEY, SAVE_ID_KEY
+from tiekit.checkpoint.layout import INDEX_SUFFIX, PLAN_KEY, SAVE_ID_KEY, shard_name
 from tiekit.errors import CheckpointError
 from tiekit.header import DTYPE_CODES
 from tiekit.plan import TiePlan
@@ -137,21 +136,6 @@ def write_safetensors(
     text = json.dumps(index, indent=2)
     writes.append((target.with_name(target.name + INDEX_SUFFIX), lambda tmp: tmp.write_text(text, encoding="utf-8")))
     return _publish_new(writes)
-
-
-def shard_name(target: Path, number: int, count: int) -> str:
-    """The name of shard ``number`` of ``count`` of the sharded safetensors file ``target``
-    (Hugging Face's: ``model-00001-of-00003.safetensors`` for ``model.safetensors``)."""
-    return f"{target.name.removesuffix('.safetensors')}-{number:05d}-of-{count:05d}.safetensors"
-
-
-def shards_beside(target: Path) -> list[Path]:
-    """The files beside ``target`` named as shards of it (`shard_name`), of any count. Local."""
-    stem = re.escape(target.name.removesuffix(".safetensors"))
-    pattern = re.compile(stem + r"-\d{5,}-of-\d{5,}\.safetensors")
-    if not target.parent.is_dir():
-        return []
-    return sorted(p for p in target.parent.iterdir() if pattern.fullmatch(p.name))
 
 
 def _publish_new(writes: Sequence[tuple[Path, Callable[[Path], object]]]) -> list[Path]:
