@@ -17,7 +17,7 @@ from torch import nn
 
 from tiekit import devices
 from tiekit.errors import TieError
-from tiekit.plan import TieGroup, TieMember, TiePlan, ViewGeometry
+from tiekit.plan import TieGroup, TieMember, TiePlan
 from tiekit.retie import fitting_plan, is_view_of, retie, verify
 from tiekit.slots import assign, resolve
 
@@ -175,7 +175,7 @@ def _check_entries_of(group: TieGroup, entries: Mapping[str, torch.Tensor]) -> N
             f"as a view of it after the load; give it contiguous (.contiguous()); nothing was loaded"
         )
     for member in given[1:]:
-        expected = held if member.view is None else _view_of(held, member.view)
+        expected = held if member.view is None else member.view.view_of(held)
         entry = entries[member.name]
         difference = _difference(entry, expected)
         if difference:
@@ -185,10 +185,6 @@ def _check_entries_of(group: TieGroup, entries: Mapping[str, torch.Tensor]) -> N
                 f"{member.name!r} is {how} (tied to {group.source!r}), which can hold only one of them; "
                 "nothing was loaded"
             )
-
-
-def _view_of(tensor: torch.Tensor, view: ViewGeometry) -> torch.Tensor:
-    return tensor.as_strided(view.size, view.stride, tensor.storage_offset() + view.offset)
 
 
 def _difference(entry: torch.Tensor, expected: torch.Tensor) -> str:

@@ -39,6 +39,10 @@ class ViewGeometry:
         """One past the last source element the view reaches (``offset`` + `strided_extent`)."""
         return self.offset + strided_extent(self.size, self.stride)
 
+    def view_of(self, source: torch.Tensor) -> torch.Tensor:
+        """This view of ``source`` (its group's source tensor)."""
+        return source.as_strided(self.size, self.stride, source.storage_offset() + self.offset)
+
 
 def strided_extent(size: tuple[int, ...], stride: tuple[int, ...]) -> int:
     """Elements from a strided tensor's first element to its last, inclusive (for ``size`` and

@@ -121,10 +121,9 @@ def tie_changes(
 
 def _rebuild_view(source: torch.Tensor, member: TieMember) -> torch.Tensor:
     assert member.view is not None
-    v = member.view
     # Detached, as the user built it (`w.detach().t()`): a view that required grad would
     # drag the source's autograd history into every step that reads the buffer.
-    view = source.detach().as_strided(v.size, v.stride, source.storage_offset() + v.offset)
+    view = member.view.view_of(source.detach())
     if member.kind == "parameter":
         return nn.Parameter(view, requires_grad=member.requires_grad)
     return view
