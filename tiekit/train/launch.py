@@ -242,9 +242,7 @@ def _process_entry(rank: int, job: Job, world: int, port: int) -> None:
         assert job.result_dir is not None
         error = {"type": type(exc).__name__, "message": str(exc), "time": time.time(), "pid": os.getpid()}
         # Whole or not there: torch stops this process when a peer dies, maybe in the middle of the write.
-        partial = job.result_dir / f".error-{rank}.json"
-        partial.write_text(json.dumps(error), encoding="utf-8")
-        partial.replace(job.result_dir / f"error-{rank}.json")
+        _write_whole(job.result_dir / f"error-{rank}.json", json.dumps(error))
         drop_library_locals(exc)  # the group goes with the model holding it (see collective_close_process_group)
         dist.destroy_process_group()  # peers may be gone: no meeting
         raise
@@ -324,10 +322,15 @@ def _report(job: Job, outcome: Outcome, model: nn.Module, host_leader: bool) -> 
         # caller collects from its own folder. safetensors' save_model stores a tie once and
         # records it; tiekit.load_model reads that record.
         safetensors_torch.save_model(model, str(job.result_dir / "model.safetensors"))
-    text = json.dumps(dataclasses.asdict(outcome))
-    partial = job.result_dir / f".outcome-{outcome.rank}.json"
+    _write_whole(job.result_dir / f"outcome-{outcome.rank}.json", json.dumps(dataclasses.asdict(outcome)))
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """``path`` holding ``text``, whole or not there: written aside, then renamed (its reader in the
+    parent may look at any moment, and this process may be stopped in the middle)."""
+    partial = path.with_name("." + path.name)
     partial.write_text(text, encoding="utf-8")
-    partial.replace(job.result_dir / f"outcome-{outcome.rank}.json")  # whole, or not there
+    partial.replace(path)
 
 
 def _collect(job: Job) -> tuple[list[Outcome], nn.Module]:
