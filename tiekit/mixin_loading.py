@@ -17,8 +17,8 @@ from torch import nn
 
 from tiekit import devices
 from tiekit.errors import TieError
-from tiekit.plan import TieGroup, TieMember, TiePlan
-from tiekit.retie import fitting_plan, is_view_of, retie, verify
+from tiekit.plan import TieGroup, TiePlan
+from tiekit.retie import fitting_plan, member_holds, retie, verify
 from tiekit.slots import assign, resolve
 
 # The load under way in this thread: (torch's missing_keys list of that load_state_dict call, id
@@ -87,14 +87,25 @@ def finish_interrupted_load(model: nn.Module) -> None:
     entries and not others, so a tie could be split, and a new plan would no longer see it.
     Best effort: a tie that cannot be restored is left to the next load or move's checks."""
     load = _loads(model).pop(threading.get_ident(), None)
-    if (getattr(_loading, "current", None) or (None, None))[1] == id(model):
-        _loading.current = None
+    _end_current(model)
     if load is None or not load.assign:
         return
     with contextlib.suppress(TieError):
-        for group in load.plan.groups:
-            _hold_the_given_member(model, group, load.given)
-        retie(model, load.plan, replacing=[name for name in load.plan.tied_names if name not in load.given])
+        _retie_loaded(model, load)
+
+
+def _end_current(model: nn.Module) -> None:
+    """This thread's load is no longer ``model``'s to handle."""
+    if (getattr(_loading, "current", None) or (None, None))[1] == id(model):
+        _loading.current = None
+
+
+def _retie_loaded(model: nn.Module, load: _Load) -> None:
+    """Tie each group of ``load``'s plan to the tensor the state dict gave it; the tied names it
+    left out follow that tensor, its dtype included."""
+    for group in load.plan.groups:
+        _hold_the_given_member(model, group, load.given)
+    retie(model, load.plan, replacing=[name for name in load.plan.tied_names if name not in load.given])
 
 
 def _after_load(model: nn.Module, incompatible_keys: Any) -> None:
@@ -108,12 +119,9 @@ def _after_load(model: nn.Module, incompatible_keys: Any) -> None:
     if load is None or load.missing_keys is not incompatible_keys.missing_keys:
         return  # not a load this mixin planned (or one that failed before reaching here)
     del _loads(model)[threading.get_ident()]
-    if (getattr(_loading, "current", None) or (None, None))[1] == id(model):
-        _loading.current = None
+    _end_current(model)
     if load.assign:
-        for group in load.plan.groups:
-            _hold_the_given_member(model, group, load.given)
-        retie(model, load.plan, replacing=[name for name in load.plan.tied_names if name not in load.given])
+        _retie_loaded(model, load)
         verify(model, load.plan)
     missing = incompatible_keys.missing_keys  # torch's own list: it reports and returns this one
     if missing:
@@ -128,16 +136,10 @@ def _filled_names(model: nn.Module, plan: TiePlan, given: Collection[str]) -> li
     filled: list[str] = []
     for group in plan.groups:
         _, _, source, _ = resolve(model, group.source)
-        if not any(m.view is None and m.name in given and _holds(model, m, source) for m in group.members):
+        if not any(m.view is None and m.name in given and member_holds(model, m, source) for m in group.members):
             continue
-        filled.extend(m.name for m in group.members if m.name not in given and _holds(model, m, source))
+        filled.extend(m.name for m in group.members if m.name not in given and member_holds(model, m, source))
     return filled
-
-
-def _holds(model: nn.Module, member: TieMember, source: torch.Tensor) -> bool:
-    """Whether ``member`` is its group's ``source`` tensor (or the view of it the plan records)."""
-    _, _, current, _ = resolve(model, member.name)
-    return current is source if member.view is None else is_view_of(current, source, member)
 
 
 def _entries_for(plan: TiePlan, state_dict: Mapping[str, Any], prefix: str) -> dict[str, torch.Tensor]:

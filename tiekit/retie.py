@@ -144,6 +144,12 @@ def is_view_of(t: torch.Tensor, source: torch.Tensor, member: TieMember) -> bool
     return tuple(t.shape) == member.view.size and key is not None and key == devices.storage_key(source)
 
 
+def member_holds(model: nn.Module, member: TieMember, source: torch.Tensor) -> bool:
+    """Whether ``member`` is its group's ``source`` tensor (or the view of it the plan records)."""
+    _, _, current, _ = resolve(model, member.name)
+    return current is source if member.view is None else is_view_of(current, source, member)
+
+
 def still_holds(model: nn.Module, plan: TiePlan) -> bool:
     """Whether ``model`` still holds the ties of ``plan`` as they were planned, so that a cached
     plan may be reused: every name resolves, every source has the plan's shape, every identity
@@ -159,13 +165,8 @@ def still_holds(model: nn.Module, plan: TiePlan) -> bool:
             _, _, source, _ = resolve(model, group.source)
             if tuple(source.shape) != group.shape:
                 return False
-            for member in group.members[1:]:
-                _, _, current, _ = resolve(model, member.name)
-                if member.view is None:
-                    if current is not source:
-                        return False
-                elif not is_view_of(current, source, member):
-                    return False
+            if not all(member_holds(model, member, source) for member in group.members[1:]):
+                return False
         except TieError:  # a module or tensor deleted without a registration (del model.head)
             return False
     return all(_still_shares(model, view) for view in plan.reinterpreting)
