@@ -89,6 +89,11 @@ def convert(model: nn.Module, how: str) -> None:
         tiekit.move(model, dtype=torch.float64)
     elif how == "move_with_plan":
         tiekit.move(model, dtype=torch.float64, plan=tiekit.find_ties(model))
+    elif how == "move_with_json_plan":  # the JSON has no place for the view: the model is asked
+        tiekit.move(model, dtype=torch.float64, plan=tiekit.TiePlan.from_json(tiekit.find_ties(model).to_json()))
+    elif how == "preserve_ties_with_json_plan":
+        with tiekit.preserve_ties(model, plan=tiekit.TiePlan.from_json(tiekit.find_ties(model).to_json())):
+            model.double()
     elif how == "preserve_ties":
         with tiekit.preserve_ties(model):
             model.double()
@@ -110,7 +115,18 @@ def test_a_view_in_another_dtype_is_recorded_apart_from_the_groups() -> None:
     assert [g.names for g in twice.groups] == [("b.bits", "c.bits")]  # still one tensor under both names
 
 
-@pytest.mark.parametrize("how", ["move", "move_with_plan", "preserve_ties", "mixin", "mixin_load"])
+@pytest.mark.parametrize(
+    "how",
+    [
+        "move",
+        "move_with_plan",
+        "move_with_json_plan",
+        "preserve_ties",
+        "preserve_ties_with_json_plan",
+        "mixin",
+        "mixin_load",
+    ],
+)
 def test_a_conversion_refuses_a_view_in_another_dtype_before_converting(how: str) -> None:
     """After a move b.bits was a copy of its own, without a word (probe)."""
     model = with_int_view(MixinModule() if how.startswith("mixin") else nn.Module())

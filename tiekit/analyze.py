@@ -84,6 +84,18 @@ def find_ties(
     return plan
 
 
+def reinterpreting_views(model: nn.Module) -> tuple[ReinterpretingView, ...]:
+    """The tensors of ``model`` that view another's memory in another dtype (local; the walk
+    `find_ties` makes, without its warnings): a plan read from JSON cannot carry them."""
+    walk = walk_slots(model, buffers=True)
+    distinct, extra = _identities(walk)
+    shared = _shared_storages(walk.tensors, distinct)
+    if not shared:
+        return ()
+    _, reinterpreting = _identity_and_storage_groups(_slots_at(walk, set(extra).union(*shared)), extra, shared)
+    return tuple(reinterpreting)
+
+
 def _identities(walk: Walk) -> tuple[list[int], dict[int, list[tuple[str, MemberKind]]]]:
     """Positions of the first name of every distinct tensor, and, keyed by that position,
     the other (name, kind) pairs of each tensor met under several names."""

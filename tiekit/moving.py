@@ -5,6 +5,7 @@ converting each tensor once (`once_per_tensor`) and re-binding an optimizer (`re
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 from tiekit import devices
-from tiekit.analyze import find_ties
+from tiekit.analyze import find_ties, reinterpreting_views
 from tiekit.errors import TieError, TieWarning
 from tiekit.plan import TiePlan
 from tiekit.retie import OnError, fitting_plan, retie, verify
@@ -42,7 +43,7 @@ def move(
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TieError(f"tiekit.move: optimizer must be a torch.optim.Optimizer, not a {type(optimizer).__name__}")
     # A plan made here is checked too: one retie could not apply must refuse before anything moves.
-    plan = fitting_plan(model, _moving_plan(model, None) if plan is None else plan)
+    plan = fitting_plan(model, _moving_plan(model, None) if plan is None else _given_plan(model, plan))
     names = {id(p): n for n, p in model.named_parameters()} if optimizer is not None else {}
     kwargs: dict[str, object] = {}
     if target is not None:
@@ -71,6 +72,15 @@ def _moving_plan(model: nn.Module, declared: Mapping[str, str] | None) -> TiePla
         raise TieError(str(exc)) from exc
     merged = {**holding, **(declared or {})}
     return find_ties(model, declared=merged or None)
+
+
+def _given_plan(model: nn.Module, plan: TiePlan) -> TiePlan:
+    """``plan`` with the model's views in another dtype, which a plan from JSON does not carry:
+    the move refuses them rather than leave each a copy of its own."""
+    if not isinstance(plan, TiePlan) or plan.reinterpreting:
+        return plan  # not a plan: fitting_plan names the mistake
+    views = reinterpreting_views(model)
+    return dataclasses.replace(plan, reinterpreting=views) if views else plan
 
 
 def once_per_tensor(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -193,7 +203,7 @@ def preserve_ties(
     For code that replaces tensors behind the model's back: ``.to(xla)``, ``to_empty``,
     ``load_state_dict(assign=True)``, third-party wrappers.
     """
-    plan = fitting_plan(model, _moving_plan(model, declared) if plan is None else plan)
+    plan = fitting_plan(model, _moving_plan(model, declared) if plan is None else _given_plan(model, plan))
     with converting_once(model):
         yield plan
     retie(model, plan)

@@ -132,8 +132,8 @@ class TiePlan:
     ``unique_count`` is the number of distinct parameter tensors (``len(list(model.parameters()))``
     once the plan is applied) and ``total_count`` the number of parameter names.
     ``reinterpreting`` lists the views in another dtype that a move refuses; it describes the
-    model in memory, is not part of the JSON (a checkpoint stores such a tensor by itself) and
-    not compared.
+    model in memory, is not part of the JSON (a checkpoint stores such a tensor by itself; `move`
+    and `preserve_ties` given a plan without them look in the model) and not compared.
     """
 
     groups: tuple[TieGroup, ...]
