@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import functools
 import os
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -248,6 +249,41 @@ def test_the_losses_a_save_checks_are_fetched_every_few_steps_and_the_first_bad_
     watch.clear()
     watch.add(8, torch.tensor(1.0))
     assert watch.fetch() is None
+
+
+def test_the_master_fetches_each_loss_once_for_its_log_and_the_saves_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The log and the save's loss check each fetched the master's losses: two transfers per
+    ``log_every`` steps on XLA. A NaN is still named, at whichever step the save falls."""
+    fetched: list[int] = []
+    real = tiekit.devices.to_host
+
+    def counting(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        if sys._getframe(1).f_globals["__name__"] in ("tiekit.train.log", "tiekit.train.coordinate"):
+            fetched.extend(map(id, tensors))  # losses (a save's own fetches come from elsewhere)
+        return real(tensors)
+
+    monkeypatch.setattr(tiekit.devices, "to_host", counting)
+    monkeypatch.setattr(tiekit.train.log, "to_host", counting)
+    kw: dict[str, Any] = {
+        "batch_size": 4,
+        "max_steps": 7,
+        "log_every": 2,
+        "checkpoint_every": 3,
+        "shuffle": False,
+        **CPU,
+    }
+    tiekit.fit(DropoutNet, data(), checkpoint_dir=tmp_path / "run", **kw)
+    assert len(fetched) == 7  # each step's loss once: 14 when the save's check fetched them again
+    for nan_at, step in [(4, 2), (8, 3), (20, 6)]:  # fetched by the log before the save, or by its flush
+        with (
+            pytest.warns(UserWarning, match=f"the loss of step {step} is nan"),
+            pytest.raises(
+                tiekit.TiekitError, match=rf"the loss of step {step} was nan\. fit stopped at step {3 * -(-step // 3)} "
+            ),
+        ):
+            tiekit.fit(DropoutNet, with_nan_at(nan_at), checkpoint_dir=tmp_path / f"nan{nan_at}", **kw)
 
 
 def test_checkpoint_keep_with_resume_last_keeps_n_in_the_folder_over_every_launch(tmp_path: Path) -> None:

@@ -43,8 +43,11 @@ class TrainLog:
         log_dir: Path | None,
         log_every: int,
         compilations: Callable[[], int] | None = None,
+        fetched: Callable[[list[tuple[int, float]]], None] | None = None,
     ) -> None:
+        """``fetched`` is given every ``(step, loss)`` the log fetches from the device."""
         self.enabled = enabled
+        self._fetched = fetched
         self.samples_per_step = samples_per_step
         self.log_every = log_every
         self.xla = compilations is not None
@@ -109,6 +112,8 @@ class TrainLog:
         # Converted on the host: a conversion on the device would be one more graph to compile.
         values = [float(v.float()) for v in to_host([loss for _, _, loss in pending])]
         self.losses.extend(values)
+        if self._fetched is not None:
+            self._fetched([(step, v) for (step, _, _), v in zip(pending, values, strict=True)])
         diverged = next(
             ((step, v) for (step, _, _), v in zip(pending, values, strict=True) if not math.isfinite(v)), None
         )

@@ -145,6 +145,11 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
         position = state.Position(position.epoch + 1, 0, position.step)
     limit = cfg.epoch_limit
     total = _total_steps(cfg.max_steps, limit, per_epoch)
+    # This rank's losses since the last save, checked before the next one: a diverged run's
+    # checkpoint would push the good ones out of a folder with checkpoint_keep. The master's log
+    # fetches its losses anyway and hands them over: one transfer, not two.
+    unsaved = coordinate.LossWatch(every=cfg.log_every)
+    watched_by_log = backend.is_master and cfg.checkpoint_dir is not None
     log = TrainLog(
         enabled=backend.is_master,
         progress=cfg.progress,
@@ -154,6 +159,7 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
         log_dir=cfg.log_dir,
         log_every=cfg.log_every,
         compilations=_compilations(backend) if backend.compiles else None,
+        fetched=unsaved.seen if watched_by_log else None,
     )
     step_model = backend.wrap(model)
     model.train()
@@ -168,9 +174,6 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
                 stacklevel=2,
             )
     done = skip
-    # This rank's losses since the last save, checked before the next one: a diverged run's
-    # checkpoint would push the good ones out of a folder with checkpoint_keep.
-    unsaved = coordinate.LossWatch(every=cfg.log_every)
     watch_transfers = backend.is_master and backend.compiles
     try:
         while (limit is None or epoch < limit) and (cfg.max_steps is None or step < cfg.max_steps):
@@ -187,9 +190,10 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
                 after = backend.host_transfers() if watch_transfers else 0
                 step, done = step + 1, done + 1
                 log.step(step, epoch, loss, after - before)
-                if cfg.checkpoint_dir is not None:
+                if cfg.checkpoint_dir is not None and not watched_by_log:
                     unsaved.add(step, loss)
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                    log.flush()  # the master's losses since the last fetch reach `unsaved`
                     with log.outside_steps():  # collective: one writer, its failure raised on every rank
                         coordinator.save(cfg, model, optimizer, state.Position(epoch, done, step), backend, unsaved)
                     saved_at = step
@@ -205,6 +209,7 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
             epoch, skip, done = epoch + 1, 0, 0
         log.stop_clock()
         if cfg.checkpoint_dir is not None and saved_at != step:
+            log.flush()
             with log.outside_steps():
                 coordinator.save(cfg, model, optimizer, state.Position(epoch, done, step), backend, unsaved)
         coordinator.finish_saves(cfg)  # the last checkpoint complete before fit returns
