@@ -26,8 +26,8 @@ from torch.utils.data import (
 )
 
 import tiekit
-from tiekit.train.coordinate import LossWatch
 from tiekit.train.data import make_loader
+from tiekit.train.losses import LossWatch
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
 CPU = {"devices": "cpu", "progress": False, "optimizer": ADAMW}

@@ -26,7 +26,6 @@ the same order, in `tiekit.train.loop`); a run of one rank decides alone and wai
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +35,6 @@ import torch
 from torch import nn
 
 import tiekit
-from tiekit import devices
 from tiekit.agreement import collective_check_same_model
 from tiekit.backends.base import Backend
 from tiekit.checkpoint.deferred import DeferredCopies
@@ -50,12 +48,13 @@ from tiekit.collective import (
     collective_save_checkpoint,
     failure_message,
 )
-from tiekit.dcp import MARKER_NAME, SaveHandle
+from tiekit.dcp import SaveHandle
 from tiekit.dcp.saving import process_group_needed, save_sharded_staged
 from tiekit.errors import CheckpointError, TiekitError
 from tiekit.plan import TiePlan
-from tiekit.train import state
+from tiekit.train import resuming, state
 from tiekit.train.config import FitConfig, Job
+from tiekit.train.losses import LossWatch
 
 #: The options of `tiekit.fit` every rank must pass alike: a rank with another ``max_steps`` or
 #: ``checkpoint_dir`` would leave its peers waiting in a collective, or train on other steps.
@@ -73,42 +72,6 @@ SHARED_OPTIONS = (
     "checkpoint_keep",
     "resume",
 )
-
-
-@dataclass
-class LossWatch:
-    """This rank's losses since the last save, for `Coordinator.check_finite`. They stay on the
-    device and are fetched in one transfer every ``every`` steps, so at most that many are held
-    however far apart the saves are; the first one that was not finite is kept. On the master,
-    the log fetches them and hands them over (`seen`)."""
-
-    every: int
-    pending: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    first_bad: tuple[int, float] | None = None
-
-    def add(self, step: int, loss: torch.Tensor) -> None:
-        """Record step ``step``'s loss (on the device). Local."""
-        self.pending.append((step, loss))
-        if len(self.pending) >= self.every:
-            self.fetch()
-
-    def seen(self, values: list[tuple[int, float]]) -> None:
-        """Record losses already on the host, as ``(step, value)``: the master's log fetches its
-        own, and fetching them here too would cost a second transfer. Local."""
-        if self.first_bad is None:
-            self.first_bad = next(((s, v) for s, v in values if not math.isfinite(v)), None)
-
-    def fetch(self) -> tuple[int, float] | None:
-        """The first ``(step, loss)`` since the last `clear` that was NaN or infinite, or None. Local."""
-        if self.pending:
-            values = devices.to_host([loss for _, loss in self.pending])  # the steps are done: no wait
-            self.seen([(s, float(v.float())) for (s, _), v in zip(self.pending, values, strict=True)])
-            self.pending = []
-        return self.first_bad
-
-    def clear(self) -> None:
-        """Forget the losses: a save has checked them. Local."""
-        self.pending, self.first_bad = [], None
 
 
 @dataclass
@@ -191,23 +154,23 @@ class Coordinator:
         """
         if cfg.resume is None:
             return state.Position()
-        choice, continued = _choose(cfg) if self.ranks.rank == 0 else (None, [])
+        choice, continued = resuming.choose(cfg) if self.ranks.rank == 0 else (None, [])
         # resume="last": the others say what their own checkpoint_dir holds, so that rank 0
         # finding none where they find some (node-local folders, rank 0 on another node this
         # launch) is an error, not a fresh start that trains every step again.
-        seen = _newest_here(cfg) if self.ranks.rank != 0 else None
+        seen = resuming.newest_here(cfg) if self.ranks.rank != 0 else None
         gathered = self.gather((choice, seen))
         chosen = gathered[0][0]
         if chosen is None:
             elsewhere = [(rank, newest) for rank, (_, newest) in enumerate(gathered) if newest is not None]
             if elsewhere:
-                raise TiekitError(_only_elsewhere(cfg, elsewhere, self.ranks.world))
+                raise TiekitError(resuming.only_elsewhere(cfg, elsewhere, self.ranks.world))
             return state.Position()  # resume="last" and nothing saved yet: every rank starts fresh
         path = Path(chosen)
-        problems = self.gather(_cannot_open(path))
+        problems = self.gather(resuming.cannot_open(path))
         failed = [(rank, problem) for rank, problem in enumerate(problems) if problem is not None]
         if failed:
-            raise TiekitError(_unreadable(path, failed, cfg, self.ranks.world))
+            raise TiekitError(resuming.unreadable(path, failed, cfg, self.ranks.world))
         self.last_saved = path
         # With "last" the run continues the folder (a torchrun restart, a resubmitted job): its
         # checkpoints count as this run's for checkpoint_keep, or every launch would leave N more.
@@ -225,7 +188,7 @@ class Coordinator:
         if all(isinstance(o, str) for o in outcomes) and len(set(outcomes)) == 1:  # the same failure everywhere
             raise TiekitError(f"resume: every rank failed to load {path}: {loaded}")
         if isinstance(loaded, str) or len(set(outcomes)) > 1:
-            shown = "; ".join(f"rank {r}: {_loaded(o)}" for r, o in enumerate(outcomes))
+            shown = "; ".join(f"rank {r}: {resuming.loaded(o)}" for r, o in enumerate(outcomes))
             raise TiekitError(
                 f"resume: the ranks did not all load the same {path} ({shown}); each read its own "
                 "copy of it: every rank must resume from the same checkpoint"
@@ -406,65 +369,6 @@ def abort(backend: Backend, reason: str) -> None:
     wait for it in a collective (processes find out by its exit)."""
     if backend.ranks.kind == "xla-threads":
         abort_thread_collectives(reason)
-
-
-def _choose(cfg: FitConfig) -> tuple[str | None, list[Path]]:
-    """Rank 0's choice: the checkpoint named by ``resume``, or for ``"last"`` the newest in its
-    ``checkpoint_dir`` (None: nothing saved yet); and for ``"last"`` every checkpoint there,
-    oldest first (the run continues them)."""
-    if cfg.resume == "last":
-        assert cfg.checkpoint_dir is not None  # FitConfig.check
-        found = state.checkpoints_in(cfg.checkpoint_dir)
-        return (str(found[-1]) if found else None), found
-    return str(cfg.resume), []
-
-
-def _newest_here(cfg: FitConfig) -> str | None:
-    """For ``resume="last"``: the newest checkpoint in this rank's ``checkpoint_dir`` (local)."""
-    if cfg.resume != "last" or cfg.checkpoint_dir is None:
-        return None
-    newest = state.last_checkpoint(cfg.checkpoint_dir)
-    return None if newest is None else str(newest)
-
-
-def _only_elsewhere(cfg: FitConfig, elsewhere: list[tuple[int, str]], world: int) -> str:
-    shown = "; ".join(f"rank {rank}: {newest}" for rank, newest in elsewhere[:8])
-    return (
-        f'resume="last": rank 0 finds no checkpoint in {cfg.checkpoint_dir}, but {len(elsewhere)} of the other '
-        f"{world - 1} rank(s) find one there ({shown}): the folder is not one folder for every rank "
-        "(node-local storage, and rank 0 is on another node this launch?). Starting fresh would train every "
-        "step again. Put checkpoint_dir on storage every node shares, or copy the newest checkpoint to "
-        "rank 0's node"
-    )
-
-
-def _cannot_open(path: Path) -> str | None:
-    """Why this rank cannot read ``path`` (None: it can); a sharded checkpoint's marker for a folder."""
-    try:
-        with (path / MARKER_NAME if path.is_dir() else path).open("rb") as f:
-            f.read(8)
-    except OSError as exc:
-        return f"{type(exc).__name__}: {exc.strerror or exc} (working directory {os.getcwd()})"
-    return None
-
-
-def _unreadable(path: Path, failed: list[tuple[int, str]], cfg: FitConfig, world: int) -> str:
-    if world == 1:
-        return f"resume: no checkpoint at {path} ({failed[0][1]})"
-    ranks = ", ".join(str(rank) for rank, _ in failed)
-    detail = "; ".join(f"rank {rank}: {problem}" for rank, problem in failed)
-    chosen = "the newest in rank 0's checkpoint_dir" if cfg.resume == "last" else "the resume= path"
-    return (
-        f"resume: rank(s) {ranks} of {world} cannot open {path} ({chosen}), so the ranks would resume at "
-        f"different steps: {detail}. Every rank must read the same checkpoint: put checkpoint_dir on storage "
-        "every node shares, or copy the checkpoint to every node"
-    )
-
-
-def _loaded(outcome: state.Position | str) -> str:
-    if isinstance(outcome, str):
-        return outcome
-    return f"step {outcome.step} (epoch {outcome.epoch}, batch {outcome.batches}) written by run {outcome.run}"
 
 
 def _comparable(value: Any) -> Any:

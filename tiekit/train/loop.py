@@ -30,6 +30,7 @@ from tiekit.train import coordinate, state
 from tiekit.train.config import Job, LossFn, Outcome
 from tiekit.train.data import ReplicaLoader, derived_seed, make_loader
 from tiekit.train.log import TrainLog
+from tiekit.train.losses import LossWatch
 from tiekit.train.precision import Precision, resolve_precision
 
 # torch_xla.launch runs the replicas of a host as threads of one process: they share torch's
@@ -148,7 +149,7 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
     # This rank's losses since the last save, checked before the next one: a diverged run's
     # checkpoint would push the good ones out of a folder with checkpoint_keep. The master's log
     # fetches its losses anyway and hands them over: one transfer, not two.
-    unsaved = coordinate.LossWatch(every=cfg.log_every)
+    unsaved = LossWatch(every=cfg.log_every)
     watched_by_log = backend.is_master and cfg.checkpoint_dir is not None
     log = TrainLog(
         enabled=backend.is_master,

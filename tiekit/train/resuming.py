@@ -1,0 +1,70 @@
+"""The local pieces of `Coordinator.resume`: rank 0's choice of checkpoint, what each rank
+sees, and the errors that name the ranks that cannot follow it (none of these waits)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tiekit.dcp import MARKER_NAME
+from tiekit.train import state
+from tiekit.train.config import FitConfig
+
+
+def choose(cfg: FitConfig) -> tuple[str | None, list[Path]]:
+    """Rank 0's choice: the checkpoint named by ``resume``, or for ``"last"`` the newest in its
+    ``checkpoint_dir`` (None: nothing saved yet); and for ``"last"`` every checkpoint there,
+    oldest first (the run continues them)."""
+    if cfg.resume == "last":
+        assert cfg.checkpoint_dir is not None  # FitConfig.check
+        found = state.checkpoints_in(cfg.checkpoint_dir)
+        return (str(found[-1]) if found else None), found
+    return str(cfg.resume), []
+
+
+def newest_here(cfg: FitConfig) -> str | None:
+    """For ``resume="last"``: the newest checkpoint in this rank's ``checkpoint_dir`` (local)."""
+    if cfg.resume != "last" or cfg.checkpoint_dir is None:
+        return None
+    newest = state.last_checkpoint(cfg.checkpoint_dir)
+    return None if newest is None else str(newest)
+
+
+def only_elsewhere(cfg: FitConfig, elsewhere: list[tuple[int, str]], world: int) -> str:
+    shown = "; ".join(f"rank {rank}: {newest}" for rank, newest in elsewhere[:8])
+    return (
+        f'resume="last": rank 0 finds no checkpoint in {cfg.checkpoint_dir}, but {len(elsewhere)} of the other '
+        f"{world - 1} rank(s) find one there ({shown}): the folder is not one folder for every rank "
+        "(node-local storage, and rank 0 is on another node this launch?). Starting fresh would train every "
+        "step again. Put checkpoint_dir on storage every node shares, or copy the newest checkpoint to "
+        "rank 0's node"
+    )
+
+
+def cannot_open(path: Path) -> str | None:
+    """Why this rank cannot read ``path`` (None: it can); a sharded checkpoint's marker for a folder."""
+    try:
+        with (path / MARKER_NAME if path.is_dir() else path).open("rb") as f:
+            f.read(8)
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc.strerror or exc} (working directory {os.getcwd()})"
+    return None
+
+
+def unreadable(path: Path, failed: list[tuple[int, str]], cfg: FitConfig, world: int) -> str:
+    if world == 1:
+        return f"resume: no checkpoint at {path} ({failed[0][1]})"
+    ranks = ", ".join(str(rank) for rank, _ in failed)
+    detail = "; ".join(f"rank {rank}: {problem}" for rank, problem in failed)
+    chosen = "the newest in rank 0's checkpoint_dir" if cfg.resume == "last" else "the resume= path"
+    return (
+        f"resume: rank(s) {ranks} of {world} cannot open {path} ({chosen}), so the ranks would resume at "
+        f"different steps: {detail}. Every rank must read the same checkpoint: put checkpoint_dir on storage "
+        "every node shares, or copy the checkpoint to every node"
+    )
+
+
+def loaded(outcome: state.Position | str) -> str:
+    if isinstance(outcome, str):
+        return outcome
+    return f"step {outcome.step} (epoch {outcome.epoch}, batch {outcome.batches}) written by run {outcome.run}"
