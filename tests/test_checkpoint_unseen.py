@@ -119,3 +119,48 @@ def test_a_process_group_destroyed_under_a_background_save_is_named_as_its_failu
         assert "the process group was destroyed while this background save was under way" in text
         assert "wait for its handle (handle.wait()) before destroy_process_group()" in text
     assert "committed: False" in run.output, run.output
+
+
+FILTER_SET_DURING_SAVE = """
+import os, sys, threading, time, warnings
+import torch.distributed as dist
+from torch import nn
+import tiekit
+from tiekit.dcp.saving import _background_writer
+
+rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+model = nn.Sequential(nn.Embedding(30, 8), nn.Linear(8, 30, bias=False))
+model[1].weight = model[0].weight
+flag = f"{out}-filter-set"
+release = threading.Event()
+if rank == 1:
+    _background_writer().submit(release.wait, 60)  # rank 0's writer waits in DCP for this one's
+handle = tiekit.save_sharded(model, out, blocking=False)
+if rank == 0:
+    time.sleep(2)  # its writer is inside DCP's save by now, waiting for rank 1's
+    warnings.filterwarnings("error", message="the program's own")  # its own setting, made meanwhile
+    open(flag, "w").close()
+else:
+    deadline = time.monotonic() + 60
+    while not os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    release.set()
+handle.wait(60)
+kept = any(f[0] == "error" and f[1] is not None and f[1].pattern == "the program's own" for f in warnings.filters)
+print(f"rank {rank}: filter kept {kept}", flush=True)
+del model
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_warning_filters_the_program_sets_while_a_background_save_writes_stay(tmp_path: Path) -> None:
+    """The writer thread ran DCP inside ``warnings.catch_warnings()``, which is not thread-safe: on
+    leaving, it restored the filters it had found, and the main thread's "error" filter was gone
+    (probe)."""
+    out, port = tmp_path / "ck", str(free_port())
+    commands = [[sys.executable, "-c", FILTER_SET_DURING_SAVE, str(rank), port, str(out)] for rank in (0, 1)]
+    runs = run_ok(commands, env=base_env(), cwd=tmp_path)
+    assert "rank 0: filter kept True" in runs[0].output, runs[0].output
+    assert tiekit.dcp.is_sharded_checkpoint(out)

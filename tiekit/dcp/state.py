@@ -92,20 +92,27 @@ def parameters_by_name(model: nn.Module) -> Mapping[str, torch.Tensor]:
 
 @contextlib.contextmanager
 def running_dcp(where: object, reading: bool) -> Iterator[None]:
-    """Around a call of DCP's save (``reading=False``) or load: its warnings that say nothing to a
-    tiekit user hidden (single-process saves are intended here; its use of TypedStorage is DCP's
-    to change), and its failure, a ``CheckpointException`` (a ``BaseException`` DCP raises on
+    """Around a call of DCP's save (``reading=False``) or load: its two warnings that say nothing
+    to a tiekit user hidden (single-process saves are intended here; its use of TypedStorage is
+    DCP's to change), and its failure, a ``CheckpointException`` (a ``BaseException`` DCP raises on
     every rank alike, holding each failed rank's error), raised as a `CheckpointError` naming
-    ``where`` (the folder) and the first line of each failed rank's error."""
+    ``where`` (the folder) and the first line of each failed rank's error.
+
+    The two warnings are hidden by filters for their messages alone, put first in the process's
+    filters at every call and left there: ``warnings.catch_warnings`` is not thread-safe, and a
+    background save's writer thread leaving it restored the filters it had found, undoing those
+    the program set meanwhile (``simplefilter("error")``)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
-        try:
-            yield
-        except CheckpointException as exc:
-            raise dcp_failure(exc, where, reading) from exc
+    for message in _DCP_NOISE:  # first again at every call: ahead of an "error" filter set since
+        warnings.filterwarnings("ignore", message=message)
+    try:
+        yield
+    except CheckpointException as exc:
+        raise dcp_failure(exc, where, reading) from exc
+
+
+_DCP_NOISE = ("torch.distributed is disabled, unavailable or uninitialized", "TypedStorage is deprecated")
 
 
 def dcp_failure(exc: Any, where: object, reading: bool) -> CheckpointError:
