@@ -101,7 +101,7 @@ def save_sharded_staged(
     needed = process_group_needed(ranks(), _distributed(), "save_sharded", root)
     if needed is not None:
         raise needed
-    key = os.fspath(root)
+    key = os.path.realpath(root)  # a symlink to the folder, or through a parent, is the same folder
     with _pending_lock:
         previous = _pending.pop(key, None)
     if previous is not None:
@@ -292,9 +292,11 @@ def _writer_conflict(
 ) -> CheckpointError | None:
     """On the rank writing the marker: the error to give when another writer committed into
     ``root`` since this save began (``before``: the save committed then; a failure of the save's
-    own writing is then theirs too: their commit removed this save's folder), else None."""
+    own writing is then theirs too: their commit removed this save's folder), else None. A marker
+    gone (or made unreadable) meanwhile is no one's commit: a commit replaces the marker whole, it
+    never removes it; the save is then committed, the folder's checkpoint again."""
     now = committed_save_id(root)
-    if now == before:
+    if now == before or now is None:
         return None
     told = "" if failure is None else f" (this save's writing failed: {type(failure).__name__}: {failure})"
     return CheckpointError(
