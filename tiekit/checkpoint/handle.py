@@ -85,10 +85,12 @@ class SaveHandle:
     def warn_unseen_failure(self) -> None:
         """Local: if the save failed and nothing waited for it, say so now, once (a
         ``RuntimeWarning``); `wait` still raises it."""
-        with _unseen_lock:
-            text = _unseen.pop(self._serial, None)
-        if text is not None:
-            warnings.warn(f"{text} (nothing waited for this save)", RuntimeWarning, stacklevel=4)
+        warn_if_unseen(self._serial, stacklevel=4)
+
+    @property
+    def serial(self) -> int:
+        """This save's number in the process, for `warn_if_unseen` once the handle is gone."""
+        return self._serial
 
     @property
     def _what(self) -> str:
@@ -100,6 +102,16 @@ class SaveHandle:
         failure = CheckpointError(f"{self.path}: {self._what} failed: {self._error}")
         failure.__cause__ = self._error
         return failure
+
+
+def warn_if_unseen(serial: int, stacklevel: int) -> None:
+    """Local: if the save numbered ``serial`` (`SaveHandle.serial`) failed and nothing waited for
+    it, say so now, once (a ``RuntimeWarning``). ``stacklevel`` as `warnings.warn`'s, counted from
+    the caller. Its handle's `wait` still raises it."""
+    with _unseen_lock:
+        text = _unseen.pop(serial, None)
+    if text is not None:
+        warnings.warn(f"{text} (nothing waited for this save)", RuntimeWarning, stacklevel=stacklevel + 1)
 
 
 @atexit.register
