@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
+import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -520,3 +523,138 @@ def test_fit_trains_in_the_file_image_and_returns_a_model_with_memory_of_its_own
         for p in result.model.parameters():
             assert p.untyped_storage().nbytes() == p.numel() * p.element_size()
         assert result.model.layer_3.weight is result.model.layer_1.weight
+
+
+# The last save of a file wins. Before, a blocking save of a file a background save was still to
+# write returned at once, and the older background write then landed on top of it.
+
+
+def hold_writer_until_written(path: Path, at_most: float = 0.5) -> None:
+    """Queue a job on the single-file writer that holds it until ``path`` exists, at most
+    ``at_most`` seconds: a background save queued behind it is written after a blocking save of
+    ``path`` that does not wait for it (the bug, every run), else once the hold runs out."""
+
+    def hold() -> None:
+        deadline = time.monotonic() + at_most
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    _background().submit(hold)
+
+
+def filled(value: float) -> WeightSharingModule:
+    """The model whose weights (layer_1's, tied to layer_3's, and layer_2's) are all ``value``."""
+    model = WeightSharingModule()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
+    return model
+
+
+def saved_weights(path: Path) -> set[float]:
+    """The distinct values of the weights stored in ``path``."""
+    fresh = WeightSharingModule()
+    tiekit.load_model(fresh, path, strict=False)
+    assert fresh.layer_3.weight is fresh.layer_1.weight
+    return {float(v) for p in fresh.parameters() for v in p.detach().flatten()}
+
+
+def later_blocking_save(how: str, path: Path, model: nn.Module) -> None:
+    """A blocking save of ``model`` as step 2, the ``how`` way, to ``path`` (or the same file)."""
+    from tiekit.checkpoint.saving import write_training_checkpoint
+
+    if how == "save_model":
+        tiekit.save_model(model, path)
+    elif how == "lightning":
+        write_training_checkpoint(path, model=model, optimizer=None, step=2, extra=None, durable=True)
+    elif how == "relative path":
+        tiekit.save_checkpoint(os.path.relpath(path), model=model, step=2)
+    elif how == "symbolic link":
+        link = path.with_name("link.safetensors")
+        link.symlink_to(path.name)
+        tiekit.save_checkpoint(link, model=model, step=2)
+    else:
+        tiekit.save_checkpoint(path, model=model, step=2)
+
+
+@pytest.mark.parametrize("how", ["save_checkpoint", "save_model", "lightning", "relative path", "symbolic link"])
+def test_a_blocking_save_after_a_background_save_of_the_same_file_is_the_one_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """Before, the blocking save returned while the background one was queued, which then wrote
+    the older weights and step over it (save_model and Lightning's writer alike; a relative path or
+    a link to the file is the same file)."""
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "ckpt.safetensors"
+    hold_writer_until_written(path)
+    older = tiekit.save_checkpoint(path, model=filled(1.0), step=1, blocking=False)
+    later_blocking_save(how, path, filled(2.0))
+    written_first = older.done()  # the blocking save waited for it: the file is the later one's for good
+    older.wait(timeout=60)
+    assert saved_weights(path) == {2.0}
+    if how != "save_model":
+        assert tiekit.load_checkpoint(path, model=WeightSharingModule())["step"] == 2
+    assert written_first
+
+
+def test_background_saves_of_the_same_file_are_written_in_call_order(tmp_path: Path) -> None:
+    """The one writer thread writes them as they were made: the later one is left (also through a
+    link to the file). Held things in the queue, this passed before as well."""
+    path = tmp_path / "ckpt.safetensors"
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(path.name)
+    with writer_held():
+        first = tiekit.save_checkpoint(path, model=filled(1.0), step=1, blocking=False)
+        second = tiekit.save_checkpoint(link, model=filled(2.0), step=2, blocking=False)
+    second.wait(timeout=60)
+    assert first.done()
+    first.wait(timeout=0)
+    assert saved_weights(path) == {2.0} and tiekit.load_checkpoint(path, model=WeightSharingModule())["step"] == 2
+    # A blocking save after them waits for both.
+    with writer_held():
+        tiekit.save_checkpoint(path, model=filled(3.0), step=3, blocking=False)
+        tiekit.save_checkpoint(path, model=filled(4.0), step=4, blocking=False)
+    tiekit.save_checkpoint(path, model=filled(5.0), step=5)
+    assert saved_weights(path) == {5.0}
+
+
+def failing_background_save(path: Path) -> Any:
+    """A background save of ``path`` that fails when written (fit's kind, a weight written before
+    its copies settled: nothing is written), queued to be written only after ``path`` exists (at
+    most 0.5 s). Its handle."""
+    model, optimizer = trained()
+    hold_writer_until_written(path)
+    handle, copies = deferred_save("file", path, model, optimizer, step=1)
+    with torch.no_grad():
+        model.layer_2.weight.mul_(2.0)
+    copies.settle()
+    return handle
+
+
+@pytest.mark.parametrize("later", ["blocking", "background"])
+def test_a_failed_background_save_nothing_waited_for_warns_at_the_next_save_of_its_file(
+    tmp_path: Path, later: str
+) -> None:
+    """As a sharded save into the same folder: the later save is made (a blocking one waits for the
+    failed one first) and warns of the failure; the failed save's handle still raises it. Before,
+    the later save said nothing (the failure surfaced only on stderr at exit)."""
+    path = tmp_path / "ckpt.safetensors"
+    failed = failing_background_save(path)
+    unseen = r"ckpt\.safetensors: 'layer_2\.weight' was written in place.*nothing waited for this save"
+    with pytest.warns(RuntimeWarning, match=unseen):
+        if later == "blocking":
+            tiekit.save_checkpoint(path, model=filled(2.0), step=2)
+        else:
+            failed.join()  # a background save reports a failure that is over, and writes after it
+            tiekit.save_checkpoint(path, model=filled(2.0), step=2, blocking=False).wait(timeout=60)
+    assert saved_weights(path) == {2.0}
+    with pytest.raises(tiekit.CheckpointError, match="was written in place"):
+        failed.wait(timeout=0)
+    # A failure that was waited for is not reported again.
+    seen = failing_background_save(path)
+    with pytest.raises(tiekit.CheckpointError):
+        seen.wait(timeout=60)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        tiekit.save_checkpoint(path, model=filled(3.0), step=3)
+    assert saved_weights(path) == {3.0}

@@ -6,8 +6,10 @@ from __future__ import annotations
 import functools
 import json
 import operator
+import os
+import threading
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ from tiekit.checkpoint.codec import Fallback
 from tiekit.checkpoint.contents import encode_training_state, header_metadata, host_tensors, saving_plan, unique_tensors
 from tiekit.checkpoint.deferred import DeferredCopies, deferrable_storages
 from tiekit.checkpoint.files import write_sharded, write_single
-from tiekit.checkpoint.handle import SaveHandle
+from tiekit.checkpoint.handle import SaveHandle, warn_if_unseen
 from tiekit.checkpoint.image import FileImage, LentMemory, image_for
 from tiekit.checkpoint.layout import (
     CHECKPOINT_NAME,
@@ -31,6 +33,15 @@ from tiekit.checkpoint.layout import (
     target_path,
 )
 from tiekit.errors import CheckpointError
+
+# This process's background saves, by the real path of their file (a relative path or a symbolic
+# link to it is the same file): the handle of each one under way, the serial number of each one
+# that failed. A later save of that file waits for them: the one writer thread writes background
+# saves in call order, but a blocking save writes at once, and an older background write landing
+# after it would leave the older state in the file. A failed save stays (as its number: its
+# handle's traceback holds the state's host copies) until a later save of the file reports it.
+_pending: dict[str, list[SaveHandle | int]] = {}
+_pending_lock = threading.Lock()
 
 
 def save_model(
@@ -53,6 +64,10 @@ def save_model(
     The file appears whole or not at all (written aside, then renamed). ``durable=True`` also
     fsyncs it before the rename, so it survives a power loss; ``durable=False`` skips that wait
     for the disk (safetensors' own guarantee) and stays safe against a killed process.
+
+    A background `save_checkpoint` of the same file still under way in this process is waited
+    for first, so this save is the one left in the file (its failure, if nothing waited for it,
+    is a ``RuntimeWarning`` here).
     """
     target = target_path(path, WEIGHTS_NAME)
     limit = None if max_shard_size is None else parse_size(max_shard_size)
@@ -61,6 +76,7 @@ def save_model(
     header = header_metadata(metadata, plan)
 
     state = host_tensors(dict(zip(names, tensors, strict=True)))
+    _after_earlier_saves(target, stacklevel=2)
     if limit is None or sum(nbytes(t) for t in state.values()) <= limit:
         write_single(target, state, header, durable)
     else:
@@ -88,6 +104,14 @@ def save_checkpoint(
     thread and returns at once: training may change the model meanwhile. The file appears whole
     when the returned `SaveHandle` is done (the previous one at ``path`` stays until then);
     background saves are written in call order and finished before the interpreter exits.
+
+    The last save of a file wins: a blocking save (or `save_model`) of a file that a background
+    save of this process is still writing, or has queued, waits for it first, then writes
+    (a relative path or a symbolic link to the file is the same file); a background save is
+    written after the earlier ones. The wait is local: this process's writer thread, no other
+    rank. An earlier background save of the file that failed does not stop the later one: if
+    nothing waited for its handle, the later save warns (``RuntimeWarning``, its error), and its
+    handle's ``wait()`` still raises it.
     """
     return save_checkpoint_reusing(
         path, model=model, optimizer=optimizer, step=step, extra=extra, durable=durable, blocking=blocking
@@ -123,11 +147,14 @@ def save_checkpoint_reusing(
     the image (``.data``), so that from the next save into the same ``staging`` on, they are
     written from where they live, not copied: that save's ``settle()`` waits for the chunk being
     written and copies only the bytes not yet written aside. The model's parameters then live
-    in the returned image until moved again. Local."""
+    in the returned image until moved again. A later blocking save of the same file waits for
+    this one, whose writer waits for ``settle()``: settle before it. Local."""
     target, state, header = stage_training_checkpoint(path, model=model, optimizer=optimizer, step=step, extra=extra)
     if blocking:
+        _after_earlier_saves(target, stacklevel=3)  # 3: the caller of save_checkpoint
         write_single(target, host_tensors(state), header, durable)
         return SaveHandle(target, "", None), None, None
+    _report_failed_saves(target, stacklevel=3)  # the unfinished ones are written before this one
     deferred = deferrable_storages(model, optimizer) if defer else {}
     image, copies = _background_copies(target, state, header, staging, deferred, adopt and defer)
     lent = copies.lent
@@ -140,7 +167,10 @@ def save_checkpoint_reusing(
             if lent is not None:
                 lent.close()
 
-    return SaveHandle(target, "", _background().submit(write)), image if isinstance(image, FileImage) else None, copies
+    future = _background().submit(write)
+    handle = SaveHandle(target, "", future)
+    _register(target, handle, future)
+    return handle, image if isinstance(image, FileImage) else None, copies
 
 
 def write_training_checkpoint(
@@ -158,6 +188,7 @@ def write_training_checkpoint(
     target, state, header = stage_training_checkpoint(
         path, model=model, optimizer=optimizer, step=step, extra=extra, fallback=fallback
     )
+    _after_earlier_saves(target, stacklevel=2)
     write_single(target, host_tensors(state), header, durable)
 
 
@@ -242,6 +273,59 @@ def _sole_owner(host: torch.Tensor, owners: list[torch.Tensor], staging: FileIma
     if staging is not None and storage.data_ptr() == staging.memory.untyped_storage().data_ptr():
         return mine[0]
     return mine[0] if len(owners) == 1 and storage.nbytes() == nbytes(host) else None
+
+
+def _file_key(target: Path) -> str:
+    """The file ``target`` names, whatever the path: `_pending`'s key."""
+    return os.path.realpath(target)
+
+
+def _after_earlier_saves(target: Path, stacklevel: int) -> None:
+    """Local: return once every background save of ``target`` made by this process is written or
+    failed (waits for this process's writer thread, for no other rank); a failure nothing waited
+    for is a ``RuntimeWarning``, ``stacklevel`` as `warnings.warn`'s from the caller."""
+    with _pending_lock:
+        earlier = _pending.pop(_file_key(target), [])
+    for entry in earlier:
+        if isinstance(entry, SaveHandle):
+            entry.join()
+        warn_if_unseen(entry if isinstance(entry, int) else entry.serial, stacklevel + 1)
+
+
+def _report_failed_saves(target: Path, stacklevel: int) -> None:
+    """Local, never waits: warn of the failed background saves of ``target`` nothing waited for
+    (``stacklevel`` as `warnings.warn`'s from the caller); those under way stay for later saves."""
+    key = _file_key(target)
+    with _pending_lock:
+        entries = _pending.pop(key, [])
+        under_way: list[SaveHandle | int] = [entry for entry in entries if isinstance(entry, SaveHandle)]
+        if under_way:
+            _pending[key] = under_way
+    for entry in entries:
+        if isinstance(entry, int):
+            warn_if_unseen(entry, stacklevel + 1)
+
+
+def _register(target: Path, handle: SaveHandle, future: Future[None]) -> None:
+    """Local: ``handle``, the background save of ``target`` that ``future`` writes, is under way."""
+    key = _file_key(target)
+    with _pending_lock:
+        _pending.setdefault(key, []).append(handle)
+    future.add_done_callback(functools.partial(_finished, key, handle))
+
+
+def _finished(key: str, handle: SaveHandle, future: Future[None]) -> None:
+    """Writer thread, once ``handle``'s write is over: a written save is forgotten; a failed one
+    stays as its serial number, for the next save of the file to report."""
+    failed = future.cancelled() or future.exception() is not None
+    with _pending_lock:
+        entries = _pending.get(key, [])
+        for i, entry in enumerate(entries):
+            if entry is handle:
+                entries[i : i + 1] = [handle.serial] if failed else []
+                break
+        if not entries:
+            _pending.pop(key, None)
 
 
 @functools.cache
