@@ -8,7 +8,6 @@ import itertools
 import os
 import socket
 import time
-import traceback
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from datetime import timedelta
@@ -23,6 +22,7 @@ from torch.distributed.constants import default_pg_timeout
 from tiekit.backends.base import ALONE, Backend, batch_to
 from tiekit.collective import ranks
 from tiekit.errors import TiekitError
+from tiekit.tracebacks import drop_library_locals
 
 
 class TorchBackend(Backend):
@@ -201,26 +201,6 @@ def _collective_meet(key: str, timeout: float) -> None:
         while arrived < world and time.monotonic() < deadline:
             time.sleep(0.01)
             arrived = store.add(key, 0)
-
-
-_LIBRARY_CODE = (os.path.dirname(os.path.dirname(__file__)) + os.sep, os.path.dirname(torch.__file__) + os.sep)
-
-
-def drop_library_locals(failure: BaseException) -> None:
-    """Local: clear the locals of tiekit's and torch's finished frames in ``failure``'s traceback
-    and in those of its causes (see `collective_close_process_group`)."""
-    seen: set[int] = set()
-    pending: list[BaseException | None] = [failure]
-    while pending:
-        exc = pending.pop()
-        if exc is None or id(exc) in seen:
-            continue
-        seen.add(id(exc))
-        pending += [exc.__cause__, exc.__context__]
-        for frame, _ in traceback.walk_tb(exc.__traceback__):
-            if frame.f_code.co_filename.startswith(_LIBRARY_CODE):
-                with contextlib.suppress(RuntimeError):  # a frame still running (the caller's)
-                    frame.clear()
 
 
 def free_port() -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tiekit.errors import CheckpointError
+from tiekit.tracebacks import without_frames
 
 # What failed saves nothing has waited for yet said, by handle serial number. A background save
 # nobody waits for must not fail in silence: the next save into the same folder warns, and
@@ -43,6 +44,7 @@ class SaveHandle:
         self.save_id = save_id
         self._finished = threading.Event()
         self._error: BaseException | None = None
+        self._trace = ""  # the failure's traceback in the writing thread, as text
         self._then = then
         self._serial = next(_serials)
         if future is None:
@@ -56,6 +58,8 @@ class SaveHandle:
             if self._then is not None:
                 self._then()
         except BaseException as exc:  # noqa: BLE001 - kept for wait(), which raises it in the caller
+            # Kept with its frames, it would keep the save's host copies of the state alive.
+            self._trace = without_frames(exc)
             self._error = exc
             with _unseen_lock:
                 _unseen[self._serial] = str(self._failure())
@@ -101,6 +105,7 @@ class SaveHandle:
             return self._error
         failure = CheckpointError(f"{self.path}: {self._what} failed: {self._error}")
         failure.__cause__ = self._error
+        failure.add_note(f"where it failed, in the writing thread:\n{self._trace}")
         return failure
 
 

@@ -119,6 +119,12 @@ def dcp_failure(exc: Any, where: object, reading: bool) -> CheckpointError:
     """DCP's ``CheckpointException`` ``exc`` as a `CheckpointError` naming ``where`` and the first
     line of each failed rank's error (see `running_dcp`)."""
     what = "read its shard files (corrupt, or not written by DCP?)" if reading else "write its shard files"
+    for failure in exc.failures.values():
+        # DCP keeps each rank's error with a summary of its stack, which it prints: the error's
+        # own frames would only keep the state being written alive (see `SaveHandle`).
+        error = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(error, BaseException):
+            error.__traceback__ = None
     return CheckpointError(f"{where}: DCP could not {what}: {_failures(exc.failures)}")
 
 

@@ -45,7 +45,6 @@ from tiekit.backends.fsdp import FsdpBackend
 from tiekit.backends.torch_distributed import (
     TorchBackend,
     collective_close_process_group,
-    drop_library_locals,
     free_port,
     join_process_group,
 )
@@ -53,6 +52,7 @@ from tiekit.backends.xla_replicas import XlaReplicaBackend, xla_launch
 from tiekit.backends.xla_spmd import SpmdBackend
 from tiekit.collective import collective_gather
 from tiekit.errors import CheckpointError, TieError, TiekitError
+from tiekit.tracebacks import drop_library_locals
 from tiekit.train import state
 from tiekit.train.config import Job, Outcome
 from tiekit.train.loop import run_replica
