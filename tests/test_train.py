@@ -313,18 +313,33 @@ def test_a_checkpoint_that_cannot_be_deleted_is_a_warning_and_stays_whole(tmp_pa
 
     folder = tmp_path / "step-00000004"
     tiekit.save_sharded(DropoutNet(), folder)
-    leftover = tmp_path / ".step-00000004.deleting"  # an earlier deletion's, cut short: the rename fails
-    leftover.mkdir()
-    (leftover / "x").write_bytes(b"x")
+    in_the_way = tmp_path / ".step-00000004.deleting"
+    in_the_way.write_text("a file fit did not make: the folder cannot be renamed onto it")
     with pytest.warns(UserWarning, match="could not delete the old checkpoint .*step-00000004"):
         state.remove_checkpoint(folder)
+    assert in_the_way.read_text().startswith("a file fit did not make")
     assert state.last_checkpoint(tmp_path) == folder
     tiekit.load_sharded(DropoutNet(), folder)
 
-    (leftover / "x").unlink()
-    leftover.rmdir()
-    state.remove_checkpoint(folder)  # the control
-    assert list(tmp_path.iterdir()) == []
+
+def test_a_deletion_cut_short_is_finished_by_the_next_run_that_keeps_n(tmp_path: Path) -> None:
+    """A launch killed between renaming an old sharded checkpoint to ``.step-N.deleting`` and
+    removing it left a whole checkpoint there for good, and the same step's deletion later failed
+    on the leftover (probe)."""
+    kw: dict[str, Any] = {"batch_size": 4, "checkpoint_dir": tmp_path, "checkpoint_every": 2, **CPU}
+    tiekit.fit(DropoutNet, data(), max_steps=4, **kw)
+    tiekit.save_sharded(DropoutNet(), tmp_path / ".step-00000004.deleting")  # as a kill leaves it
+    tiekit.save_sharded(DropoutNet(), tmp_path / ".step-00000002.deleting")
+    tiekit.fit(DropoutNet, data(), max_steps=6, checkpoint_keep=2, resume="last", **kw)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004.safetensors", "step-00000006.safetensors"]
+
+    from tiekit.train import state
+
+    folder = tmp_path / "step-00000008"
+    tiekit.save_sharded(DropoutNet(), folder)
+    tiekit.save_sharded(DropoutNet(), tmp_path / ".step-00000008.deleting")
+    state.remove_checkpoint(folder)  # the leftover of its own name no longer stops it
+    assert not folder.exists() and not (tmp_path / ".step-00000008.deleting").exists()
 
 
 def test_every_replica_gets_its_own_shard_and_a_new_order_each_epoch() -> None:

@@ -317,9 +317,14 @@ class Coordinator:
 
     def _complete(self, cfg: FitConfig, path: Path) -> None:
         """``path`` is complete on every rank: with ``checkpoint_keep``, the writer deletes this
-        run's checkpoints older than the newest ``checkpoint_keep`` (local, no collective)."""
+        run's checkpoints older than the newest ``checkpoint_keep``, and finishes the deletions a
+        kill cut short (local, no collective)."""
         self.written = [p for p in self.written if p != path] + [path]  # a step saved twice counts once
-        if cfg.checkpoint_keep is None or len(self.written) <= cfg.checkpoint_keep:
+        if cfg.checkpoint_keep is None:
+            return
+        if self.ranks.is_writer:
+            state.remove_cut_short_deletions(path.parent)  # a launch killed while deleting left them
+        if len(self.written) <= cfg.checkpoint_keep:
             return
         old, self.written = self.written[: -cfg.checkpoint_keep], self.written[-cfg.checkpoint_keep :]
         if self.ranks.is_writer:

@@ -70,16 +70,30 @@ def last_checkpoint(folder: Path) -> Path | None:
 def remove_checkpoint(path: Path) -> None:
     """Delete a checkpoint fit wrote (``checkpoint_keep``). A sharded folder is first renamed to
     ``.<name>.deleting`` in one step, so a deletion cut short never leaves part of a checkpoint
-    that `last_checkpoint` would take. A failure is a warning naming the path; training goes on."""
+    that `last_checkpoint` would take (`remove_cut_short_deletions` finishes such a deletion).
+    A failure is a warning naming the path; training goes on."""
     try:
         if path.is_dir() and not path.is_symlink():
             doomed = path.with_name(f".{path.name}.deleting")
-            path.rename(doomed)  # fails, changing nothing, if a leftover of that name is there
+            shutil.rmtree(doomed, ignore_errors=True)  # a deletion of this name cut short: the rename would fail
+            path.rename(doomed)
             shutil.rmtree(doomed)
         else:
             path.unlink(missing_ok=True)
     except OSError as exc:
         warnings.warn(f"checkpoint_keep: could not delete the old checkpoint {path}: {exc}", stacklevel=2)
+
+
+def remove_cut_short_deletions(folder: Path) -> None:
+    """Local, best effort: finish the deletions of sharded checkpoints `remove_checkpoint` began
+    in ``folder`` and a kill cut short (``.step-<n>.deleting``): each holds a whole checkpoint's
+    bytes that ``checkpoint_keep`` is there to free, and nothing reads it."""
+    for leftover in folder.glob(".step-*.deleting"):
+        if _CUT_SHORT.fullmatch(leftover.name) and leftover.is_dir() and not leftover.is_symlink():
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+_CUT_SHORT = re.compile(r"\.step-\d+\.deleting")
 
 
 @dataclass(frozen=True)
