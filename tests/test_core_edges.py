@@ -494,3 +494,46 @@ def test_fsdp2_entries_of_one_tie_that_differ_are_refused(tmp_path: Path) -> Non
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[-3:] == ["refused", "True", "True"], done.stdout
+
+
+# -- a torch.compile'd model -------------------------------------------------------------------
+
+
+def test_a_compiled_transformers_model_saves_moves_and_keeps_its_tie(tmp_path: Path) -> None:
+    """transformers' declared ties were read through the compile wrapper, which forwards the
+    attribute: their names lacked ``_orig_mod.`` and every call raised a bare KeyError (probe;
+    accelerate's unwrap_model keeps the wrapper under --dynamo_backend)."""
+    from models import gpt2
+
+    compiled = torch.compile(gpt2(), backend="eager")  # compiles at its first forward: none here
+    plan = tiekit.find_ties(compiled)
+    assert [g.names for g in plan.groups] == [("_orig_mod.transformer.wte.weight", "_orig_mod.lm_head.weight")]
+    tiekit.save_model(compiled, tmp_path / "m.safetensors")
+    tiekit.save_checkpoint(tmp_path / "c.safetensors", model=compiled, step=1)
+    with tiekit.preserve_ties(compiled):  # without tiekit, an assign-load of separate tensors unties
+        compiled.load_state_dict({k: v.clone() for k, v in compiled.state_dict().items()}, assign=True)
+    tiekit.move(compiled, dtype=torch.float64)
+    inner = compiled._orig_mod
+    assert inner.lm_head.weight is inner.transformer.wte.weight and inner.lm_head.weight.dtype == torch.float64
+    result = tiekit.load_model(compiled, tmp_path / "m.safetensors")
+    assert result.missing == () and inner.lm_head.weight is inner.transformer.wte.weight
+
+    untied = torch.compile(gpt2(), backend="eager")
+    untied.load_state_dict({k: v.clone() for k, v in untied.state_dict().items()}, assign=True)  # the control
+    assert untied._orig_mod.lm_head.weight is not untied._orig_mod.transformer.wte.weight
+
+
+def test_a_declared_name_found_only_through_a_wrapper_is_a_tie_error() -> None:
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+
+        def __getattr__(self, name: str) -> object:
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(self.inner, name)
+
+    with pytest.raises(TieError, match=r"has no tensor named '1\.weight' \(a wrapper forwarded the name"):
+        tiekit.find_ties(Wrapper(), declared={"1.weight": "0.weight"})

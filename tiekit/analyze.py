@@ -321,6 +321,12 @@ def _merge_declared(
             source = declared[source]
         _, _, target_t, target_kind = resolve(model, target, "declared tie target")
         _, _, source_t, source_kind = resolve(model, source, "declared tie source")
+        for name in (target, source):
+            if name not in order:  # found through a wrapper's attribute forwarding, not by its names
+                raise TieError(
+                    f"declared tie {target!r} -> {source!r}: {type(model).__name__} has no tensor named {name!r} "
+                    "(a wrapper forwarded the name to the model it wraps: name the tensors as the wrapper does)"
+                )
         if target_t.shape != source_t.shape or target_t.dtype != source_t.dtype:
             raise TieError(
                 f"declared tie {target!r} -> {source!r}: {target!r} is {_describe(target_t)} but "

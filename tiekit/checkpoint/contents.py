@@ -83,7 +83,11 @@ def declared_ties(model: nn.Module) -> dict[str, str]:
     """``{target: source}`` ties the model declares: ``TPUMixin.tied_weights`` and transformers'
     ``_tied_weights_keys`` (expanded, restricted to names that exist in the model). A
     ``tied_weights`` name that does not resolve is a `CheckpointError`, as it is a `TieError`
-    when the module moves."""
+    when the module moves. Through ``torch.compile``'s wrapper, the wrapped model's, under its
+    ``_orig_mod.`` names (the wrapper forwards the attribute, but its names carry the prefix)."""
+    inner = model._modules.get("_orig_mod")
+    if inner is not None and len(model._modules) == 1 and not model._parameters and not model._buffers:
+        return {f"_orig_mod.{t}": f"_orig_mod.{s}" for t, s in declared_ties(inner).items()}
     declared: dict[str, str] = {}
     expand = getattr(model, "get_expanded_tied_weights_keys", None)
     if callable(expand):
