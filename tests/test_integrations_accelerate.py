@@ -88,6 +88,20 @@ def test_prepare_tied_applies_declared_ties_and_refuses_bad_ones(cpu_accelerator
         prepare_tied(accelerator, gpt2(), declared={"lm_head.missing": "transformer.wte.weight"})
 
 
+def test_prepare_tied_of_a_model_compiled_before_prepare(cpu_accelerator: accelerate.Accelerator) -> None:
+    """The plan was made on the compile wrapper ("_orig_mod." names) and applied to the model
+    prepare unwrapped: a TieError naming '_orig_mod.transformer', after prepare had run (probe)."""
+    accelerator = cpu_accelerator
+    compiled = torch.compile(gpt2(tie_word_embeddings=False), backend="eager")
+    declared = {"_orig_mod.lm_head.weight": "_orig_mod.transformer.wte.weight"}  # as the wrapper names them
+    model = prepare_tied(accelerator, compiled, declared=declared)
+    inner = accelerator.unwrap_model(model, keep_torch_compile=False)
+    assert inner.lm_head.weight is inner.transformer.wte.weight
+    model = prepare_tied(accelerator, torch.compile(gpt2(), backend="eager"))
+    inner = accelerator.unwrap_model(model, keep_torch_compile=False)
+    assert inner.lm_head.weight is inner.transformer.wte.weight and len(list(inner.parameters())) == 28
+
+
 @pytest.mark.xla
 def test_accelerate_prepare_on_xla_breaks_ties_and_prepare_tied_keeps_them() -> None:
     accelerator = accelerate.Accelerator()

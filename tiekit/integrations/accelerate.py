@@ -42,15 +42,24 @@ def prepare_tied(
     hold yet. A tie that cannot be restored raises `tiekit.TieError` (a `tiekit.TieWarning`
     with ``on_error="warn"``).
     """
-    plan = find_ties(model, declared=dict(declared) if declared else None)
+    # The plan names tensors as the model prepare hands back unwrapped: without a torch.compile
+    # wrapper, whose names carry "_orig_mod." (a model compiled before prepare).
+    base = accelerator.unwrap_model(model, keep_torch_compile=False)
+    if base is not model and declared:
+        declared = {_unprefixed(t): _unprefixed(s) for t, s in declared.items()}
+    plan = find_ties(base, declared=dict(declared) if declared else None)
     if accelerator.device_placement and accelerator.distributed_type.name not in _SELF_PLACING:
-        names = {id(p): n for n, p in model.named_parameters()}
-        move(model, accelerator.device, plan=plan, on_error=on_error)
+        names = {id(p): n for n, p in base.named_parameters()}
+        move(base, accelerator.device, plan=plan, on_error=on_error)
         for optimizer in objects:
             if isinstance(optimizer, torch.optim.Optimizer):
-                rebind_optimizer(optimizer, model, names)
+                rebind_optimizer(optimizer, base, names)
     prepared = accelerator.prepare(model, *objects)
     inner = accelerator.unwrap_model(prepared[0] if objects else prepared, keep_torch_compile=False)
     retie(inner, plan)
     verify(inner, plan, on_error=on_error)
     return prepared
+
+
+def _unprefixed(name: str) -> str:
+    return name.removeprefix("_orig_mod.")
