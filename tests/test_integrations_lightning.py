@@ -224,6 +224,29 @@ def test_checkpoint_io_writes_tied_safetensors_and_resumes_exactly(tmp_path: Pat
     assert not path.exists()
 
 
+def test_keep_ties_refuses_wrapped_tied_checkpoint_io_under_model_parallel_strategy(tmp_path: Path) -> None:
+    # The bare plugin is refused under this strategy (tests/test_lightning_fsdp2.py); wrapped in
+    # AsyncCheckpointIO it was not (probe). One process is enough: the refusal comes before any step.
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    class Configured(TiedViews):
+        def configure_model(self) -> None:
+            pass  # the strategy requires the hook; one process has nothing to shard
+
+    run = trainer(
+        tmp_path, strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1), callbacks=[KeepTies()]
+    )
+    run.strategy.checkpoint_io = AsyncCheckpointIO(TiedCheckpointIO())
+    try:
+        with pytest.raises(tiekit.TiekitError, match="TiedCheckpointIO does not work under ModelParallelStrategy"):
+            run.fit(Configured(), data())
+    finally:
+        if torch.distributed.is_initialized():  # the strategy's one-process group, left open by Lightning
+            torch.distributed.destroy_process_group()
+    assert run.global_step == 0
+
+
 def test_checkpoint_io_records_identity_ties_as_identity_and_real_views_as_views(tmp_path: Path) -> None:
     # Lightning's state_dict holds a detached tensor per name: head.weight and embed.weight are
     # two objects over one memory, as are the view buffers. The file must record head.weight as

@@ -164,16 +164,32 @@ class KeepTies(Callback):
         self._wrapped = None
 
 
+def _checkpoint_io_chain(strategy: Any) -> list[Any]:
+    """The strategy's ``CheckpointIO`` and every plugin it wraps, outermost first: Lightning's
+    wrapping plugins (``AsyncCheckpointIO``) hold the plugin they wrap as ``checkpoint_io``."""
+    from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+
+    chain = [strategy.checkpoint_io]
+    while isinstance(chain[-1], _WrappingCheckpointIO) and chain[-1].checkpoint_io is not None:
+        if any(chain[-1].checkpoint_io is seen for seen in chain):
+            break  # a plugin wrapping itself: nothing more to find
+        chain.append(chain[-1].checkpoint_io)
+    return chain
+
+
+def _uses_tied_io(strategy: Any) -> bool:
+    """Whether the strategy's checkpoints go through a `TiedCheckpointIO`, bare or wrapped."""
+    return any(isinstance(io, TiedCheckpointIO) for io in _checkpoint_io_chain(strategy))
+
+
 def _refuse_tied_io_where_unused(strategy: Any) -> None:
-    """`TiekitError` for `TiedCheckpointIO` under a strategy that bypasses it: Lightning's
-    ``ModelParallelStrategy`` and ``FSDPStrategy`` save a distributed checkpoint without it, or
-    give it a gathered state dict whose tied names are separate copies (the file stores both),
-    and they load every checkpoint with ``torch.load``, never through it (a resume fails)."""
+    """`TiekitError` for `TiedCheckpointIO` (bare or wrapped) under a strategy that bypasses it:
+    Lightning's ``ModelParallelStrategy`` and ``FSDPStrategy`` save a distributed checkpoint
+    without it, or give it a gathered state dict whose tied names are separate copies (the file
+    stores both), and they load every checkpoint with ``torch.load``, never through it (a resume fails)."""
     from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
-    if isinstance(strategy, ModelParallelStrategy | FSDPStrategy) and isinstance(
-        strategy.checkpoint_io, TiedCheckpointIO
-    ):
+    if isinstance(strategy, ModelParallelStrategy | FSDPStrategy) and _uses_tied_io(strategy):
         raise TiekitError(
             f"TiedCheckpointIO does not work under {type(strategy).__name__}: it writes distributed checkpoints "
             "without the plugin, or hands it a gathered state dict whose tied names are separate copies, and it "
