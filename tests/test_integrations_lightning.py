@@ -224,6 +224,35 @@ def test_checkpoint_io_writes_tied_safetensors_and_resumes_exactly(tmp_path: Pat
     assert not path.exists()
 
 
+def test_keep_ties_refuses_tied_checkpoint_io_inside_async_checkpoint_io(tmp_path: Path) -> None:
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    def run(folder: str, callbacks: list[Any]) -> Any:
+        checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / folder, every_n_train_steps=2, save_top_k=-1)
+        plugins = [AsyncCheckpointIO(TiedCheckpointIO())]
+        callbacks = [*callbacks, checkpoint]
+        return trainer(tmp_path, max_steps=2, plugins=plugins, callbacks=callbacks, enable_checkpointing=True)
+
+    # Control (probe): AsyncCheckpointIO clones each tensor on its own, so the tie reaches the plugin as
+    # separate tensors: the file stores both names, untied, and tiekit.load_model refuses it for the tied module.
+    run("plain", []).fit(TiedViews(), data())
+    [path] = (tmp_path / "plain").iterdir()
+    with safe_open(path, "pt") as f:
+        assert {"embed.weight", "head.weight"} <= set(f.keys())
+    with pytest.raises(tiekit.CheckpointError, match="separate tensors"):
+        tiekit.load_model(TiedViews(), path)
+
+    # With KeepTies: refused when the run starts, before any step; nothing trained, nothing written.
+    model = TiedViews()
+    before = model.embed.weight.detach().clone()
+    refused = run("refused", [KeepTies()])
+    refusal = r"TiedCheckpointIO inside Lightning's AsyncCheckpointIO .*plugins=\[TiedCheckpointIO\(\)\]"
+    with pytest.raises(tiekit.TiekitError, match=refusal):
+        refused.fit(model, data())
+    assert refused.global_step == 0 and not (tmp_path / "refused").exists()
+    assert torch.equal(model.embed.weight, before) and model.head.weight is model.embed.weight
+
+
 def test_keep_ties_refuses_wrapped_tied_checkpoint_io_under_model_parallel_strategy(tmp_path: Path) -> None:
     # The bare plugin is refused under this strategy (tests/test_lightning_fsdp2.py); wrapped in
     # AsyncCheckpointIO it was not (probe). One process is enough: the refusal comes before any step.

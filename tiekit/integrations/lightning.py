@@ -86,6 +86,7 @@ class KeepTies(Callback):
         self._unwrap()
         strategy = trainer.strategy
         _refuse_tied_io_where_unused(strategy)
+        _refuse_tied_io_in_async(strategy)
         originals = {"setup": strategy.setup, "model_to_device": strategy.model_to_device}
         before = self._given if self._given is not None else find_ties(pl_module, declared=self.declared)
 
@@ -199,6 +200,30 @@ def _refuse_tied_io_where_unused(strategy: Any) -> None:
         )
 
 
+def _refuse_tied_io_in_async(strategy: Any) -> None:
+    """`TiekitError` for `TiedCheckpointIO` inside Lightning's ``AsyncCheckpointIO``.
+
+    ``AsyncCheckpointIO`` clones every tensor of the checkpoint on its own before handing it to
+    the plugin, so the tied names arrive as unrelated tensors and the file would store each of
+    them, with no tie (which `tiekit.load_model` then refuses for the tied module). Refused rather
+    than re-tied by name: that would take a plan the plugin does not have and trust that clones
+    equal in value are one weight, and ``AsyncCheckpointIO`` reports a failed write only at the
+    next save or at the end of the run, after ``ModelCheckpoint`` counted the file as saved and
+    may have deleted the one before it."""
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    chain = _checkpoint_io_chain(strategy)
+    if _uses_tied_io(strategy) and any(isinstance(io, AsyncCheckpointIO) for io in chain):
+        raise TiekitError(
+            "TiedCheckpointIO inside Lightning's AsyncCheckpointIO would lose the ties in every checkpoint: "
+            "AsyncCheckpointIO clones each tensor of the checkpoint separately, so tied names reach the plugin as "
+            "separate tensors and the file stores each of them, untied (tiekit.load_model refuses such a file for "
+            "the tied module). Pass the plugin itself, plugins=[TiedCheckpointIO()]: it writes each checkpoint "
+            "atomically before training goes on. To write checkpoints in the background while training goes on, "
+            "train with tiekit.fit (checkpoint_async=True) or save with tiekit.save_checkpoint(..., blocking=False)"
+        )
+
+
 def _still_named(model: nn.Module, plan: TiePlan) -> TiePlan:
     """``plan`` without the groups (and traced reads) naming a slot ``model`` no longer has."""
 
@@ -246,7 +271,9 @@ class TiedCheckpointIO(CheckpointIO):
     (``epoch=0-step=10.ckpt``): ``tiekit.load_model(module, path)`` reads the weights, and
     ``trainer.fit(ckpt_path=...)`` resumes from it. Not for the XLA strategies, which accept only
     their own ``XLACheckpointIO``, nor for ``ModelParallelStrategy`` and ``FSDPStrategy``, which
-    bypass it (`KeepTies` refuses the pair).
+    bypass it (`KeepTies` refuses the pair), nor inside Lightning's ``AsyncCheckpointIO``, which
+    clones each tensor on its own so that the file would store tied names untied (`KeepTies`
+    refuses that too, when the run starts). It writes each checkpoint before training goes on.
     """
 
     def __init__(self, *, allow_pickle: bool = False, durable: bool = True) -> None:
