@@ -83,8 +83,7 @@ def stage(model: nn.Module, source: Source, *, strict: bool, device: torch.devic
     missing = [n for n in expected if n not in anchor and (n in key_of or n not in entries)]
     absent = set(missing)
     consumed = {key_of.get(n, (n, None))[0] for n in expected if n not in absent}
-    if source.plan is None:
-        consumed |= _equal_duplicates(expected, key_of, source)
+    consumed |= _equal_duplicates(expected, key_of, source)
     unexpected = [k for k in entries if k not in consumed]
     if strict and (missing or unexpected):
         problems = [f"missing {name_list(missing)}"] if missing else []
@@ -163,9 +162,11 @@ def _reconcile(
 ) -> None:
     """Check the file's ties against the model's (detected and declared) and extend them.
 
-    A model tie the file has no data for (``lm_head.weight`` absent) joins the file's group;
-    a model tie between two tensors the file stores separately is a disagreement: loading
-    two different tensors into one would silently drop one of them.
+    A model tie the file has no data for (``lm_head.weight`` absent) joins the file's group; a
+    model tie between two tensors the file stores separately joins them too, and their values
+    are compared (`_equal_duplicates`): loading two different tensors into one would silently
+    drop one of them. Any other disagreement (a member of another of the file's groups) is a
+    `CheckpointError`.
     """
     key_of = {m.name: (key, m) for key, members in groups.items() for m in members}
     for group in model_plan.groups:
@@ -180,6 +181,13 @@ def _reconcile(
                 groups.setdefault(key, [TieMember(key, "parameter")]).append(source_member)
                 key_of[group.source] = (key, source_member)
                 source_key = key
+                continue
+            if key == member.name and key in entries and key not in groups and member.view is None:
+                # Stored apart in the file (saved from a model without this tie, or through a copy
+                # of each tensor): taken as one tensor when both copies are equal, as in a file
+                # without a tie plan (`_equal_duplicates` compares them).
+                groups.setdefault(source_key, [TieMember(source_key, "parameter")]).append(member)
+                key_of[member.name] = (source_key, member)
                 continue
             if key in entries or member.name in key_of:
                 raise CheckpointError(
@@ -198,7 +206,8 @@ def _reconcile(
 
 
 def _equal_duplicates(expected: list[str], key_of: Mapping[str, tuple[str, TieMember]], source: Source) -> set[str]:
-    """Keys of a file without tie metadata that repeat a tied tensor: accepted when equal."""
+    """Keys of the file that repeat a tensor the model ties (a file without tie metadata, or one
+    saved untied): accepted when equal."""
     entries, where = source.entries, source.where
     duplicates: set[str] = set()
     for name in expected:
