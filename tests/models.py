@@ -137,6 +137,15 @@ def albert() -> nn.Module:
     )
 
 
+def filled(value: float) -> WeightSharingModule:
+    """The model whose weights (layer_1's, tied to layer_3's, and layer_2's) are all ``value``."""
+    model = WeightSharingModule()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
+    return model
+
+
 def broken_tie() -> WeightSharingModule:
     """The seeds' module with its tie broken (as after a plain .to(xla)) and different values."""
     model = WeightSharingModule()

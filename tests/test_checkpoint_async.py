@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from models import WeightSharingModule
+from models import WeightSharingModule, filled
 from safetensors import safe_open
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -540,15 +540,6 @@ def hold_writer_until_written(path: Path, at_most: float = 0.5) -> None:
             time.sleep(0.01)
 
     _background().submit(hold)
-
-
-def filled(value: float) -> WeightSharingModule:
-    """The model whose weights (layer_1's, tied to layer_3's, and layer_2's) are all ``value``."""
-    model = WeightSharingModule()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(value)
-    return model
 
 
 def saved_weights(path: Path) -> set[float]:

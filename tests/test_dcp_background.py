@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from models import WeightSharingModule
+from models import WeightSharingModule, filled
 
 import tiekit
 from tiekit.dcp import MARKER_NAME
@@ -28,14 +28,6 @@ def writer_held() -> Iterator[None]:
         yield
     finally:
         release.set()
-
-
-def filled(value: float) -> WeightSharingModule:
-    model = WeightSharingModule()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(value)
-    return model
 
 
 def test_a_save_through_a_symlink_waits_for_the_pending_save_into_the_same_folder(tmp_path: Path) -> None:

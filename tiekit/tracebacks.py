@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import traceback
+from collections.abc import Iterator
 
 import torch
 
@@ -17,14 +18,7 @@ def drop_library_locals(failure: BaseException) -> None:
     """Local: clear the locals of tiekit's and torch's finished frames in ``failure``'s traceback
     and in those of its causes (see `tiekit.backends.torch_distributed.collective_close_process_group`
     and `SaveHandle`)."""
-    seen: set[int] = set()
-    pending: list[BaseException | None] = [failure]
-    while pending:
-        exc = pending.pop()
-        if exc is None or id(exc) in seen:
-            continue
-        seen.add(id(exc))
-        pending += [exc.__cause__, exc.__context__]
+    for exc in _chain(failure):
         for frame, _ in traceback.walk_tb(exc.__traceback__):
             if frame.f_code.co_filename.startswith(_LIBRARY_CODE):
                 with contextlib.suppress(RuntimeError):  # a frame still running (the caller's)
@@ -36,6 +30,13 @@ def without_frames(failure: BaseException) -> str:
     keeps its function, and a closure's cells (a background save's ``write`` holds the state's
     host copies), even once its locals are cleared."""
     text = "".join(traceback.format_exception(failure))
+    for exc in _chain(failure):
+        exc.__traceback__ = None
+    return text
+
+
+def _chain(failure: BaseException) -> Iterator[BaseException]:
+    """``failure`` and every exception it was raised from or during, each once."""
     seen: set[int] = set()
     pending: list[BaseException | None] = [failure]
     while pending:
@@ -44,5 +45,4 @@ def without_frames(failure: BaseException) -> str:
             continue
         seen.add(id(exc))
         pending += [exc.__cause__, exc.__context__]
-        exc.__traceback__ = None
-    return text
+        yield exc
