@@ -91,6 +91,10 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     if not xla_tensors:
         return [t.detach().cpu() for t in tensors]
     torch_xla = xla()
+    # Computed first where they live, as torch_xla's own xm.save does: fetched while still
+    # pending, they were computed in a graph of their own, which may round differently from the
+    # one that later computes the model's tensors (a file off by the last bit from the model).
+    torch_xla._XLAC._xla_sync_multi(xla_tensors, devices=[], wait=True, sync_xla_data=False)
     host = iter(torch_xla._XLAC._xla_get_cpu_tensors(xla_tensors))
     return [next(host) if t.device.type == "xla" else t.detach().cpu() for t in tensors]
 
