@@ -42,6 +42,9 @@ class Source:
     # Identity of each file when its header was validated; reading checks it, so a save that
     # replaces the file in between is an error before anything is loaded, not a silent mix.
     files: Mapping[str, FileIdentity] = field(default_factory=dict)
+    # Whether `read_tensor` reads an entry's values (safetensors files); not a DCP folder's, whose
+    # records DCP alone reads.
+    values_readable: bool = True
 
 
 def open_source(path: PathLike, preferred: tuple[str, ...] = (WEIGHTS_NAME, WEIGHTS_NAME + INDEX_SUFFIX)) -> Source:

@@ -339,7 +339,7 @@ def _source(marker: Marker, metadata: Any) -> Source:
                 f"{marker.where}: key 'plan' says {group.source!r} is {group.shape} {group.dtype}, "
                 f"the checkpoint stores {shape} {dtype_text}"
             )
-    return Source(os.fspath(marker.folder), entries, {}, marker.plan, "tiekit", side)
+    return Source(os.fspath(marker.folder), entries, {}, marker.plan, "tiekit", side, values_readable=False)
 
 
 def _side_destinations(model: nn.Module, marker: Marker, *, with_optimizer: bool) -> dict[str, torch.Tensor]:
