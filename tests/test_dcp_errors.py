@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import re
 import resource
 import shutil
 import signal
@@ -85,7 +86,37 @@ def test_a_shard_whose_records_are_corrupt_is_named_in_a_checkpoint_error(saved:
     CheckpointError naming the folder and the rank's error."""
     shard = save_folder(saved) / "__0_0.distcp"
     shard.write_bytes(bytes(shard.stat().st_size))
-    refused(saved, r"save-\w+: DCP could not read its shard files \(corrupt.*\): rank 0: UnpicklingError: Weights only")
+    # The optimizer's state is read first: its first record is the one named.
+    refused(saved, r"__0_0\.distcp: key 'optimizer/state/embed\.weight/step' \(bytes 9\d+ to \d+\) is damaged")
+
+
+def zero_inside_record(path: Path, key: str) -> Path:
+    """Zero 64 bytes near the end of ``key``'s record (its zip directory) in its shard file, the
+    file's size unchanged; the shard file."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    folder = save_folder(path)
+    storage = FileSystemReader(folder).read_metadata().storage_data
+    (where,) = [where for index, where in storage.items() if index.fqn == key]
+    shard = folder / where.relative_path
+    data = bytearray(shard.read_bytes())
+    start = where.offset + where.length - 80
+    data[start : start + 64] = bytes(64)
+    shard.write_bytes(bytes(data))
+    return shard
+
+
+@pytest.mark.parametrize("key", ["embed.weight", "optimizer/state/embed.weight/exp_avg"])
+def test_a_damaged_record_is_named_by_its_shard_file_and_key(saved: Path, key: str) -> None:
+    """Bytes zeroed inside one record, the file's size unchanged: DCP's reader fails naming neither
+    (``PytorchStreamReader failed reading zip archive``); tiekit reads each record of the keys
+    being read until one fails, and names its file and key, with DCP's error as the cause."""
+    shard = zero_inside_record(saved, key)
+    refused(saved, rf"{shard.parent.name}/__0_0\.distcp: key {re.escape(repr(key))} \(bytes \d+ to \d+\) is damaged")
+    with pytest.raises(tiekit.CheckpointError) as raised:
+        model = Tied()
+        tiekit.load_sharded(model, saved, optimizer=torch.optim.AdamW(model.parameters()))
+    assert "DCP could not read its shard files" in str(raised.value.__cause__)  # DCP's own error, kept
 
 
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])

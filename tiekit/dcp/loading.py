@@ -32,6 +32,7 @@ from tiekit.checkpoint.staging import Staged, stage
 from tiekit.checkpoint.streaming import STAGING_BYTES, RowPart, release_freed_memory, stream_rows_in_place
 from tiekit.collective import collective_gather, ranks
 from tiekit.dcp.chunks import Located, locate_rows, row_chunks
+from tiekit.dcp.damage import damaged_record
 from tiekit.dcp.layout import Marker, check_files, committed_save_id, file_ends, read_marker
 from tiekit.dcp.saving import _distributed, _raise_anywhere, process_group_needed, refuse_different_folders
 from tiekit.dcp.state import destination, parameters_by_name, running_dcp, unwrap, xla_spmd
@@ -153,9 +154,6 @@ def _read(inner: nn.Module, root: Path, optimizer: torch.optim.Optimizer | None,
     weights read in place, or into the new tensors of a meta model). Appends to ``reading`` the save
     id the marker names (before it is validated); `_Replaced` on every rank if the ranks found
     different saves committed."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.state_dict_loader import load
-
     error: Exception | None = None
     marker = source = staged = metadata = None
     side: dict[str, torch.Tensor] = {}
@@ -187,8 +185,7 @@ def _read(inner: nn.Module, root: Path, optimizer: torch.optim.Optimizer | None,
     single = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     if side:
         planner = _spmd_planner() if xla_spmd(side.values()) else None
-        with running_dcp(marker.folder, reading=True):
-            load(side, storage_reader=FileSystemReader(marker.folder), planner=planner, no_dist=single)
+        _dcp_load(side, marker.folder, metadata, planner, single)
     restore: Callable[[], None] | None = None
     try:
         extra = decode(marker.record.get("extra"), side, marker.where)
@@ -202,8 +199,7 @@ def _read(inner: nn.Module, root: Path, optimizer: torch.optim.Optimizer | None,
     _raise_anywhere(error, f"{root}: load")
     planner = _spmd_planner() if spmd else _weights_planner(targets.values())
     rest = {key: tensor for key, tensor in targets.items() if key not in streamed}
-    with running_dcp(marker.folder, reading=True):  # every rank calls it, whatever it streams itself
-        load(rest, storage_reader=FileSystemReader(marker.folder), planner=planner, no_dist=single)
+    _dcp_load(rest, marker.folder, metadata, planner, single)  # every rank calls it, whatever it streams itself
     try:
         if streamed:
             parts = [
@@ -216,6 +212,24 @@ def _read(inner: nn.Module, root: Path, optimizer: torch.optim.Optimizer | None,
         error = exc
     _raise_anywhere(error, f"{root}: load")  # what one rank streams, others may not: all learn of a failure
     return _Read(marker, staged, fresh, extra, restore)
+
+
+def _dcp_load(state: dict[str, torch.Tensor], folder: Path, metadata: Any, planner: Any, single: bool) -> None:
+    """Collective (DCP's load): read ``state``'s keys from the save ``folder``. When DCP fails, a
+    `CheckpointError` naming the damaged record's shard file and key if one is (found by reading
+    each record of those keys, `tiekit.dcp.damage`, the same on every rank: DCP raises its failure
+    on every rank), else DCP's failure (`running_dcp`)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    try:
+        with running_dcp(folder, reading=True):
+            load(state, storage_reader=FileSystemReader(folder), planner=planner, no_dist=single)
+    except CheckpointError as exc:
+        damaged = damaged_record(folder, metadata, set(state))
+        if damaged is None:
+            raise
+        raise damaged from exc
 
 
 def _collective_replaced(root: Path, reading: list[str | None]) -> bool:
