@@ -182,6 +182,15 @@ def test_a_source_that_records_no_ties_converts_to_checkpoints_that_record_none(
         code, out, _ = run(capsys, "inspect", str(target))
         assert code == 0 and "tie plan: none recorded" in out, out
 
+    # Copies that differ are refused (the folder's are read by DCP to be compared).
+    state["lm_head.weight"] = state["lm_head.weight"] * 2
+    save_file(state, tmp_path / "different.safetensors")
+    tiekit.convert(tmp_path / "different.safetensors", tmp_path / "different")
+    with pytest.raises(
+        tiekit.CheckpointError, match=r"stores 'lm_head\.weight' and 'transformer\.wte\.weight' with differ"
+    ):
+        tiekit.load_sharded(untied_gpt2(), tmp_path / "different")
+
 
 def test_a_saved_conjugate_view_converts_to_its_values(tmp_path: Path) -> None:
     """DCP's shard files keep a saved ``x.conj()`` as a conjugate view; convert wrote its bytes

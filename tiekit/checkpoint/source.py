@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
+
+import torch
 
 from tiekit.analyze import dtype_name
 from tiekit.checkpoint.layout import (
@@ -42,9 +44,9 @@ class Source:
     # Identity of each file when its header was validated; reading checks it, so a save that
     # replaces the file in between is an error before anything is loaded, not a silent mix.
     files: Mapping[str, FileIdentity] = field(default_factory=dict)
-    # Whether `read_tensor` reads an entry's values (safetensors files); not a DCP folder's, whose
-    # records DCP alone reads.
-    values_readable: bool = True
+    # How a tensor's stored value is read whole, where the entries are not byte ranges of
+    # safetensors files (a DCP folder's records: DCP reads them); None: `read_tensor` of the entry.
+    reader: Callable[[str], torch.Tensor] | None = None
 
 
 def open_source(path: PathLike, preferred: tuple[str, ...] = (WEIGHTS_NAME, WEIGHTS_NAME + INDEX_SUFFIX)) -> Source:

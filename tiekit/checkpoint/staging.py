@@ -54,7 +54,7 @@ def stage(model: nn.Module, source: Source, *, strict: bool, device: torch.devic
         groups = _rekey(_group_table(model_plan), entries)
     else:
         groups = _group_table(source.plan)
-        _reconcile(groups, model_plan, entries, where, type(model).__name__, source.values_readable)
+        _reconcile(groups, model_plan, entries, where, type(model).__name__)
     key_of = {m.name: (source_key, m) for source_key, members in groups.items() for m in members}
 
     retie_groups: list[TieGroup] = []
@@ -83,8 +83,7 @@ def stage(model: nn.Module, source: Source, *, strict: bool, device: torch.devic
     missing = [n for n in expected if n not in anchor and (n in key_of or n not in entries)]
     absent = set(missing)
     consumed = {key_of.get(n, (n, None))[0] for n in expected if n not in absent}
-    if source.values_readable:
-        consumed |= _equal_duplicates(expected, key_of, source)
+    consumed |= _equal_duplicates(expected, key_of, source)
     unexpected = [k for k in entries if k not in consumed]
     if strict and (missing or unexpected):
         problems = [f"missing {name_list(missing)}"] if missing else []
@@ -159,20 +158,15 @@ def _rekey(groups: dict[str, list[TieMember]], entries: Mapping[str, Any]) -> di
 
 
 def _reconcile(
-    groups: dict[str, list[TieMember]],
-    model_plan: TiePlan,
-    entries: Mapping[str, Any],
-    where: str,
-    cls: str,
-    values_readable: bool,
+    groups: dict[str, list[TieMember]], model_plan: TiePlan, entries: Mapping[str, Any], where: str, cls: str
 ) -> None:
     """Check the file's ties against the model's (detected and declared) and extend them.
 
     A model tie the file has no data for (``lm_head.weight`` absent) joins the file's group; a
-    model tie between two tensors the file stores separately joins them too where their values
-    can be compared (``values_readable``: `_equal_duplicates`): loading two different tensors into
-    one would silently drop one of them. Any other disagreement (a member of another of the
-    file's groups, or two tensors of a DCP folder) is a `CheckpointError`.
+    model tie between two tensors the file stores separately joins them too, and their values
+    are compared (`_equal_duplicates`): loading two different tensors into one would silently
+    drop one of them. Any other disagreement (a member of another of the file's groups) is a
+    `CheckpointError`.
     """
     key_of = {m.name: (key, m) for key, members in groups.items() for m in members}
     for group in model_plan.groups:
@@ -188,7 +182,7 @@ def _reconcile(
                 key_of[group.source] = (key, source_member)
                 source_key = key
                 continue
-            if values_readable and key == member.name and key in entries and key not in groups and member.view is None:
+            if key == member.name and key in entries and key not in groups and member.view is None:
                 # Stored apart in the file (saved from a model without this tie, or through a copy
                 # of each tensor): taken as one tensor when both copies are equal, as in a file
                 # without a tie plan (`_equal_duplicates` compares them).
@@ -220,13 +214,13 @@ def _equal_duplicates(expected: list[str], key_of: Mapping[str, tuple[str, TieMe
         key, member = key_of.get(name, (name, None))
         if key == name or name not in entries or key not in entries or member is None:
             continue
-        value = read_tensor(*entries[key], source.files)
+        value = _stored(source, key)
         if member.view is not None:
             v = member.view
             if v.end > value.numel():
                 continue
             value = value.reshape(-1).as_strided(v.size, v.stride, v.offset)
-        copy = read_tensor(*entries[name], source.files)
+        copy = _stored(source, name)
         if copy.shape != value.shape or copy.dtype != value.dtype or not torch.equal(copy, value):
             raise CheckpointError(
                 f"{where}: stores {name!r} and {key!r} with different values, but the model ties them; "
@@ -234,6 +228,13 @@ def _equal_duplicates(expected: list[str], key_of: Mapping[str, tuple[str, TieMe
             )
         duplicates.add(name)
     return duplicates
+
+
+def _stored(source: Source, key: str) -> torch.Tensor:
+    """The value ``source`` stores under ``key``, read whole (local)."""
+    if source.reader is not None:
+        return source.reader(key)
+    return read_tensor(*source.entries[key], source.files)
 
 
 def _check_fits(

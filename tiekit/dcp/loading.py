@@ -11,6 +11,7 @@ in place (`tiekit.checkpoint.streaming`), the rest through DCP.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -353,7 +354,21 @@ def _source(marker: Marker, metadata: Any) -> Source:
                 f"{marker.where}: key 'plan' says {group.source!r} is {group.shape} {group.dtype}, "
                 f"the checkpoint stores {shape} {dtype_text}"
             )
-    return Source(os.fspath(marker.folder), entries, {}, marker.plan, "tiekit", side, values_readable=False)
+    reader = functools.partial(_read_whole, marker.folder, metadata)
+    return Source(os.fspath(marker.folder), entries, {}, marker.plan, "tiekit", side, reader=reader)
+
+
+def _read_whole(folder: Path, metadata: Any, key: str) -> torch.Tensor:
+    """Local: the stored value of tensor ``key``, every chunk of it, read by DCP in this process
+    alone (``no_dist``: no collective), for the loader to compare two copies of a tie."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    info = metadata.state_dict_metadata[key]
+    value = torch.empty(tuple(info.size), dtype=info.properties.dtype)
+    with running_dcp(folder, reading=True):
+        load({key: value}, storage_reader=FileSystemReader(folder), no_dist=True)
+    return value
 
 
 def _side_destinations(model: nn.Module, marker: Marker, *, with_optimizer: bool) -> dict[str, torch.Tensor]:
