@@ -115,7 +115,7 @@ def test_a_load_that_fails_for_another_reason_is_not_read_again(
         return real(*args)
 
     monkeypatch.setattr(loading, "_read", counted)
-    with pytest.raises(tiekit.CheckpointError, match="DCP could not read its shard files"):
+    with pytest.raises(tiekit.CheckpointError, match=r"__0_0\.distcp: key '0\.weight' .* is damaged"):
         tiekit.load_sharded(tied(), folder)
     assert len(starts) == 1
 

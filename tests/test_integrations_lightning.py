@@ -267,12 +267,17 @@ def test_keep_ties_refuses_wrapped_tied_checkpoint_io_under_model_parallel_strat
         tmp_path, strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1), callbacks=[KeepTies()]
     )
     run.strategy.checkpoint_io = AsyncCheckpointIO(TiedCheckpointIO())
+    environment = dict(os.environ)
     try:
         with pytest.raises(tiekit.TiekitError, match="TiedCheckpointIO does not work under ModelParallelStrategy"):
             run.fit(Configured(), data())
     finally:
         if torch.distributed.is_initialized():  # the strategy's one-process group, left open by Lightning
             torch.distributed.destroy_process_group()
+        # Lightning set WORLD_SIZE, LOCAL_RANK and the rendezvous address in this process: processes
+        # later tests launch would take themselves for ranks of this run, and wait for the others.
+        os.environ.clear()
+        os.environ.update(environment)
     assert run.global_step == 0
 
 

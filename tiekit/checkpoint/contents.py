@@ -85,7 +85,7 @@ def declared_ties(model: nn.Module) -> dict[str, str]:
     ``tied_weights`` name that does not resolve is a `CheckpointError`, as it is a `TieError`
     when the module moves. Through ``torch.compile``'s wrapper, the wrapped model's, under its
     ``_orig_mod.`` names (the wrapper forwards the attribute, but its names carry the prefix)."""
-    inner = model._modules.get("_orig_mod")
+    inner = model._modules.get("_orig_mod") if isinstance(model, nn.Module) else None
     if inner is not None and len(model._modules) == 1 and not model._parameters and not model._buffers:
         return {f"_orig_mod.{t}": f"_orig_mod.{s}" for t, s in declared_ties(inner).items()}
     declared: dict[str, str] = {}
