@@ -18,7 +18,7 @@ from torch import nn
 
 import tiekit
 from tiekit.checkpoint import reads
-from tiekit.dcp import loading
+from tiekit.dcp import loading, records
 from tiekit.inspection import inspect_file
 
 # Another process saving into the folder: every weight is the value given, recorded in `extra`.
@@ -125,7 +125,7 @@ import json, subprocess, sys
 import torch, torch.distributed as dist, torch.multiprocessing as mp
 from torch import nn
 import tiekit
-from tiekit.dcp import loading
+from tiekit.dcp import loading, records
 
 def tied():
     model = nn.Sequential(nn.Embedding(40, 16), nn.Linear(16, 16), nn.Linear(16, 40, bias=False))
@@ -134,7 +134,7 @@ def tied():
 
 def worker(rank, port, writer, scenarios):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    real_marker, real_metadata, attempts = loading.read_marker, loading._dcp_metadata, loading.READ_ATTEMPTS
+    real_marker, real_metadata, attempts = loading.read_marker, loading.save_metadata, loading.READ_ATTEMPTS
     for folder, moment, tries in scenarios:
         # The first time only: rank 0 reads the marker (and with moment "after-metadata" DCP's
         # metadata too), another process commits a new save, then rank 1 reads the marker.
@@ -164,7 +164,7 @@ def worker(rank, port, writer, scenarios):
                 commit_then_release()
             return metadata
 
-        loading.read_marker, loading._dcp_metadata = read_marker, dcp_metadata
+        loading.read_marker, loading.save_metadata = read_marker, dcp_metadata
         loading.READ_ATTEMPTS = attempts if tries is None else tries
         model = tied()
         try:
@@ -247,7 +247,7 @@ def test_inspecting_a_folder_saved_over_meanwhile_reports_the_new_save(
     folder = tmp_path / "ck"
     commit_here(folder, 1.0)
     first = inspect_file(folder).metadata["save_id"]
-    real = loading._dcp_metadata
+    real = records.save_metadata  # inspect's read of the folder
     calls: list[int] = []
 
     def dcp_metadata(marker: Any) -> Any:
@@ -256,7 +256,7 @@ def test_inspecting_a_folder_saved_over_meanwhile_reports_the_new_save(
             commit_from_another_process(folder, 2.0)  # after the marker was read
         return real(marker)
 
-    monkeypatch.setattr(loading, "_dcp_metadata", dcp_metadata)
+    monkeypatch.setattr(records, "save_metadata", dcp_metadata)
     report = inspect_file(folder)
     assert len(calls) == 2  # the attempt that found the old save gone, then the new save
     assert report.metadata["save_id"] == tiekit.load_sharded(tied(), folder).save_id != first

@@ -168,10 +168,10 @@ def _open(path: Path) -> _Reader:
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or folder")
     if (path / MARKER_NAME).is_file():
-        from tiekit.dcp.loading import _dcp_metadata
+        from tiekit.dcp.records import save_metadata
 
         marker = read_marker(path)
-        metadata = _dcp_metadata(marker)
+        metadata = save_metadata(marker)
         stored = metadata.state_dict_metadata
         specs = [(k, marker.tensors[k][0], stored[k].properties.dtype) for k in marker.model_keys()]
         return _Reader(marker.where, specs, marker.plan, _dcp_read(marker.folder), _training_state(marker.record))

@@ -11,7 +11,6 @@ in place (`tiekit.checkpoint.streaming`), the rest through DCP.
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -22,7 +21,6 @@ import torch
 from torch import nn
 
 from tiekit import devices
-from tiekit.analyze import dtype_name
 from tiekit.checkpoint.codec import decode
 from tiekit.checkpoint.layout import PathLike, name_list
 from tiekit.checkpoint.loading import LoadResult
@@ -33,12 +31,12 @@ from tiekit.checkpoint.staging import Staged, stage
 from tiekit.checkpoint.streaming import STAGING_BYTES, RowPart, release_freed_memory, stream_rows_in_place
 from tiekit.collective import collective_gather, ranks
 from tiekit.dcp.chunks import Located, locate_rows, row_chunks
-from tiekit.dcp.damage import damaged_record
-from tiekit.dcp.layout import Marker, check_files, committed_save_id, file_ends, read_marker
+from tiekit.dcp.layout import Marker, committed_save_id, read_marker
+from tiekit.dcp.records import as_source, dcp_load, save_metadata
 from tiekit.dcp.saving import _distributed, _raise_anywhere, process_group_needed, refuse_different_folders
-from tiekit.dcp.state import destination, parameters_by_name, running_dcp, unwrap, xla_spmd
+from tiekit.dcp.state import destination, parameters_by_name, unwrap, xla_spmd
 from tiekit.errors import CheckpointError
-from tiekit.header import FileIdentity, TensorEntry
+from tiekit.header import FileIdentity
 from tiekit.plan import TiePlan
 from tiekit.retie import retie
 from tiekit.slots import assign, resolve, slot_table
@@ -164,8 +162,8 @@ def _read(inner: nn.Module, root: Path, optimizer: torch.optim.Optimizer | None,
         reading.append(committed_save_id(root))
         marker = read_marker(root)
         reading[0] = marker.save_id
-        metadata = _dcp_metadata(marker)
-        source = _source(marker, metadata)
+        metadata = save_metadata(marker)
+        source = as_source(marker, metadata)
         try:
             staged = stage(inner, source, strict=True, device=None, dtype="model")
         except CheckpointError as exc:  # load_sharded is always strict: drop the loader's strict=False hint
@@ -186,7 +184,7 @@ def _read(inner: nn.Module, root: Path, optimizer: torch.optim.Optimizer | None,
     single = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     if side:
         planner = _spmd_planner() if xla_spmd(side.values()) else None
-        _dcp_load(side, marker.folder, metadata, planner, single)
+        dcp_load(side, marker.folder, metadata, planner, single)
     restore: Callable[[], None] | None = None
     try:
         extra = decode(marker.record.get("extra"), side, marker.where)
@@ -200,7 +198,7 @@ def _read(inner: nn.Module, root: Path, optimizer: torch.optim.Optimizer | None,
     _raise_anywhere(error, f"{root}: load")
     planner = _spmd_planner() if spmd else _weights_planner(targets.values())
     rest = {key: tensor for key, tensor in targets.items() if key not in streamed}
-    _dcp_load(rest, marker.folder, metadata, planner, single)  # every rank calls it, whatever it streams itself
+    dcp_load(rest, marker.folder, metadata, planner, single)  # every rank calls it, whatever it streams itself
     try:
         if streamed:
             parts = [
@@ -213,24 +211,6 @@ def _read(inner: nn.Module, root: Path, optimizer: torch.optim.Optimizer | None,
         error = exc
     _raise_anywhere(error, f"{root}: load")  # what one rank streams, others may not: all learn of a failure
     return _Read(marker, staged, fresh, extra, restore)
-
-
-def _dcp_load(state: dict[str, torch.Tensor], folder: Path, metadata: Any, planner: Any, single: bool) -> None:
-    """Collective (DCP's load): read ``state``'s keys from the save ``folder``. When DCP fails, a
-    `CheckpointError` naming the damaged record's shard file and key if one is (found by reading
-    each record of those keys, `tiekit.dcp.damage`, the same on every rank: DCP raises its failure
-    on every rank), else DCP's failure (`running_dcp`)."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.state_dict_loader import load
-
-    try:
-        with running_dcp(folder, reading=True):
-            load(state, storage_reader=FileSystemReader(folder), planner=planner, no_dist=single)
-    except CheckpointError as exc:
-        damaged = damaged_record(folder, metadata, set(state))
-        if damaged is None:
-            raise
-        raise damaged from exc
 
 
 def _collective_replaced(root: Path, reading: list[str | None]) -> bool:
@@ -301,74 +281,6 @@ def _device_rows(
     }
     dtypes = {key: metadata.state_dict_metadata[key].properties.dtype for key in places}
     return locate_rows(folder, places, dtypes)
-
-
-def _dcp_metadata(marker: Marker) -> Any:
-    """DCP's metadata (its hash already checked against the marker), checked against the marker's
-    key table and the files: every chunk of every key inside a file of the save."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    folder = marker.folder
-    try:
-        metadata = FileSystemReader(folder).read_metadata()
-    except Exception as exc:
-        raise CheckpointError(f"{folder / '.metadata'}: unreadable DCP metadata: {exc}") from exc
-    check_files(marker, file_ends(metadata))
-    stored = metadata.state_dict_metadata
-    for key, (shape, dtype) in marker.tensors.items():
-        info = stored.get(key)
-        if not isinstance(info, TensorStorageMetadata):
-            raise CheckpointError(f"{folder / '.metadata'}: key {key!r} (listed in {marker.where}) is not stored")
-        if tuple(info.size) != shape or dtype_name(info.properties.dtype) != dtype:
-            raise CheckpointError(
-                f"{folder / '.metadata'}: key {key!r} is {tuple(info.size)} {dtype_name(info.properties.dtype)}, "
-                f"the marker says {shape} {dtype}"
-            )
-    return metadata
-
-
-def _source(marker: Marker, metadata: Any) -> Source:
-    """The checkpoint as `tiekit.checkpoint.staging.stage` reads one: key -> (first file, entry)."""
-    files: dict[str, str] = {}
-    for index, where in (metadata.storage_data or {}).items():
-        files.setdefault(index.fqn, os.fspath(marker.folder / where.relative_path))
-    entries: dict[str, tuple[str, TensorEntry]] = {}
-    side: dict[str, tuple[str, TensorEntry]] = {}
-    for key, (shape, _) in marker.tensors.items():
-        dtype = metadata.state_dict_metadata[key].properties.dtype
-        nbytes = dtype.itemsize
-        for d in shape:
-            nbytes *= d
-        entry = (files.get(key, os.fspath(marker.folder)), TensorEntry(key, dtype, shape, 0, nbytes))
-        (side if key.startswith(("optimizer/", "extra/")) else entries)[key] = entry
-    for group in marker.plan.groups if marker.plan is not None else ():
-        if group.source not in entries:
-            raise CheckpointError(
-                f"{marker.where}: key 'plan' names {group.source!r} (source of {', '.join(group.names[1:])}), "
-                "which the checkpoint does not store"
-            )
-        shape, dtype_text = marker.tensors[group.source]
-        if shape != group.shape or dtype_text != group.dtype:
-            raise CheckpointError(
-                f"{marker.where}: key 'plan' says {group.source!r} is {group.shape} {group.dtype}, "
-                f"the checkpoint stores {shape} {dtype_text}"
-            )
-    reader = functools.partial(_read_whole, marker.folder, metadata)
-    return Source(os.fspath(marker.folder), entries, {}, marker.plan, "tiekit", side, reader=reader)
-
-
-def _read_whole(folder: Path, metadata: Any, key: str) -> torch.Tensor:
-    """Local: the stored value of tensor ``key``, every chunk of it, read by DCP in this process
-    alone (``no_dist``: no collective), for the loader to compare two copies of a tie."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.state_dict_loader import load
-
-    info = metadata.state_dict_metadata[key]
-    value = torch.empty(tuple(info.size), dtype=info.properties.dtype)
-    with running_dcp(folder, reading=True):
-        load({key: value}, storage_reader=FileSystemReader(folder), no_dist=True)
-    return value
 
 
 def _side_destinations(model: nn.Module, marker: Marker, *, with_optimizer: bool) -> dict[str, torch.Tensor]:

@@ -29,10 +29,10 @@ def inspect_sharded(path: PathLike, *, check_values: bool = False) -> FileReport
 
 
 def _inspect_sharded(path: PathLike, check_values: bool) -> FileReport:
-    from tiekit.dcp.loading import _dcp_metadata
+    from tiekit.dcp.records import save_metadata
 
     marker = read_marker(path)
-    metadata = _dcp_metadata(marker)
+    metadata = save_metadata(marker)
     first_file = _first_files(metadata, marker.folder)
     tensors = []
     side_count = side_bytes = 0
