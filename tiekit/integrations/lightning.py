@@ -205,7 +205,8 @@ def _refuse_tied_io_in_async(strategy: Any) -> None:
 
     ``AsyncCheckpointIO`` clones every tensor of the checkpoint on its own before handing it to
     the plugin, so the tied names arrive as unrelated tensors and the file would store each of
-    them, with no tie (which `tiekit.load_model` then refuses for the tied module). Refused rather
+    them, with no tie (which `tiekit.load_model` takes only where it can compare the copies and
+    finds them equal). Refused rather
     than re-tied by name: that would take a plan the plugin does not have and trust that clones
     equal in value are one weight, and ``AsyncCheckpointIO`` reports a failed write only at the
     next save or at the end of the run, after ``ModelCheckpoint`` counted the file as saved and
@@ -217,9 +218,10 @@ def _refuse_tied_io_in_async(strategy: Any) -> None:
         raise TiekitError(
             "TiedCheckpointIO inside Lightning's AsyncCheckpointIO would lose the ties in every checkpoint: "
             "AsyncCheckpointIO clones each tensor of the checkpoint separately, so tied names reach the plugin as "
-            "separate tensors and the file stores each of them, untied (tiekit.load_model refuses such a file for "
-            "the tied module). Pass the plugin itself, plugins=[TiedCheckpointIO()]: it writes each checkpoint "
-            "atomically before training goes on. To write checkpoints in the background while training goes on, "
+            "separate tensors and the file stores each of them, untied (tiekit.load_model takes such a file only "
+            "where it can compare the copies and finds them equal). Pass the plugin itself, "
+            "plugins=[TiedCheckpointIO()]: it writes each checkpoint atomically before training goes on. To write "
+            "checkpoints in the background while training goes on, "
             "train with tiekit.fit (checkpoint_async=True) or save with tiekit.save_checkpoint(..., blocking=False)"
         )
 
