@@ -55,12 +55,20 @@ def disk_bytes(path: Path) -> int:
 
 
 def save_worker(rank: int, port: int, small: bool, repeats: int, out: Path) -> None:
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
-    from torch.distributed.checkpoint.state_dict_saver import save
-
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    time_saves(rank, small, repeats, out)  # its sharded model gone on return: it keeps the group,
+    tiekit.clear_dtensor_caches()  # and so do torch 2.14's DTensor caches (gloo can abort at exit)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def time_saves(rank: int, small: bool, repeats: int, out: Path) -> None:
+    """Collective: each contender saves GPT-2 sharded ``repeats`` times; rank 0 writes save.json."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save
+
     torch.manual_seed(0)
     model = tiekit.shard(gpt2_small(small))
     plan = tiekit.find_ties(model)
@@ -92,8 +100,6 @@ def save_worker(rank: int, port: int, small: bool, repeats: int, out: Path) -> N
     if rank == 0:
         sizes = {name: disk_bytes(out / name.replace(" ", "-")) for name in contenders}
         (out / "save.json").write_text(json.dumps({"times": times, "bytes": sizes}))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def bench_save(args: argparse.Namespace, root: Path) -> dict:

@@ -127,6 +127,8 @@ def worker(rank: int, port: int) -> None:
         else:
             difference = largest_difference(collective_full_state(split), reference)
             say(f"split units, torch {torch.__version__} trained them: largest difference {difference:.1e}")
+        del model, split  # a sharded model keeps its process group, and so do torch 2.14's DTensor
+        tiekit.clear_dtensor_caches()  # caches: left to interpreter exit, gloo's threads can abort it
         dist.barrier()  # every rank done with the group before one leaves it (gloo may abort at exit)
     finally:
         dist.destroy_process_group()

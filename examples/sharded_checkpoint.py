@@ -47,6 +47,8 @@ def worker(rank: int, port: int, out: Path) -> None:
         model = tiekit.shard(build())
         optimizer = trained(model)
         tiekit.save_sharded(model, out / "ckpt", optimizer=optimizer, extra={"step": 1})  # collective
+        del model, optimizer  # a sharded model keeps its process group, and so do torch 2.14's DTensor
+        tiekit.clear_dtensor_caches()  # caches: left to interpreter exit, gloo's threads can abort it
         dist.barrier()  # every rank done with the group before one leaves it (gloo may abort at exit)
     finally:
         dist.destroy_process_group()

@@ -29,8 +29,8 @@ SAVE = textwrap.dedent(
     model = tiekit.shard(model)
     tiekit.save_sharded(model, f"{out}/sharded")
     dcp.save(model.state_dict(), checkpoint_id=f"{out}/plain")  # stores both names of the tie
-    del model  # torch 2.9: a live sharded model keeps the group, whose gloo threads then end in the
-    # interpreter's shutdown, which can abort the process (docs/launching.md)
+    del model  # a live sharded model keeps the group, and so do torch 2.14's DTensor caches: its gloo
+    tiekit.clear_dtensor_caches()  # threads then end in interpreter shutdown, which can abort the process
     dist.barrier()  # both done before either closes: gloo can abort a process whose peer left first
     dist.destroy_process_group()
     """

@@ -476,6 +476,8 @@ try:
     print("loaded")
 except tiekit.TieError as exc:
     print("refused", "head.weight" in str(exc), model.head.weight is model.embed.weight)
+del model  # the sharded model and torch 2.14's DTensor caches keep the group past its destruction,
+tiekit.clear_dtensor_caches()  # and gloo can abort the process at exit (docs/launching.md)
 dist.destroy_process_group()
 """
 

@@ -4,6 +4,7 @@ from typing import TYPE_CHECKING, Any
 
 from tiekit.agreement import collective_check_same_model
 from tiekit.analyze import find_ties
+from tiekit.backends.torch_distributed import clear_dtensor_caches
 from tiekit.checkpoint import LoadResult, load_checkpoint, load_model, save_checkpoint, save_model
 from tiekit.collective import collective_save_checkpoint, collective_save_model, is_writer
 from tiekit.dcp import ConvertResult, SaveHandle, ShardedLoadResult, convert, load_sharded, save_sharded
@@ -40,6 +41,7 @@ __all__ = [
     "ViewGeometry",
     "__version__",
     "check_sharding",
+    "clear_dtensor_caches",
     "collective_check_same_model",
     "collective_save_checkpoint",
     "collective_save_model",

@@ -167,7 +167,30 @@ def collective_close_process_group(failure: BaseException | None = None) -> None
         drop_library_locals(failure)
         _note_first_failure(f"{closing}/first-failure", failure)
     _collective_meet(f"{closing}/ranks", timeout=10.0)
+    clear_dtensor_caches()
     dist.destroy_process_group()
+
+
+def clear_dtensor_caches() -> None:
+    """Local: empty torch's process-wide DTensor caches (sharding propagation, redistribution
+    plans and transforms, mesh topology); later DTensor work refills them.
+
+    On torch 2.14 they keep every device mesh FSDP2 used, and through it its process groups,
+    alive after ``destroy_process_group()`` until the process ends, where gloo's threads can abort
+    it ("terminate called without an active exception"; a launcher then reports a run that
+    finished as failed). Call it after the last sharded step, before destroying the group.
+    Each cache is cleared only where this torch has it (2.9 has two of the four)."""
+    from torch.distributed.tensor import _collective_utils, _redistribute, debug
+
+    clears = [
+        getattr(_redistribute, "clear_redistribute_planner_cache", None),
+        getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None),
+        getattr(_collective_utils.MeshTopoInfo.build_from_mesh, "cache_clear", None),
+        getattr(debug, "_clear_sharding_prop_cache", None),  # the Python and the C++ fast-path caches
+    ]
+    for clear in clears:
+        if clear is not None:
+            clear()
 
 
 _closings = itertools.count()  # every rank closes the same groups in the same order: keys agree
