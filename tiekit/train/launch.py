@@ -44,6 +44,7 @@ from tiekit.backends.base import Backend
 from tiekit.backends.fsdp import FsdpBackend
 from tiekit.backends.torch_distributed import (
     TorchBackend,
+    clear_dtensor_caches,
     collective_close_process_group,
     free_port,
     join_process_group,
@@ -189,9 +190,12 @@ def _processes(job: Job, requested: int | str) -> tuple[list[Outcome], nn.Module
                 collective_close_process_group(exc)
             else:  # your group: it goes when you destroy it, not with this traceback
                 drop_library_locals(exc)
+                clear_dtensor_caches()  # nor with torch 2.14's DTensor caches (FSDP2's meshes)
             raise
         if created and dist.is_initialized():
             collective_close_process_group()
+        else:
+            clear_dtensor_caches()
         return outcomes
     if isinstance(requested, str) and requested != "auto":
         raise TiekitError(f'strategy="{job.strategy}" takes devices="auto" or a number of processes, not {requested!r}')
@@ -244,6 +248,7 @@ def _process_entry(rank: int, job: Job, world: int, port: int) -> None:
         # Whole or not there: torch stops this process when a peer dies, maybe in the middle of the write.
         _write_whole(job.result_dir / f"error-{rank}.json", json.dumps(error))
         drop_library_locals(exc)  # the group goes with the model holding it (see collective_close_process_group)
+        clear_dtensor_caches()
         dist.destroy_process_group()  # peers may be gone: no meeting
         raise
     # The ranks meet before leaving: a process whose peer closed the group under it could abort
