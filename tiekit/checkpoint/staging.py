@@ -207,26 +207,32 @@ def _reconcile(
 
 def _equal_duplicates(expected: list[str], key_of: Mapping[str, tuple[str, TieMember]], source: Source) -> set[str]:
     """Keys of the file that repeat a tensor the model ties (a file without tie metadata, or one
-    saved untied): accepted when equal."""
+    saved untied): accepted when equal. Each stored source is read once, and held only while its
+    own duplicates are compared."""
     entries, where = source.entries, source.where
-    duplicates: set[str] = set()
+    by_key: dict[str, list[tuple[str, TieMember]]] = {}
     for name in expected:
         key, member = key_of.get(name, (name, None))
-        if key == name or name not in entries or key not in entries or member is None:
-            continue
-        value = _stored(source, key)
-        if member.view is not None:
-            v = member.view
-            if v.end > value.numel():
-                continue
-            value = value.reshape(-1).as_strided(v.size, v.stride, v.offset)
-        copy = _stored(source, name)
-        if copy.shape != value.shape or copy.dtype != value.dtype or not torch.equal(copy, value):
-            raise CheckpointError(
-                f"{where}: stores {name!r} and {key!r} with different values, but the model ties them; "
-                "load into a model built without this tie"
-            )
-        duplicates.add(name)
+        if key != name and name in entries and key in entries and member is not None:
+            by_key.setdefault(key, []).append((name, member))
+    duplicates: set[str] = set()
+    for key, copies in by_key.items():
+        stored = _stored(source, key)
+        for name, member in copies:
+            value = stored
+            if member.view is not None:
+                v = member.view
+                if v.end > value.numel():
+                    continue
+                value = value.reshape(-1).as_strided(v.size, v.stride, v.offset)
+            copy = _stored(source, name)
+            if copy.shape != value.shape or copy.dtype != value.dtype or not torch.equal(copy, value):
+                raise CheckpointError(
+                    f"{where}: stores {name!r} and {key!r} with different values, but the model ties them; "
+                    "load into a model built without this tie"
+                )
+            duplicates.add(name)
+        del stored
     return duplicates
 
 
