@@ -94,6 +94,7 @@ class Coordinator:
     copying: DeferredCopies | None = None
     pending_path: Path | None = None  # where the save in flight (on any rank) goes
     written: list[Path] = field(default_factory=list)  # this run's complete checkpoints, oldest first (see resume)
+    leftovers_cleared: bool = False  # deletions an earlier launch's kill cut short: finished once per run
 
     def gather(self, value: Any) -> list[Any]:
         """Collective: every rank's ``value`` in rank order (``[value]`` in a run of one rank)."""
@@ -317,13 +318,14 @@ class Coordinator:
 
     def _complete(self, cfg: FitConfig, path: Path) -> None:
         """``path`` is complete on every rank: with ``checkpoint_keep``, the writer deletes this
-        run's checkpoints older than the newest ``checkpoint_keep``, and finishes the deletions a
-        kill cut short (local, no collective)."""
+        run's checkpoints older than the newest ``checkpoint_keep``, and at the run's first
+        complete save finishes the deletions a kill cut short (local, no collective)."""
         self.written = [p for p in self.written if p != path] + [path]  # a step saved twice counts once
         if cfg.checkpoint_keep is None:
             return
-        if self.ranks.is_writer:
+        if self.ranks.is_writer and not self.leftovers_cleared:
             state.remove_cut_short_deletions(path.parent)  # a launch killed while deleting left them
+            self.leftovers_cleared = True
         if len(self.written) <= cfg.checkpoint_keep:
             return
         old, self.written = self.written[: -cfg.checkpoint_keep], self.written[-cfg.checkpoint_keep :]
