@@ -91,12 +91,13 @@ def test_a_save_committed_under_a_load_is_read_again_from_the_new_save(
 def test_without_reading_again_the_replaced_save_fails_on_its_removed_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The control: one attempt only, as before; the old save's files are gone."""
+    """The control: one attempt only, as before; the old save's files are gone, and the message
+    says so (it called the removed file "damaged ... changed in place" before)."""
     folder = tmp_path / "ck"
     commit_here(folder, 1.0)
     replaced_at_first_read(folder, monkeypatch)
     monkeypatch.setattr(loading, "READ_ATTEMPTS", 1)
-    with pytest.raises(tiekit.CheckpointError, match=r"replaced by a newer save 1 times .*FileNotFoundError"):
+    with pytest.raises(tiekit.CheckpointError, match=r"replaced by a newer save 1 times .*__0_0\.distcp: gone while the load read"):
         tiekit.load_sharded(tied(), folder)
 
 

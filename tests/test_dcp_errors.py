@@ -119,6 +119,24 @@ def test_a_damaged_record_is_named_by_its_shard_file_and_key(saved: Path, key: s
     assert "DCP could not read its shard files" in str(raised.value.__cause__)  # DCP's own error, kept
 
 
+def test_a_shard_file_gone_after_the_checks_is_named_gone_not_damaged(saved: Path) -> None:
+    """The file checks passed, then the file went (a newer save's writer deleted the old save)
+    before DCP read it: the record search, run on DCP's failure, said "damaged ... its bytes were
+    changed in place" of a file that was not there."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    from tiekit.dcp.damage import damaged_record
+
+    folder = save_folder(saved)
+    metadata = FileSystemReader(folder).read_metadata()
+    assert damaged_record(folder, metadata, {"embed.weight"}) is None  # every record reads
+    (folder / "__0_0.distcp").unlink()
+    found = damaged_record(folder, metadata, {"embed.weight"})
+    assert found is not None
+    assert str(found).startswith(f"{folder / '__0_0.distcp'}: gone while the load read the checkpoint")
+    assert "'embed.weight'" in str(found) and "damaged" not in str(found)
+
+
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
 def test_a_failed_dcp_write_is_a_checkpoint_error_and_keeps_the_previous_save(
     saved: Path, monkeypatch: pytest.MonkeyPatch, blocking: bool

@@ -42,6 +42,11 @@ def damaged_record(folder: Path, metadata: Any, keys: Collection[str]) -> Checkp
         is_bytes = isinstance(metadata.state_dict_metadata.get(key), BytesStorageMetadata)
         try:
             _read_record(file, offset, length, where, transforms, is_bytes=is_bytes)
+        except FileNotFoundError:
+            return CheckpointError(
+                f"{file}: gone while the load read the checkpoint (it holds key {key!r}): removed, or its save "
+                "replaced and deleted by another writer; load again"
+            )
         except Exception as exc:  # noqa: BLE001 - any failure to read it is the damage reported
             cause = _cause(exc)
             return CheckpointError(
