@@ -214,7 +214,7 @@ def _refuse_tied_io_in_async(strategy: Any) -> None:
     from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
     chain = _checkpoint_io_chain(strategy)
-    if _uses_tied_io(strategy) and any(isinstance(io, AsyncCheckpointIO) for io in chain):
+    if any(isinstance(io, TiedCheckpointIO) for io in chain) and any(isinstance(io, AsyncCheckpointIO) for io in chain):
         raise TiekitError(
             "TiedCheckpointIO inside Lightning's AsyncCheckpointIO would lose the ties in every checkpoint: "
             "AsyncCheckpointIO clones each tensor of the checkpoint separately, so tied names reach the plugin as "
