@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import os
 import sys
 import threading
 import warnings
@@ -47,6 +48,7 @@ class SaveHandle:
         self._trace = ""  # the failure's traceback in the writing thread, as text
         self._then = then
         self._serial = next(_serials)
+        self._watchers: list[Callable[[SaveHandle], None]] = []
         if future is None:
             self._finished.set()
         else:
@@ -65,7 +67,19 @@ class SaveHandle:
                 _unseen[self._serial] = str(self._failure())
         finally:
             self._then = None  # it may hold the staged copies, which may be large: drop them once written
-            self._finished.set()
+            with _unseen_lock:  # the lock orders this against `_when_finished`: each watcher runs once
+                self._finished.set()
+                watchers, self._watchers = self._watchers, []
+            for watcher in watchers:
+                watcher(self)
+
+    def _when_finished(self, watcher: Callable[[SaveHandle], None]) -> None:
+        """Run ``watcher(self)`` once the save finished: now if it has, else on the writing thread."""
+        with _unseen_lock:
+            if not self._finished.is_set():
+                self._watchers.append(watcher)
+                return
+        watcher(self)
 
     def done(self) -> bool:
         """True once the save finished (committed on rank 0), successfully or not. Never waits."""
@@ -86,11 +100,6 @@ class SaveHandle:
                 _unseen.pop(self._serial, None)
             raise self._failure()
 
-    def warn_unseen_failure(self) -> None:
-        """Local: if the save failed and nothing waited for it, say so now, once (a
-        ``RuntimeWarning``); `wait` still raises it."""
-        warn_if_unseen(self._serial, stacklevel=4)
-
     @property
     def serial(self) -> int:
         """This save's number in the process, for `warn_if_unseen` once the handle is gone."""
@@ -107,6 +116,66 @@ class SaveHandle:
         failure.__cause__ = self._error
         failure.add_note(f"where it failed, in the writing thread:\n{self._trace}")
         return failure
+
+
+# This process's background saves, by the real path of their file or folder (a symlink, or a
+# relative path, names the same one): a handle while its save is under way, its serial number
+# once it failed (its handle's traceback may hold the state's host copies), nothing once it is
+# written. A later save of the path waits for them: a blocking save writes at once, and an older
+# background write landing after it would leave the older state; two sharded saves racing for
+# one marker would leave either.
+_pending: dict[str, list[SaveHandle | int]] = {}
+_pending_lock = threading.Lock()
+
+
+def register_pending(target: Path, handle: SaveHandle) -> None:
+    """Local: ``handle`` is a background save of ``target`` (a file, or a sharded save's folder),
+    for the next save of ``target`` in this process to wait for (`after_earlier_saves`)."""
+    key = os.path.realpath(target)
+    with _pending_lock:
+        _pending.setdefault(key, []).append(handle)
+    handle._when_finished(lambda finished: _forget(key, finished))
+
+
+def after_earlier_saves(target: Path, stacklevel: int) -> None:
+    """Local: return once every background save of ``target`` made by this process is written or
+    failed (waits for this process's writer threads, for no other rank); a failure nothing waited
+    for is a ``RuntimeWarning``, ``stacklevel`` as `warnings.warn`'s from the caller. Raising it
+    instead could leave other ranks waiting in the next save's collectives: it is the earlier
+    handle's `wait` that raises it."""
+    with _pending_lock:
+        earlier = _pending.pop(os.path.realpath(target), [])
+    for entry in earlier:
+        if isinstance(entry, SaveHandle):
+            entry.join()
+        warn_if_unseen(entry if isinstance(entry, int) else entry.serial, stacklevel + 1)
+
+
+def report_failed_saves(target: Path, stacklevel: int) -> None:
+    """Local, never waits: warn of the failed background saves of ``target`` nothing waited for
+    (``stacklevel`` as `warnings.warn`'s from the caller); those under way stay registered."""
+    key = os.path.realpath(target)
+    with _pending_lock:
+        entries = _pending.pop(key, [])
+        under_way: list[SaveHandle | int] = [entry for entry in entries if isinstance(entry, SaveHandle)]
+        if under_way:
+            _pending[key] = under_way
+    for entry in entries:
+        if isinstance(entry, int):
+            warn_if_unseen(entry, stacklevel + 1)
+
+
+def _forget(key: str, handle: SaveHandle) -> None:
+    """Writer thread, once ``handle``'s save is over: a written save is forgotten; a failed one
+    stays as its serial number, for the next save of the path to report."""
+    with _pending_lock:
+        entries = _pending.get(key, [])
+        for i, entry in enumerate(entries):
+            if entry is handle:
+                entries[i : i + 1] = [handle.serial] if handle._error is not None else []
+                break
+        if not entries:
+            _pending.pop(key, None)
 
 
 def warn_if_unseen(serial: int, stacklevel: int) -> None:

@@ -6,10 +6,8 @@ from __future__ import annotations
 import functools
 import json
 import operator
-import os
-import threading
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +18,7 @@ from tiekit.checkpoint.codec import Fallback
 from tiekit.checkpoint.contents import encode_training_state, header_metadata, host_tensors, saving_plan, unique_tensors
 from tiekit.checkpoint.deferred import DeferredCopies, deferrable_storages
 from tiekit.checkpoint.files import write_sharded, write_single
-from tiekit.checkpoint.handle import SaveHandle, warn_if_unseen
+from tiekit.checkpoint.handle import SaveHandle, after_earlier_saves, register_pending, report_failed_saves
 from tiekit.checkpoint.image import FileImage, LentMemory, image_for
 from tiekit.checkpoint.layout import (
     CHECKPOINT_NAME,
@@ -33,15 +31,6 @@ from tiekit.checkpoint.layout import (
     target_path,
 )
 from tiekit.errors import CheckpointError
-
-# This process's background saves, by the real path of their file (a relative path or a symbolic
-# link to it is the same file): the handle of each one under way, the serial number of each one
-# that failed. A later save of that file waits for them: the one writer thread writes background
-# saves in call order, but a blocking save writes at once, and an older background write landing
-# after it would leave the older state in the file. A failed save stays (as its number: its
-# handle's traceback holds the state's host copies) until a later save of the file reports it.
-_pending: dict[str, list[SaveHandle | int]] = {}
-_pending_lock = threading.Lock()
 
 
 def save_model(
@@ -76,7 +65,7 @@ def save_model(
     header = header_metadata(metadata, plan)
 
     state = host_tensors(dict(zip(names, tensors, strict=True)))
-    _after_earlier_saves(target, stacklevel=2)
+    after_earlier_saves(target, stacklevel=2)
     if limit is None or sum(nbytes(t) for t in state.values()) <= limit:
         write_single(target, state, header, durable)
     else:
@@ -151,10 +140,10 @@ def save_checkpoint_reusing(
     this one, whose writer waits for ``settle()``: settle before it. Local."""
     target, state, header = stage_training_checkpoint(path, model=model, optimizer=optimizer, step=step, extra=extra)
     if blocking:
-        _after_earlier_saves(target, stacklevel=3)  # 3: the caller of save_checkpoint
+        after_earlier_saves(target, stacklevel=3)  # 3: the caller of save_checkpoint
         write_single(target, host_tensors(state), header, durable)
         return SaveHandle(target, "", None), None, None
-    _report_failed_saves(target, stacklevel=3)  # the unfinished ones are written before this one
+    report_failed_saves(target, stacklevel=3)  # the unfinished ones are written before this one
     deferred = deferrable_storages(model, optimizer) if defer else {}
     image, copies = _background_copies(target, state, header, staging, deferred, adopt and defer)
     lent = copies.lent
@@ -169,7 +158,7 @@ def save_checkpoint_reusing(
 
     future = _background().submit(write)
     handle = SaveHandle(target, "", future)
-    _register(target, handle, future)
+    register_pending(target, handle)
     return handle, image if isinstance(image, FileImage) else None, copies
 
 
@@ -188,7 +177,7 @@ def write_training_checkpoint(
     target, state, header = stage_training_checkpoint(
         path, model=model, optimizer=optimizer, step=step, extra=extra, fallback=fallback
     )
-    _after_earlier_saves(target, stacklevel=2)
+    after_earlier_saves(target, stacklevel=2)
     write_single(target, host_tensors(state), header, durable)
 
 
@@ -273,59 +262,6 @@ def _sole_owner(host: torch.Tensor, owners: list[torch.Tensor], staging: FileIma
     if staging is not None and storage.data_ptr() == staging.memory.untyped_storage().data_ptr():
         return mine[0]
     return mine[0] if len(owners) == 1 and storage.nbytes() == nbytes(host) else None
-
-
-def _file_key(target: Path) -> str:
-    """The file ``target`` names, whatever the path: `_pending`'s key."""
-    return os.path.realpath(target)
-
-
-def _after_earlier_saves(target: Path, stacklevel: int) -> None:
-    """Local: return once every background save of ``target`` made by this process is written or
-    failed (waits for this process's writer thread, for no other rank); a failure nothing waited
-    for is a ``RuntimeWarning``, ``stacklevel`` as `warnings.warn`'s from the caller."""
-    with _pending_lock:
-        earlier = _pending.pop(_file_key(target), [])
-    for entry in earlier:
-        if isinstance(entry, SaveHandle):
-            entry.join()
-        warn_if_unseen(entry if isinstance(entry, int) else entry.serial, stacklevel + 1)
-
-
-def _report_failed_saves(target: Path, stacklevel: int) -> None:
-    """Local, never waits: warn of the failed background saves of ``target`` nothing waited for
-    (``stacklevel`` as `warnings.warn`'s from the caller); those under way stay for later saves."""
-    key = _file_key(target)
-    with _pending_lock:
-        entries = _pending.pop(key, [])
-        under_way: list[SaveHandle | int] = [entry for entry in entries if isinstance(entry, SaveHandle)]
-        if under_way:
-            _pending[key] = under_way
-    for entry in entries:
-        if isinstance(entry, int):
-            warn_if_unseen(entry, stacklevel + 1)
-
-
-def _register(target: Path, handle: SaveHandle, future: Future[None]) -> None:
-    """Local: ``handle``, the background save of ``target`` that ``future`` writes, is under way."""
-    key = _file_key(target)
-    with _pending_lock:
-        _pending.setdefault(key, []).append(handle)
-    future.add_done_callback(functools.partial(_finished, key, handle))
-
-
-def _finished(key: str, handle: SaveHandle, future: Future[None]) -> None:
-    """Writer thread, once ``handle``'s write is over: a written save is forgotten; a failed one
-    stays as its serial number, for the next save of the file to report."""
-    failed = future.cancelled() or future.exception() is not None
-    with _pending_lock:
-        entries = _pending.get(key, [])
-        for i, entry in enumerate(entries):
-            if entry is handle:
-                entries[i : i + 1] = [handle.serial] if failed else []
-                break
-        if not entries:
-            _pending.pop(key, None)
 
 
 @functools.cache

@@ -20,7 +20,6 @@ import contextlib
 import functools
 import os
 import shutil
-import threading
 import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -32,18 +31,13 @@ from torch import nn
 
 from tiekit.agreement import description, digest, disagreement
 from tiekit.checkpoint.deferred import DeferredCopies, deferrable_storages
-from tiekit.checkpoint.handle import SaveHandle
+from tiekit.checkpoint.handle import SaveHandle, after_earlier_saves, register_pending
 from tiekit.checkpoint.layout import PathLike
 from tiekit.collective import Ranks, collective_gather, failure_message, ranks
 from tiekit.dcp.layout import SAVE_PREFIX, committed_save_id, new_save_id, remove_stale, write_marker
 from tiekit.dcp.staging import host_copies
 from tiekit.dcp.state import SaveState, running_dcp, save_state, unwrap, xla_spmd
 from tiekit.errors import CheckpointError, TiekitError
-
-# Pending asynchronous saves of this process, by folder: a new save into the same folder waits
-# for the previous one first (two saves racing for one marker would leave either).
-_pending: dict[str, SaveHandle] = {}
-_pending_lock = threading.Lock()
 
 
 def save_sharded(
@@ -101,14 +95,7 @@ def save_sharded_staged(
     needed = process_group_needed(ranks(), _distributed(), "save_sharded", root)
     if needed is not None:
         raise needed
-    key = os.path.realpath(root)  # a symlink to the folder, or through a parent, is the same folder
-    with _pending_lock:
-        previous = _pending.pop(key, None)
-    if previous is not None:
-        # Its failure is its own handle's to raise: raising it here, on the ranks where it failed,
-        # would leave the others waiting in this save's collectives. Unseen, it is a warning.
-        previous.join()
-        previous.warn_unseen_failure()
+    after_earlier_saves(root, stacklevel=3)  # 3: the caller of save_sharded
     inner = unwrap(model)
     writes_marker = _rank() == 0
     before = committed_save_id(root) if writes_marker else None  # what the commit may replace
@@ -178,8 +165,7 @@ def save_sharded_staged(
     future = _background_writer().submit(write)
     commit = functools.partial(_commit_or_remove, root, save_id, state, before) if writes_marker else None
     handle = SaveHandle(root, save_id, future, commit)
-    with _pending_lock:
-        _pending[key] = handle
+    register_pending(root, handle)
     return handle, hosts, copies
 
 
