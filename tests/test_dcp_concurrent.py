@@ -97,7 +97,8 @@ def test_without_reading_again_the_replaced_save_fails_on_its_removed_files(
     commit_here(folder, 1.0)
     replaced_at_first_read(folder, monkeypatch)
     monkeypatch.setattr(loading, "READ_ATTEMPTS", 1)
-    with pytest.raises(tiekit.CheckpointError, match=r"replaced by a newer save 1 times .*__0_0\.distcp: gone while the load read"):
+    gone = r"replaced by a newer save 1 times .*__0_0\.distcp: gone while the load read"
+    with pytest.raises(tiekit.CheckpointError, match=gone):
         tiekit.load_sharded(tied(), folder)
 
 

@@ -1,50 +1,24 @@
-"""Lightning: keep ties through the Trainer's cast, move and teardown; save checkpoints as tied safetensors.
-
-``KeepTies`` is a callback. Lightning's strategies cast the module (``precision="bf16-true"``),
-move it (``model_to_device``) and build the optimizers, all inside ``strategy.setup``, and
-move it back to the CPU in ``strategy.teardown``; no callback hook runs between the move and
-the optimizers. So the callback wraps the strategy's ``setup`` (to plan before the cast) and
-``model_to_device`` (to re-tie and verify right after the move, before any optimizer holds a
-parameter), re-ties again after teardown, and verifies at the start of every stage. It also
-plans before ``configure_model``, where ``ModelParallelStrategy`` users shard the module with
-FSDP2, and refuses the ties that hook undid (units splitting a tie: `tiekit.check_sharding`). Lightning's
-own XLA strategies re-tie parameters with ``set_shared_parameters``; they keep neither buffers
-nor views, do not check counts, and do nothing after teardown's ``.cpu()``, which breaks
-parameter ties again.
-
-``TiedCheckpointIO`` writes what ``ModelCheckpoint`` saves as one safetensors file: the
-module's weights once per tie group (with the tie plan), the optimizer state and every other
-entry as tensors plus JSON. Nothing is pickled unless ``allow_pickle=True``.
-"""
+"""`KeepTies`: the Lightning callback that keeps a LightningModule's ties through the Trainer's
+cast, move, ``configure_model`` and teardown (see the package's docstring)."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import pickle
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-import torch
-from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from tiekit.analyze import find_ties
-from tiekit.checkpoint.codec import Fallback, Reader
-from tiekit.checkpoint.loading import read_training_checkpoint
-from tiekit.checkpoint.saving import write_training_checkpoint
-from tiekit.devices import storage_key
-from tiekit.errors import CheckpointError, TieError, TiekitError, TieWarning
+from tiekit.errors import TieError, TiekitError, TieWarning
+from tiekit.integrations.lightning.checkpoint_io import TiedCheckpointIO
 from tiekit.plan import TieGroup, TiePlan
 from tiekit.retie import OnError, retie, verify
 from tiekit.sharding.check import check_sharding
 from tiekit.sharding.wrap import fsdp2
 from tiekit.slots import has_module, resolve
-
-__all__ = ["KeepTies", "TiedCheckpointIO"]
 
 
 class KeepTies(Callback):
@@ -258,171 +232,3 @@ def _has_fsdp2_units(model: nn.Module) -> bool:
 
 
 # -- checkpoints ----------------------------------------------------------------------------
-
-
-class TiedCheckpointIO(CheckpointIO):
-    """A Lightning ``CheckpointIO`` that writes tied safetensors instead of pickles.
-
-    ``Trainer(plugins=[TiedCheckpointIO()])``. The ``state_dict`` entry is stored one tensor
-    per tie group, with the tie plan (tensors of the state dict that share memory are ties);
-    optimizer states, loops, callbacks and hyperparameters are stored as tensors plus JSON.
-    Values JSON cannot hold (arbitrary objects in hyperparameters) raise `tiekit.CheckpointError`
-    unless ``allow_pickle=True``, which pickles just those values (and unpickles them on load:
-    only for files you trust). ``durable=False`` skips the fsyncs, as in `tiekit.save_model`
-    (still atomic against a killed process). The file is a safetensors file whatever its name
-    (``epoch=0-step=10.ckpt``): ``tiekit.load_model(module, path)`` reads the weights, and
-    ``trainer.fit(ckpt_path=...)`` resumes from it. Not for the XLA strategies, which accept only
-    their own ``XLACheckpointIO``, nor for ``ModelParallelStrategy`` and ``FSDPStrategy``, which
-    bypass it (`KeepTies` refuses the pair), nor inside Lightning's ``AsyncCheckpointIO``, which
-    clones each tensor on its own so that the file would store tied names untied (`KeepTies`
-    refuses that too, when the run starts). It writes each checkpoint before training goes on.
-    """
-
-    def __init__(self, *, allow_pickle: bool = False, durable: bool = True) -> None:
-        self.allow_pickle = allow_pickle
-        self.durable = durable
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        """Write ``checkpoint`` to ``path`` atomically (a crash leaves the previous file)."""
-        if storage_options is not None:
-            raise TypeError(
-                "TiedCheckpointIO does not support storage_options; got "
-                f"{storage_options!r}. Use a CheckpointIO that understands them."
-            )
-        state = checkpoint.get("state_dict", {})
-        if not isinstance(state, Mapping) or not all(isinstance(t, torch.Tensor) for t in state.values()):
-            raise CheckpointError(f"{path}: the checkpoint's 'state_dict' must map names to tensors")
-        rest = {k: v for k, v in checkpoint.items() if k != "state_dict"}
-        write_training_checkpoint(
-            _target(path),
-            model=_holder(state),
-            optimizer=None,
-            step=None,
-            extra=rest,
-            durable=self.durable,
-            fallback=_storer(self.allow_pickle),
-        )
-
-    def load_checkpoint(
-        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
-    ) -> dict[str, Any]:
-        """Read a file written by `save_checkpoint` back into Lightning's checkpoint dict.
-
-        Tied names come back as the same tensor (views as views). ``map_location`` may be a
-        device or a device string; tensors are on the CPU otherwise.
-        """
-        from tiekit.inspection import inspect_file
-
-        target = _target(path)
-        report = inspect_file(target)
-        holder = _holder(_meta_state(report))
-        readers = {"__pickle__": _unpickler(self.allow_pickle, str(target))}
-        loaded = read_training_checkpoint(target, model=holder, dtype="file", readers=readers)
-        state: dict[str, Any] = dict(holder.state_dict())
-        rest = loaded["extra"]
-        if not isinstance(rest, dict):
-            raise CheckpointError(f"{target}: not written by TiedCheckpointIO (no checkpoint entries)")
-        checkpoint = {"state_dict": state, **rest}
-        if map_location is not None:
-            if not isinstance(map_location, str | torch.device):
-                raise TypeError(f"TiedCheckpointIO: map_location must be a device or a string, not {map_location!r}")
-            checkpoint = cast(dict[str, Any], _map_tensors(checkpoint, torch.device(map_location)))
-        return checkpoint
-
-    def remove_checkpoint(self, path: Any) -> None:
-        """Delete the checkpoint file."""
-        target = _target(path)
-        if target.is_file():
-            target.unlink()
-
-
-def _target(path: Any) -> Path:
-    return Path(os.fspath(path))
-
-
-def _holder(tensors: Mapping[str, torch.Tensor]) -> nn.Module:
-    """A module holding ``tensors`` as buffers under their dotted names, so the tie machinery
-    (which works on modules) can plan, save and load a plain state dict.
-
-    A state dict holds a tied parameter once per name, as separate detached tensors over one
-    memory: tensors with the same storage, offset, shape, strides and dtype become one object
-    here, so the plan records an identity tie (loaded as the same object), not a view covering
-    the whole source. A real view (a slice, a transpose) keeps its own tensor and stays a view.
-    """
-    root = nn.Module()
-    same: dict[tuple[Any, ...], torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        storage = storage_key(tensor)
-        if storage is not None:
-            key = (storage, tensor.device, tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype)
-            tensor = same.setdefault(key, tensor)
-        *path, attr = name.split(".")
-        module = root
-        for part in path:
-            child = module._modules.get(part)
-            if child is None:
-                child = module._modules[part] = nn.Module()
-            module = child
-        module._buffers[attr] = tensor
-    return root
-
-
-def _meta_state(report: Any) -> dict[str, torch.Tensor]:
-    """Meta tensors for every name a file covers (stored ones and tied ones), with their shapes."""
-    meta: dict[str, torch.Tensor] = {}
-    for t in report.tensors:
-        meta[t.name] = torch.empty(t.shape, dtype=getattr(torch, t.dtype), device="meta")
-    if report.plan is not None:
-        for group in report.plan.groups:
-            for member in group.members[1:]:
-                shape = group.shape if member.view is None else member.view.size
-                meta[member.name] = torch.empty(shape, dtype=getattr(torch, group.dtype), device="meta")
-    return meta
-
-
-def _storer(allow_pickle: bool) -> Fallback:
-    """The codec's fallback for values it has no JSON form for: pickled into a byte tensor with
-    ``allow_pickle``, else a `CheckpointError` naming the entry."""
-
-    def store(value: Any, key: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-        if not allow_pickle:
-            raise CheckpointError(
-                f"cannot store {key!r}: a {type(value).__name__}, which has no JSON form; store plain values, or "
-                "use TiedCheckpointIO(allow_pickle=True) to pickle such values"
-            )
-        tensors[key] = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
-        return {"__pickle__": key}
-
-    return store
-
-
-def _unpickler(allow_pickle: bool, where: str) -> Reader:
-    """Reads `_storer`'s pickles back, only with ``allow_pickle`` (files the user trusts)."""
-
-    def read(body: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-        if not allow_pickle:
-            raise CheckpointError(
-                f"{where}: holds a pickled value; load it with TiedCheckpointIO(allow_pickle=True) only if you trust "
-                "the file"
-            )
-        # Earlier files stored the bytes as a tensor value: {"__pickle__": {"__tensor__": key}}.
-        key = body.get("__tensor__") if isinstance(body, dict) else body
-        if not isinstance(key, str) or key not in tensors:
-            raise CheckpointError(f"{where}: a pickled value names key {key!r}, which the file lacks")
-        return pickle.loads(tensors[key].numpy().tobytes())  # only with allow_pickle, for trusted files
-
-    return read
-
-
-def _map_tensors(value: Any, device: torch.device, moved: dict[int, torch.Tensor] | None = None) -> Any:
-    # One copy per tensor object, so names that share a tensor still share it on the device.
-    moved = {} if moved is None else moved
-    if isinstance(value, torch.Tensor):
-        if id(value) not in moved:
-            moved[id(value)] = value.to(device)
-        return moved[id(value)]
-    if isinstance(value, dict):
-        return {k: _map_tensors(v, device, moved) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_map_tensors(v, device, moved) for v in value)
-    return value
