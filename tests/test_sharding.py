@@ -376,3 +376,87 @@ def test_shard_refuses_a_first_forward_that_writes_a_gathered_parameter(tmp_path
         "root ran 0.25",
         "none ran 1.0",
     ], run.output
+
+
+BROKEN_BEFORE_WRAPPING = """
+import json, sys, tempfile, torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+import tiekit
+
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=0, world_size=1)
+
+
+class TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.mid, self.head = nn.Embedding(11, 4), nn.Linear(4, 4), nn.Linear(4, 11, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mid(self.embed(ids))))
+
+
+def broken_then_wrapped():
+    with torch.device("meta"):
+        model = TiedLM()
+    model.to_empty(device="cpu")  # without tiekit: the tie breaks here
+    for part in (model.embed, model.mid, model.head):
+        part.reset_parameters()
+    return fully_shard(model)  # FSDP2 takes embed.weight and head.weight as two parameters
+
+
+def full(t):
+    return t.full_tensor().clone()
+
+
+torch.manual_seed(0)
+plan = tiekit.find_ties(TiedLM())
+ckpt = tempfile.mkdtemp() + "/ck"
+tiekit.save_sharded(TiedLM(), ckpt)
+ids = torch.tensor([[1, 2, 3]])
+told = {}
+
+by_hand = broken_then_wrapped()  # the control: what a re-tie by attribute would leave
+by_hand.head.weight = by_hand.embed.weight
+by_hand(ids)
+told["by hand, tied after a forward"] = by_hand.head.weight is by_hand.embed.weight
+
+model = broken_then_wrapped()
+before = {name: full(p) for name, p in model.named_parameters()}
+for call in ("load_sharded", "retie"):
+    try:
+        tiekit.load_sharded(model, ckpt) if call == "load_sharded" else tiekit.retie(model, plan)
+        told[call] = "done"
+    except (tiekit.CheckpointError, tiekit.TieError) as exc:
+        told[call] = f"{type(exc).__name__}: {exc}"
+told["untouched"] = model.head.weight is not model.embed.weight and all(
+    torch.equal(full(p), before[name]) for name, p in model.named_parameters()
+)
+
+sharded = tiekit.shard(TiedLM())  # re-tied before wrapping: loads, and stays tied through a forward
+tiekit.load_sharded(sharded, ckpt)
+sharded(ids)
+told["tiekit.shard, tied after a forward"] = sharded.head.weight is sharded.embed.weight
+del by_hand, model, sharded
+tiekit.clear_dtensor_caches()
+dist.destroy_process_group()
+print(json.dumps(told))
+"""
+
+
+def test_a_load_into_a_model_wrapped_after_its_tie_broke_is_refused_not_re_tied_by_attribute(tmp_path: Any) -> None:
+    """to_empty broke the tie, then fully_shard took the two names as two parameters. load_sharded
+    re-pointed head.weight at embed.weight, `is` held, and FSDP2 put its own (never loaded,
+    randomly initialised) head.weight back at the first forward: training went on untied and
+    wrong. The control shows a re-tie by attribute not lasting a forward. Now the load and
+    `retie` refuse with check_sharding's message, the model untouched."""
+    [run] = run_ok([[sys.executable, "-c", BROKEN_BEFORE_WRAPPING, str(free_port())]], env=base_env(), cwd=tmp_path)
+    told = json.loads(run.output.strip().splitlines()[-1])
+    assert told["by hand, tied after a forward"] is False
+    assert told["load_sharded"].startswith("CheckpointError: ")
+    for call in ("load_sharded", "retie"):
+        assert "embed.weight, head.weight are tied but are separate tensors in unit '<root>'" in told[call], told
+        assert "the tie broke before wrapping" in told[call]
+    assert told["untouched"] is True
+    assert told["tiekit.shard, tied after a forward"] is True

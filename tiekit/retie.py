@@ -36,7 +36,7 @@ def retie(model: nn.Module, plan: TiePlan, *, replacing: Collection[str] = ()) -
     changes: list[tuple[nn.Module, str, torch.Tensor, TieMember]] = []
     replaced = frozenset(replacing)
     for group in _a_plan(plan).groups:
-        changes.extend(tie_changes(model, group, replacing=replaced))
+        changes.extend(lasting_tie_changes(model, group, replacing=replaced))
     # Names of one tensor that is a view (a weight tied to another, both over a buffer's memory)
     # are members with one geometry: they get one rebuilt tensor, and stay one.
     rebuilt: dict[tuple[object, ...], torch.Tensor] = {}
@@ -63,7 +63,7 @@ def fitting_plan(model: nn.Module, plan: TiePlan) -> TiePlan:
     and dtypes fit (the checks `retie` makes, without re-pointing anything), and no tensor views
     a source's memory in another dtype (a conversion would make it a copy); `TieError` if not."""
     for group in _a_plan(plan).groups:
-        tie_changes(model, group)
+        lasting_tie_changes(model, group)
     for view in plan.reinterpreting:
         raise TieError(
             f"{view.name!r} ({view.dtype}) views the memory of {view.source!r} ({view.source_dtype}) in another "
@@ -116,6 +116,20 @@ def tie_changes(
             if not is_view_of(current, source, member):
                 changes.append((module, attr, source, member))
     del source_kind
+    return changes
+
+
+def lasting_tie_changes(
+    model: nn.Module, group: TieGroup, *, replacing: frozenset[str] = frozenset()
+) -> list[tuple[nn.Module, str, torch.Tensor, TieMember]]:
+    """`tie_changes`, and `TieError` when a parameter to re-point is one FSDP2 manages apart from
+    its source (the tie broke before ``fully_shard``): FSDP2 would put its own parameter back at
+    the next forward, so the re-tie would not last (`tiekit.sharding.check.refuse_split_by_fsdp`)."""
+    changes = tie_changes(model, group, replacing=replacing)
+    if any(member.view is None and member.kind == "parameter" for *_, member in changes):
+        from tiekit.sharding.check import refuse_split_by_fsdp  # the sharding package imports this module
+
+        refuse_split_by_fsdp(model, group)
     return changes
 
 

@@ -129,7 +129,7 @@ def unique_tensors(model: nn.Module, plan: TiePlan) -> tuple[list[str], list[tor
     for group in plan.groups:
         if group.source in seen:
             try:
-                tie_changes(model, group)  # the same checks retie makes, so the file can be re-tied
+                tie_changes(model, group)  # retie's checks of names, shapes and dtypes: the file can be re-tied
             except TieError as exc:
                 raise CheckpointError(f"cannot save {type(model).__name__}: {exc}") from exc
     tensors = []

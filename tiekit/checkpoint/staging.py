@@ -20,7 +20,7 @@ from tiekit.checkpoint.source import Source
 from tiekit.errors import CheckpointError, TieError
 from tiekit.header import TensorEntry
 from tiekit.plan import TieGroup, TieMember, TiePlan
-from tiekit.retie import tie_changes
+from tiekit.retie import lasting_tie_changes
 from tiekit.slots import slot_table
 
 
@@ -99,7 +99,7 @@ def stage(model: nn.Module, source: Source, *, strict: bool, device: torch.devic
             _check_fits(name, slots[name][2], entries[key][1], member, where, cast=dtype == "model")
     for group in retie_groups:
         try:
-            tie_changes(model, group)  # the checks retie makes, without changing anything
+            lasting_tie_changes(model, group)  # the checks retie makes, without changing anything
         except TieError as exc:
             raise CheckpointError(f"{where}: cannot re-tie {type(model).__name__}: {exc}") from exc
     return Staged(tuple(retie_groups), tuple(loads), anchor, tuple(missing), tuple(unexpected), device, dtype == "file")

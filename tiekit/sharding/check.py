@@ -12,6 +12,7 @@ visible by identity, which is why the plan should be made before wrapping.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -158,6 +159,24 @@ def check_sharding(model: nn.Module, plan: TiePlan | None = None) -> None:
     check_reads(model, plan)
     for use in plan.cross_module:
         problems.extend(_read_outside(plan, use.name, use.reader, assignment))
+    if problems:
+        raise TieError(_message(problems))
+
+
+def refuse_split_by_fsdp(model: nn.Module, group: TieGroup) -> None:
+    """`TieError` (`check_sharding`'s message) when FSDP2 manages parameters of ``group`` as
+    separate tensors: re-tying them by pointing a module attribute at the source would not last,
+    since FSDP2 puts its own parameter back at the next forward and trains each apart (a load
+    into a model wrapped after its tie broke reported the tie restored and trained wrong). Local;
+    nothing for a model no ``fully_shard`` touched."""
+    if "torch.distributed.fsdp" not in sys.modules:  # no FSDP2 model can exist yet: skip the import
+        return
+    try:
+        assignment = fsdp_assignment(model)
+    except TiekitError:  # FSDP1 wrappers, or a torch without FSDP2: not this check's to judge
+        return
+    names = [m.name for m in group.members if m.kind == "parameter" and m.view is None]
+    problems = _split(names, assignment, "are tied") if assignment else []
     if problems:
         raise TieError(_message(problems))
 
