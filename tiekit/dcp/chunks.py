@@ -122,7 +122,7 @@ def _load_record(
     name, offset, length, shape = place
     path = folder / name
     if name not in files:
-        files[name] = open(path, "rb")  # noqa: SIM115 - closed by the caller, one per shard file
+        files[name] = _open_shard(path, key)
     try:
         tensor = torch.load(cast(IO[bytes], _Slice(files[name], offset, length)), map_location="cpu", weights_only=True)
     except Exception as exc:
@@ -131,6 +131,17 @@ def _load_record(
         got = f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor) else "no tensor"
         raise CheckpointError(f"{path}: key {key!r} at byte {offset} holds {got}, the metadata says {shape} {dtype}")
     return tensor
+
+
+def _open_shard(path: Path, key: str) -> io.BufferedReader:
+    """The shard file ``path`` open for reading (the caller closes it). `CheckpointError` naming it
+    and ``key`` when it cannot be opened: gone because a newer save removed its folder after the
+    checks (a reader of a committed folder then starts again from the new save), or unreachable."""
+    try:
+        return open(path, "rb")  # closed by the caller, one per shard file
+    except OSError as exc:
+        state = "missing" if isinstance(exc, FileNotFoundError) else f"unreadable ({exc.strerror or exc})"
+        raise CheckpointError(f"{path}: {state} shard file, holding key {key!r}") from exc
 
 
 #: key -> its chunks in row order as (shard file, the chunk's bytes as an entry, its first row).

@@ -203,14 +203,25 @@ def _open(path: Path) -> _Reader:
 def plain_dcp_metadata(folder: Path) -> Metadata:
     """DCP's metadata of a plain folder (``dcp.save``, no tiekit marker); `CheckpointError`
     naming the file when torch's reader cannot unpickle it. Local."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-
-    try:
-        metadata = FileSystemReader(folder).read_metadata()
-    except Exception as exc:
-        raise CheckpointError(f"{folder / DCP_METADATA}: unreadable DCP metadata: {exc}") from exc
+    metadata = dcp_metadata(folder)
     _check_plain_files(folder, metadata)
     return metadata
+
+
+def dcp_metadata(folder: Path) -> Metadata:
+    """DCP's metadata of ``folder``, as torch's reader unpickles it (check a `save_sharded` save's
+    against its marker first: `read_marker`). `CheckpointError` naming the file when it is gone
+    (a newer save removed the folder meanwhile: `reading_committed` then reads the new save) or
+    unreadable. Local."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    file = folder / DCP_METADATA
+    try:
+        return FileSystemReader(folder).read_metadata()
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{file}: missing (the DCP metadata of {folder}): {exc.strerror or exc}") from exc
+    except Exception as exc:
+        raise CheckpointError(f"{file}: unreadable DCP metadata: {exc}") from exc
 
 
 def _check_plain_files(folder: Path, metadata: Metadata) -> None:
@@ -252,7 +263,7 @@ def _dcp_read(folder: Path) -> Callable[[list[str]], dict]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.state_dict_loader import load
 
-    metadata = FileSystemReader(folder).read_metadata()
+    metadata = dcp_metadata(folder)
     rows = row_chunks(metadata)
 
     def read(keys: list[str]) -> dict[str, Value]:

@@ -265,7 +265,7 @@ def read_marker(path: PathLike) -> Marker:
     metadata = folder / DCP_METADATA
     if DCP_METADATA not in files or not metadata.is_file():
         raise CheckpointError(f"{metadata}: missing (the DCP metadata of save {raw.get('save_id')!r})")
-    if file_sha256(metadata) != raw.get("metadata_sha256"):
+    if _readable_sha256(metadata, raw.get("save_id")) != raw.get("metadata_sha256"):
         raise CheckpointError(
             f"{metadata}: not the DCP metadata of save {raw.get('save_id')!r}: its SHA-256 differs from key "
             f"'metadata_sha256' of {where} (from another save or model, or modified); refused before reading it"
@@ -273,6 +273,18 @@ def read_marker(path: PathLike) -> Marker:
     digest = str(raw["metadata_sha256"])
     record = {k: v for k, v in raw.items() if k not in ("files", "tensors", "plan")}
     return Marker(where, folder, str(raw.get("save_id")), plan, table, files, digest, record)
+
+
+def _readable_sha256(metadata: Path, save_id: object) -> str:
+    """`file_sha256` of the DCP metadata file of save ``save_id``: `CheckpointError` naming it when
+    it cannot be read (removed by a newer save since it was found: `reading_committed` then reads
+    the new save)."""
+    try:
+        return file_sha256(metadata)
+    except OSError as exc:
+        raise CheckpointError(
+            f"{metadata}: cannot be read (the DCP metadata of save {save_id!r}): {exc.strerror or exc}"
+        ) from exc
 
 
 def _text(raw: Mapping[str, Any], key: str, where: str) -> str:

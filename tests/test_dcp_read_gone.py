@@ -1,0 +1,146 @@
+"""`inspect --check-values` and `convert` of a sharded folder whose files go away while they read
+it: a newer save committed meanwhile (a trainer saving beside an evaluator) is read instead, as
+`load_sharded` does; files gone otherwise are a `CheckpointError` naming the file, never a raw
+``FileNotFoundError`` (nor one blamed on the destination)."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import tiekit
+from tiekit.dcp import layout
+from tiekit.dcp.layout import committed_save_id
+from tiekit.inspection import inspect_file
+
+# The module (the package exports the function `convert` under the same name).
+converting = importlib.import_module("tiekit.dcp.convert")
+
+#: The reader's steps another process may act just before: the marker's check of DCP's metadata,
+#: DCP's metadata read, the shard files read.
+READ_STEPS = ["layout.file_sha256", "_dcp_read", "read_rows"]
+
+
+def tied(seed: int) -> nn.Module:
+    """A tied model with two tensors of one shape (which ``check_values`` reads to compare)."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Embedding(40, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 40, bias=False))
+    model[3].weight = model[0].weight
+    return model
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    tiekit.save_sharded(tied(0), tmp_path / "ck")
+    return tmp_path / "ck"
+
+
+def before_first(monkeypatch: pytest.MonkeyPatch, step: str, act: Callable[[], None]) -> None:
+    """``act()`` (what another process does) runs once, just before the reader's first call of
+    ``step`` (a function of `tiekit.dcp.convert`, which inspect uses too; ``layout.<name>``: of
+    `tiekit.dcp.layout`)."""
+    module, name = (layout, step.removeprefix("layout.")) if step.startswith("layout.") else (converting, step)
+    real = getattr(module, name)
+    calls: list[int] = []
+
+    def first_acting(*args: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            act()
+        return real(*args)
+
+    monkeypatch.setattr(module, name, first_acting)
+
+
+@pytest.mark.parametrize("step", READ_STEPS)
+def test_inspect_check_values_of_a_folder_saved_over_meanwhile_reads_the_new_save(
+    folder: Path, monkeypatch: pytest.MonkeyPatch, step: str
+) -> None:
+    first = committed_save_id(folder)
+    before_first(monkeypatch, step, lambda: tiekit.save_sharded(tied(1), folder))
+    report = inspect_file(folder, check_values=True)  # raised FileNotFoundError of the old save's files
+    assert report.metadata["save_id"] == committed_save_id(folder) != first
+    assert report.identical == ()
+
+
+@pytest.mark.parametrize("step", READ_STEPS)
+def test_convert_of_a_folder_saved_over_meanwhile_converts_the_new_save(
+    folder: Path, monkeypatch: pytest.MonkeyPatch, step: str
+) -> None:
+    before_first(monkeypatch, step, lambda: tiekit.save_sharded(tied(1), folder))
+    tiekit.convert(folder, folder.parent / "model.safetensors")
+    model = tied(2)
+    tiekit.load_model(model, folder.parent / "model.safetensors")
+    for (name, got), want in zip(model.state_dict().items(), tied(1).state_dict().values(), strict=True):
+        assert torch.equal(got, want), name
+
+
+def remove(folder: Path, pattern: str) -> Callable[[], None]:
+    """Removes the committed save's files matching ``pattern`` (a deleted or unreachable source)."""
+
+    def act() -> None:
+        for file in folder.glob(f"save-*/{pattern}"):
+            file.unlink()
+
+    return act
+
+
+GONE = [
+    ("layout.file_sha256", ".metadata", r"save-\w+/\.metadata: cannot be read \(the DCP metadata of save '\w+'\)"),
+    ("_dcp_read", ".metadata", r"save-\w+/\.metadata: missing \(the DCP metadata of "),
+    ("read_rows", "*.distcp", r"save-\w+/__\d+_\d+\.distcp: missing shard file, holding key '"),
+]
+
+
+@pytest.mark.parametrize(("step", "pattern", "said"), GONE, ids=["checked metadata", "metadata", "shard"])
+def test_inspect_check_values_names_a_file_removed_while_it_reads(
+    folder: Path, monkeypatch: pytest.MonkeyPatch, step: str, pattern: str, said: str
+) -> None:
+    before_first(monkeypatch, step, remove(folder, pattern))
+    with pytest.raises(tiekit.CheckpointError, match=re.escape(str(folder)) + "/" + said):
+        inspect_file(folder, check_values=True)
+
+
+@pytest.mark.parametrize(("step", "pattern", "said"), GONE, ids=["checked metadata", "metadata", "shard"])
+def test_convert_names_a_source_file_removed_while_it_reads(
+    folder: Path, monkeypatch: pytest.MonkeyPatch, step: str, pattern: str, said: str
+) -> None:
+    """The shard files' read error was "<dst>: cannot write: No such file or directory"."""
+    before_first(monkeypatch, step, remove(folder, pattern))
+    dst = folder.parent / "out" / "model.safetensors"
+    with pytest.raises(tiekit.CheckpointError, match=re.escape(str(folder)) + "/" + said):
+        tiekit.convert(folder, dst)
+    assert sorted(p.name for p in folder.parent.iterdir()) == ["ck"]  # nothing left at the destination
+
+
+def test_convert_names_a_source_file_removed_after_the_first_batch(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One tensor per batch; the shard files go after the first was written into the destination."""
+    real = converting._dcp_read
+
+    def dcp_read(save: Path) -> Callable[[list[str]], dict]:
+        read = real(save)
+        calls: list[int] = []
+
+        def batch(keys: list[str]) -> dict:
+            calls.append(1)
+            if len(calls) == 2:
+                remove(folder, "*.distcp")()
+            return read(keys)
+
+        return batch
+
+    monkeypatch.setattr(converting, "_dcp_read", dcp_read)
+    monkeypatch.setattr(converting, "READ_BATCH_BYTES", 1)
+    with pytest.raises(tiekit.CheckpointError) as raised:
+        tiekit.convert(folder, folder.parent / "out.safetensors")
+    assert re.match(re.escape(str(folder)) + r"/save-\w+/__\d+_\d+\.distcp: missing shard file", str(raised.value))
+    assert sorted(p.name for p in folder.parent.iterdir()) == ["ck"]
