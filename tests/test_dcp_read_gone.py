@@ -1,7 +1,8 @@
 """`inspect --check-values` and `convert` of a sharded folder whose files go away while they read
 it: a newer save committed meanwhile (a trainer saving beside an evaluator) is read instead, as
 `load_sharded` does; files gone otherwise are a `CheckpointError` naming the file, never a raw
-``FileNotFoundError`` (nor one blamed on the destination)."""
+``FileNotFoundError``. And a convert's source failing while the destination is written is named
+itself, not blamed on the destination."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 import tiekit
-from tiekit.dcp import layout
+from tiekit.dcp import layout, stream
 from tiekit.dcp.layout import committed_save_id
 from tiekit.inspection import inspect_file
 
@@ -144,3 +145,37 @@ def test_convert_names_a_source_file_removed_after_the_first_batch(
         tiekit.convert(folder, folder.parent / "out.safetensors")
     assert re.match(re.escape(str(folder)) + r"/save-\w+/__\d+_\d+\.distcp: missing shard file", str(raised.value))
     assert sorted(p.name for p in folder.parent.iterdir()) == ["ck"]
+
+
+def test_a_refused_merge_in_a_convert_to_a_sharded_folder_is_the_sources_error(tmp_path: Path) -> None:
+    """It was "<dst>/save-<id>: DCP could not write its shard files: rank 0: CheckpointError: <src>:
+    refusing to merge ...", naming a folder the failed convert had removed."""
+    from safetensors.torch import save_file
+
+    broken = {"0.weight": torch.zeros(40, 16), "3.weight": torch.ones(40, 16)}  # a tie broken and trained
+    save_file(broken, tmp_path / "broken.safetensors")
+    said = re.escape(f"{tmp_path / 'broken.safetensors'}: refusing to merge tied keys '3.weight' and '0.weight'")
+    with pytest.raises(tiekit.CheckpointError, match=f"^{said}"):
+        tiekit.convert(tmp_path / "broken.safetensors", tmp_path / "new" / "ck", plan=tied(0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.safetensors"]
+
+
+@pytest.mark.parametrize("destination", ["safetensors", "dcp"])
+def test_a_tensor_source_failing_while_it_is_written_is_named_not_the_destination(
+    tmp_path: Path, destination: str
+) -> None:
+    """The second tensor to write is read from a file that is gone: the writers said
+    "<dst>: cannot write: No such file or directory" (safetensors) or DCP could not write (DCP)."""
+    gone = tmp_path / "gone.pt"
+    specs = [("a", (2,), torch.float32), ("b", (2,), torch.float32)]
+
+    def read(key: str) -> torch.Tensor:
+        return torch.zeros(2) if key == "a" else torch.load(gone)
+
+    said = f"^{re.escape(str(gone))}: cannot read the tensor to write: No such file or directory"
+    with pytest.raises(tiekit.CheckpointError, match=said):
+        if destination == "safetensors":
+            stream.write_safetensors(tmp_path / "out.safetensors", specs, None, ((k, read(k)) for k, _, _ in specs))
+        else:
+            stream.write_dcp(tmp_path / "out", specs, read)
+    assert not (tmp_path / "out.safetensors").exists()

@@ -66,7 +66,7 @@ def _write_file(
     with open(path, "wb") as f:
         f.write(_header(specs, metadata))
         for key, shape, dtype in specs:
-            name, value = next(tensors)
+            name, value = _next_tensor(tensors)
             parts = value if isinstance(value, list) else [value]
             joined = (sum(p.shape[0] for p in parts), *parts[0].shape[1:]) if len(parts) > 1 else parts[0].shape
             if (
@@ -80,6 +80,22 @@ def _write_file(
             # Dropped before the next tensor is read, so its memory is reused, not added to.
             del value, parts
     os.chmod(path, 0o644)
+
+
+def _next_tensor(tensors: Iterator[tuple[str, Value]]) -> tuple[str, Value]:
+    """The next key and tensor to write. The iterator reads them from the source: an `OSError` it
+    raises is the source's (a file removed or unreachable), raised as a `CheckpointError` naming
+    that file, so that the writer's callers do not take it for a failure to write the destination."""
+    try:
+        return next(tensors)
+    except OSError as exc:
+        raise _read_failure(exc) from exc
+
+
+def _read_failure(exc: OSError) -> CheckpointError:
+    """``exc``, raised reading a tensor to write, as a `CheckpointError` naming the file it names."""
+    source = exc.filename if exc.filename is not None else "the source"
+    return CheckpointError(f"{source}: cannot read the tensor to write: {exc.strerror or exc}")
 
 
 def _write_parts(f: Any, parts: list[torch.Tensor]) -> None:
@@ -185,7 +201,10 @@ def _move_new(source: Path, target: Path) -> None:
 
 
 def write_dcp(folder: Path, specs: Sequence[Spec], read: Callable[[str], torch.Tensor]) -> None:
-    """A DCP save (one process) of ``specs`` whose values ``read(key)`` returns when DCP writes them."""
+    """A DCP save (one process) of ``specs`` whose values ``read(key)`` returns when DCP writes them.
+
+    An error of ``read`` (the source's: a refusal naming it, a file of it gone) is raised as it is
+    (an `OSError` as a `CheckpointError` naming its file), not as DCP's failure to write ``folder``."""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save
@@ -193,6 +212,7 @@ def write_dcp(folder: Path, specs: Sequence[Spec], read: Callable[[str], torch.T
     from tiekit.dcp.state import running_dcp
 
     unreclaimed = 0  # bytes handed to DCP since the last collection
+    failed_reads: list[BaseException] = []  # what ``read`` raised inside DCP's writer, which wraps it
 
     class Streaming(DefaultSavePlanner):
         """Plans with meta tensors; DCP's writer asks for each tensor once, just before writing it."""
@@ -206,12 +226,21 @@ def write_dcp(folder: Path, specs: Sequence[Spec], read: Callable[[str], torch.T
             if unreclaimed >= _RECLAIM_BYTES:
                 gc.collect(1)
                 unreclaimed = 0
-            value = read(index.fqn)
+            try:
+                value = read(index.fqn)
+            except BaseException as exc:
+                failed_reads.append(_read_failure(exc) if isinstance(exc, OSError) else exc)
+                raise
             unreclaimed += value.numel() * value.element_size()
             return value
 
     placeholders = {key: torch.empty(shape, dtype=dtype, device="meta") for key, shape, dtype in specs}
-    with running_dcp(folder, reading=False):
-        # A file per tensor: torch's writer holds every tensor of a file until the file is done.
-        writer = FileSystemWriter(folder, single_file_per_rank=False)
-        save(placeholders, storage_writer=writer, planner=Streaming(), no_dist=True)
+    try:
+        with running_dcp(folder, reading=False):
+            # A file per tensor: torch's writer holds every tensor of a file until the file is done.
+            writer = FileSystemWriter(folder, single_file_per_rank=False)
+            save(placeholders, storage_writer=writer, planner=Streaming(), no_dist=True)
+    except CheckpointError:
+        if failed_reads:
+            raise failed_reads[0] from None  # the source's error; DCP's message blamed the write
+        raise
