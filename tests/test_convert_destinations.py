@@ -200,3 +200,40 @@ def test_convert_with_a_model_keeps_the_ties_the_source_records_and_adds_the_mod
     tiekit.load_model(loaded, tmp_path / "a.safetensors")  # both tied names there: none lost
     assert torch.equal(loaded.lm.head.weight, saved.lm.embed.weight)
     assert torch.equal(loaded.down.weight, saved.up.weight)
+
+
+#: A folder name the file system refuses (over 255 bytes: ENAMETOOLONG), as it refuses a folder on
+#: a read-only file system or without write permission, which a test running as root cannot make.
+TOO_LONG = "x" * 300
+
+
+@pytest.mark.parametrize(
+    ("source", "dst"),
+    [("ck", f"{TOO_LONG}/model.safetensors"), ("ck", TOO_LONG), ("model.safetensors", TOO_LONG)],
+    ids=["sharded to a file in it", "sharded to it", "safetensors to it"],
+)
+def test_convert_names_a_destination_folder_it_cannot_create(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], source: str, dst: str
+) -> None:
+    """It was the raw OSError, which the CLI called "not expected; please report it"."""
+    tiekit.save_sharded(Tied(), tmp_path / "ck")
+    tiekit.save_model(Tied(), tmp_path / "model.safetensors")
+    said = re.escape(f"{tmp_path / dst}: cannot be written: File name too long")
+    refused(tmp_path / source, tmp_path / dst, said)
+    code = main(["convert", str(tmp_path / source), str(tmp_path / dst)])
+    err = capsys.readouterr().err
+    assert code == 1 and re.match(f"tiekit: error: {said}", err) and "not expected" not in err, err
+
+
+def test_writing_safetensors_names_a_folder_it_cannot_create(tmp_path: Path) -> None:
+    """The writer's own creation of the folder (convert's checks find a name too long first on
+    Python 3.11; a read-only file system fails only here)."""
+    import torch
+
+    from tiekit.dcp.stream import write_safetensors
+
+    target = tmp_path / TOO_LONG / "model.safetensors"
+    tensors = iter([("w", torch.zeros(2))])
+    said = re.escape(f"{tmp_path / TOO_LONG}: cannot create the folder of model.safetensors: File name too long")
+    with pytest.raises(tiekit.CheckpointError, match=said):
+        write_safetensors(target, [("w", (2,), torch.float32)], None, tensors)

@@ -11,6 +11,7 @@ Only model weights are converted: optimizer state, ``extra`` (and a training che
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
@@ -370,19 +371,32 @@ def _to_safetensors(
     max_shard_size: int | str | None,
 ) -> list[Path]:
     file = target if target.name.endswith(".safetensors") else target / WEIGHTS_NAME
-    refuse_unwritable(file.parent, target)
-    if file.parent == target:
-        refuse_held_checkpoint(target)
-    limit = None if max_shard_size is None else parse_size(max_shard_size)
-    refuse_existing_files(file, sharded=limit is not None)
+    with _destination_errors(target):
+        refuse_unwritable(file.parent, target)
+        if file.parent == target:
+            refuse_held_checkpoint(target)
+        limit = None if max_shard_size is None else parse_size(max_shard_size)
+        refuse_existing_files(file, sharded=limit is not None)
     kept = None if plan is None else TiePlan(plan.groups, plan.unique_count, plan.total_count)
     with removed_on_failure(file.parent):
         return write_safetensors(file, specs, kept, _batches(source, specs, checks), limit)
 
 
+@contextlib.contextmanager
+def _destination_errors(dst: Path) -> Iterator[None]:
+    """Around the checks of the destination ``dst`` and the creation of its folder: an `OSError`
+    there (a name too long, a read-only file system, no permission) is a `CheckpointError`
+    naming ``dst``. Around nothing that reads the source, whose errors are its own."""
+    try:
+        yield
+    except OSError as exc:
+        raise CheckpointError(f"{dst}: cannot be written: {exc.strerror or exc}") from exc
+
+
 def _to_dcp(source: _Reader, specs: list[Spec], plan: TiePlan | None, checks: dict[str, str], root: Path) -> list[Path]:
-    refuse_unwritable(root, root)
-    refuse_held_checkpoint(root)
+    with _destination_errors(root):
+        refuse_unwritable(root, root)
+        refuse_held_checkpoint(root)
     save_id = new_save_id()
     folder = root / f"{SAVE_PREFIX}{save_id}"
 
@@ -396,7 +410,8 @@ def _to_dcp(source: _Reader, specs: list[Spec], plan: TiePlan | None, checks: di
     record: dict[str, Any] = {"state_version": 1, "extra": None, "optimizer": None, "tensors": tensors, "world_size": 1}
     record["torch"] = torch.__version__
     with removed_on_failure(root):
-        root.mkdir(parents=True, exist_ok=True)
+        with _destination_errors(root):
+            root.mkdir(parents=True, exist_ok=True)
         try:
             write_dcp(folder, specs, read)
             write_marker(root, folder, save_id, plan, record)

@@ -122,7 +122,11 @@ def write_safetensors(
     is a `CheckpointError` naming it, and the files this call had put in place are removed
     again, as on any failure. Local."""
     header = {"format": "pt"} if plan is None else {"format": "pt", PLAN_KEY: plan.to_json()}
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a name too long, a read-only file system, no permission
+        why = exc.strerror or exc
+        raise CheckpointError(f"{target.parent}: cannot create the folder of {target.name}: {why}") from exc
     total = sum(nbytes(s) for s in specs)
     if max_shard_size is None or total <= max_shard_size:
         return _publish_new([(target, lambda tmp: _write_file(tmp, specs, header, tensors))])
