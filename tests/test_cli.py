@@ -328,3 +328,21 @@ def test_inspect_example_factory_from_the_repository_root(
     report = json.loads(run(capsys, "inspect", "examples.tied_lm:build", "--json")[1])
     assert (report["model"], report["device"]) == ("TiedLM", "meta")
     assert [m["name"] for m in report["plan"]["groups"][0]["members"]] == ["embed.weight", "head.weight"]
+
+
+def test_a_sharded_folder_without_its_marker_is_named_so_by_inspect_convert_and_verify(
+    factories: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """They said "no safetensors file or index in this folder"; load_sharded says the marker is missing."""
+    folder = tmp_path / "ck"
+    tiekit.save_sharded(gpt2(), folder)
+    (folder / "tiekit-dcp.json").unlink()  # deleted, or a save killed before its first commit
+    said = f"{folder}: no tiekit-dcp.json (not a committed sharded checkpoint)"
+    with pytest.raises(tiekit.CheckpointError, match=r"no tiekit-dcp\.json \(not a committed sharded checkpoint\)"):
+        tiekit.load_sharded(gpt2(), folder)
+    for argv in (["inspect", str(folder)], ["convert", str(folder), str(tmp_path / "out.safetensors")]):
+        code, _, err = run(capsys, *argv)
+        assert code == 1 and err.startswith(f"tiekit: error: {said}"), (argv, err)
+    code, out, _ = run(capsys, "verify", str(folder), "--model", f"{factories}:tied")
+    assert code == 1 and f"FAIL  file: {said}" in out, out
+    assert not (tmp_path / "out.safetensors").exists()

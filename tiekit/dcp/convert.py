@@ -45,6 +45,7 @@ from tiekit.dcp.layout import (
     file_ends,
     is_plain_dcp_folder,
     is_sharded_checkpoint,
+    lost_its_marker,
     new_save_id,
     read_marker,
     reading_committed,
@@ -168,10 +169,10 @@ def _is_dcp(path: Path) -> bool:
 def _open(path: Path) -> _Reader:
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or folder")
-    if (path / MARKER_NAME).is_file():
+    if (path / MARKER_NAME).is_file() or lost_its_marker(path):
         from tiekit.dcp.records import save_metadata
 
-        marker = read_marker(path)
+        marker = read_marker(path)  # without a marker: "no tiekit-dcp.json", as load_sharded says
         metadata = save_metadata(marker)
         stored = metadata.state_dict_metadata
         specs = [(k, marker.tensors[k][0], stored[k].properties.dtype) for k in marker.model_keys()]

@@ -60,6 +60,20 @@ def is_plain_dcp_folder(path: PathLike) -> bool:
     return not is_sharded_checkpoint(path) and (Path(path) / DCP_METADATA).is_file()
 
 
+def lost_its_marker(path: PathLike) -> bool:
+    """True when ``path`` is a folder holding the save folders of a `save_sharded` checkpoint but
+    no marker, and nothing else a loader reads (no safetensors file or index, no DCP metadata): a
+    sharded checkpoint whose marker is missing (deleted, or a save killed before its first commit),
+    which `read_marker` names as such. Local, reads no file."""
+    root = Path(path)
+    if not root.is_dir() or is_sharded_checkpoint(root) or is_plain_dcp_folder(root):
+        return False
+    entries = list(root.iterdir())
+    if any(entry.name.endswith((".safetensors", ".safetensors.index.json")) for entry in entries):
+        return False
+    return any(is_save_folder(entry) for entry in entries)
+
+
 def committed_save_id(path: PathLike) -> str | None:
     """The save id the marker of ``path`` names now, or None when there is no readable marker
     (local; reads the marker only, validates nothing)."""

@@ -161,9 +161,10 @@ def inspect_file(path: str | os.PathLike[str], *, check_values: bool = False) ->
     ``check_values`` also reads the data of tensors that share a dtype and shape and reports the
     byte-identical ones. Raises `CheckpointError` naming the file for anything unreadable.
     """
-    from tiekit.dcp.layout import is_plain_dcp_folder, is_sharded_checkpoint
+    from tiekit.dcp.layout import is_plain_dcp_folder, is_sharded_checkpoint, lost_its_marker
 
-    if is_sharded_checkpoint(path):  # a save_sharded folder: its marker and DCP's metadata
+    # A save_sharded folder: its marker and DCP's metadata (without its marker, named as missing).
+    if is_sharded_checkpoint(path) or lost_its_marker(path):
         from tiekit.dcp.report import inspect_sharded
 
         return inspect_sharded(path, check_values=check_values)
