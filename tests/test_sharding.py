@@ -460,3 +460,73 @@ def test_a_load_into_a_model_wrapped_after_its_tie_broke_is_refused_not_re_tied_
         assert "the tie broke before wrapping" in told[call]
     assert told["untouched"] is True
     assert told["tiekit.shard, tied after a forward"] is True
+
+
+FILE_INTO_SHARDED = """
+import json, sys, torch, torch.distributed as dist
+from torch import nn
+import tiekit
+
+rank, port, folder = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+
+
+class TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.mid, self.head = nn.Embedding(11, 4), nn.Linear(4, 4), nn.Linear(4, 11, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mid(self.embed(ids))))
+
+
+torch.manual_seed(1)
+saved = TiedLM()
+if rank == 0:
+    tiekit.save_model(saved, f"{folder}/model.safetensors")
+    tiekit.save_checkpoint(f"{folder}/ckpt", model=saved, step=3)
+dist.barrier()
+ids = torch.tensor([[1, 2, 3]])
+told = {}
+for call in ("load_model", "load_checkpoint"):
+    torch.manual_seed(2)
+    model = tiekit.shard(TiedLM())  # other values than the file's
+    if call == "load_model":
+        tiekit.load_model(model, f"{folder}/model.safetensors")
+    else:
+        tiekit.load_checkpoint(f"{folder}/ckpt", model=model)
+    whole = {name: p.full_tensor() for name, p in model.named_parameters()}  # collective: both ranks
+    told[call] = {
+        "values": all(torch.equal(whole[name], p.detach()) for name, p in saved.named_parameters()),
+        "shard rows": model.embed.weight.to_local().shape[0],
+        "tied after a forward": (model(ids), model.head.weight is model.embed.weight)[1],
+    }
+with torch.device("meta"):
+    on_meta = tiekit.shard(TiedLM())
+try:
+    tiekit.load_model(on_meta, f"{folder}/model.safetensors")
+    told["meta"] = "loaded"
+except tiekit.CheckpointError as exc:
+    told["meta"] = str(exc)
+del model, on_meta
+tiekit.clear_dtensor_caches()
+dist.barrier()
+dist.destroy_process_group()
+print(json.dumps(told))
+"""
+
+
+def test_a_single_file_loads_into_a_sharded_model_each_rank_keeping_its_shard(tmp_path: Any) -> None:
+    """load_model and load_checkpoint into a model from tiekit.shard crashed with torch's
+    ".numpy() is not supported for tensor subclasses": they read a file's bytes straight into the
+    parameter's memory, a DTensor's. The whole tensor is now read on the host and each rank keeps
+    its shard (local: no collective); a sharded model on the meta device is refused by name."""
+    port = str(free_port())
+    commands = [[sys.executable, "-c", FILE_INTO_SHARDED, str(rank), port, str(tmp_path)] for rank in range(2)]
+    runs = run_ok(commands, env=base_env(), cwd=tmp_path)
+    for rank, run in enumerate(runs):
+        told = json.loads(run.output.strip().splitlines()[-1])
+        for call in ("load_model", "load_checkpoint"):
+            assert told[call] == {"values": True, "shard rows": 6 - rank, "tied after a forward": True}, told
+        assert "cannot load 'embed.weight' into a sharded (FSDP2) model on the meta device" in told["meta"], told

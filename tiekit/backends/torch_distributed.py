@@ -7,6 +7,7 @@ import contextlib
 import itertools
 import os
 import socket
+import sys
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
@@ -169,6 +170,23 @@ def collective_close_process_group(failure: BaseException | None = None) -> None
     _collective_meet(f"{closing}/ranks", timeout=10.0)
     clear_dtensor_caches()
     dist.destroy_process_group()
+
+
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor (an FSDP2 parameter: each rank holds its shard). Local;
+    never imports torch.distributed.tensor (no DTensor exists before it is imported)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
+def copy_whole_into_dtensor(target: torch.Tensor, whole: torch.Tensor) -> None:
+    """Local: copy ``whole``, the full tensor (the same on every rank), into the DTensor ``target``,
+    each rank keeping its own shard of it: a replicated value split into shards is a local
+    slice, with no collective (checked: one rank alone copies while the other does not)."""
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    with torch.no_grad(), implicit_replication():
+        target.copy_(whole.to(target.device))
 
 
 def clear_dtensor_caches() -> None:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from tiekit import devices
+from tiekit.backends.torch_distributed import copy_whole_into_dtensor, is_dtensor
 from tiekit.checkpoint.codec import Reader, decode
 from tiekit.checkpoint.layout import CHECKPOINT_NAME, Device, PathLike
 from tiekit.checkpoint.optimizer import stage_optimizer
@@ -95,6 +96,13 @@ def _commit(model: nn.Module, source: Source, staged: Staged) -> None:
             device = staged.device or (torch.device("cpu") if tensor.is_meta else tensor.device)
             dtype = entry[1].dtype if staged.keep_file_dtype else tensor.dtype
             replace = tensor.is_meta or not _same_device(tensor.device, device) or tensor.dtype != dtype
+            if replace and is_dtensor(tensor):
+                raise CheckpointError(
+                    f"{source.where}: cannot load {name!r} into a sharded (FSDP2) model "
+                    f"{'on the meta device' if tensor.is_meta else 'while changing its device or dtype'}: a sharded "
+                    "parameter is filled in place, its shard on each rank. Allocate it first (model.to_empty(...)), or "
+                    "load before sharding; tiekit.load_sharded reads sharded checkpoints"
+                )
             jobs.append(Job(tensor, entry, device, dtype, replace))
         fresh = _fill(jobs, source.files)
         if staged.device is not None:
@@ -135,15 +143,19 @@ def _fill(jobs: list[Job], files: Mapping[str, FileIdentity]) -> dict[int, torch
     their device are overwritten batch by batch): holding their new values aside would hold the
     model twice. Whatever else changes the model happens after every read succeeded.
     """
-    on_device = stream_to_devices([job for job in jobs if job.device.type != "cpu"], files)
+    # A sharded (DTensor) parameter is read whole on the host, then each rank copies its shard.
+    sharded = {id(job.tensor) for job in jobs if is_dtensor(job.tensor)}
+    streamed = [job for job in jobs if job.device.type != "cpu" and id(job.tensor) not in sharded]
+    on_device = stream_to_devices(streamed, files)
     reads: list[tuple[str, TensorEntry, torch.Tensor]] = []
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     replaced: list[tuple[Job, torch.Tensor]] = []
     for job in jobs:
-        if job.device.type != "cpu":
+        if job.device.type != "cpu" and id(job.tensor) not in sharded:
             continue
         path, entry = job.entry
-        if not job.replace and job.tensor.dtype == entry.dtype and _holds_its_values(job.tensor):
+        in_place = not job.replace and id(job.tensor) not in sharded
+        if in_place and job.tensor.dtype == entry.dtype and _holds_its_values(job.tensor):
             reads.append((path, entry, job.tensor.detach()))  # straight into the parameter's memory
             continue
         host = torch.empty(entry.shape, dtype=entry.dtype)
@@ -156,7 +168,10 @@ def _fill(jobs: list[Job], files: Mapping[str, FileIdentity]) -> dict[int, torch
     fresh = {id(job.tensor): host.to(job.dtype) for job, host in replaced}  # no copy when the dtype is right
     # Everything is read and on its device: only now does the rest of the model change.
     for tensor, host in copies:
-        tensor.copy_(host)  # casts
+        if id(tensor) in sharded:
+            copy_whole_into_dtensor(tensor, host)
+        else:
+            tensor.copy_(host)  # casts
     fresh.update((id(job.tensor), value) for job, value in on_device)
     return fresh
 
