@@ -209,3 +209,40 @@ def test_a_failed_background_save_keeps_no_copy_of_the_state(
     assert copies == []
     with pytest.raises(tiekit.CheckpointError, match="No space left" if kind == "sharded" else "cannot create"):
         handle.wait(0)
+
+
+FILE_SIZE_LIMIT = """
+import gc, resource, signal, sys, warnings, torch, tiekit
+from torch import nn
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+warnings.simplefilter("ignore")
+rows = 4093  # a size no other tensor of this process has
+model = nn.Sequential(nn.Embedding(rows, 64), nn.Linear(64, rows, bias=False))
+model[1].weight = model[0].weight
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.RLIM_INFINITY))  # the disk refuses > 64 KiB
+handle = tiekit.save_sharded(model, sys.argv[1], blocking=False)
+handle.join()
+from tiekit.dcp.saving import _background_writer
+_background_writer().submit(lambda: None).result(60)  # its work item over: what is left is the handle's
+gc.collect()
+own, size = model[0].weight.untyped_storage().data_ptr(), model[0].weight.numel()
+copies = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.numel() == size and o.untyped_storage().data_ptr() != own]
+try:
+    handle.wait(0)
+    told = "saved"
+except tiekit.CheckpointError as exc:
+    told = str(exc)
+print(len(copies), told)
+"""
+
+
+def test_a_background_sharded_save_failing_in_torchs_writer_keeps_no_copy_of_the_state(tmp_path: Path) -> None:
+    """A real write failure (a file size limit) fails inside torch's zip writer: DCP's per-rank
+    error had that RuntimeError as its context, whose frames (DCP's writer) held the tensors being
+    written, 2 copies of the state for as long as the handle lived (probe). Every exception of the
+    chain now loses its frames."""
+    [run] = run_ok([[sys.executable, "-c", FILE_SIZE_LIMIT, str(tmp_path / "ck")]], env=base_env(), cwd=tmp_path)
+    copies, told = run.output.strip().splitlines()[-1].split(" ", 1)
+    assert "DCP could not write its shard files" in told, run.output
+    assert copies == "0", run.output

@@ -30,9 +30,15 @@ def without_frames(failure: BaseException) -> str:
     keeps its function, and a closure's cells (a background save's ``write`` holds the state's
     host copies), even once its locals are cleared."""
     text = "".join(traceback.format_exception(failure))
+    drop_frames(failure)
+    return text
+
+
+def drop_frames(failure: BaseException) -> None:
+    """Local: drop the traceback of ``failure`` and of every exception it was raised from or
+    during (a cause's frames hold what its function held: a DCP writer's, the tensors written)."""
     for exc in _chain(failure):
         exc.__traceback__ = None
-    return text
 
 
 def _chain(failure: BaseException) -> Iterator[BaseException]:

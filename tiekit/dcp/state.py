@@ -22,6 +22,7 @@ from tiekit.analyze import dtype_name
 from tiekit.checkpoint.contents import encode_training_state
 from tiekit.errors import CheckpointError
 from tiekit.plan import TiePlan
+from tiekit.tracebacks import drop_frames
 
 STATE_VERSION = 1
 
@@ -124,7 +125,7 @@ def dcp_failure(exc: Any, where: object, reading: bool) -> CheckpointError:
         # own frames would only keep the state being written alive (see `SaveHandle`).
         error = failure[0] if isinstance(failure, tuple) else failure
         if isinstance(error, BaseException):
-            error.__traceback__ = None
+            drop_frames(error)  # and its causes': torch's zip writer error under it held the tensors
     return CheckpointError(f"{where}: DCP could not {what}: {_failures(exc.failures)}")
 
 
