@@ -227,7 +227,8 @@ from tiekit.dcp.saving import _background_writer
 _background_writer().submit(lambda: None).result(60)  # its work item over: what is left is the handle's
 gc.collect()
 own, size = model[0].weight.untyped_storage().data_ptr(), model[0].weight.numel()
-copies = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.numel() == size and o.untyped_storage().data_ptr() != own]
+tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.numel() == size]
+copies = [t for t in tensors if t.untyped_storage().data_ptr() != own]
 try:
     handle.wait(0)
     told = "saved"
