@@ -165,6 +165,33 @@ def test_the_previous_checkpoint_stays_until_the_new_one_is_written(tmp_path: Pa
     assert tiekit.load_checkpoint(path, model=WeightSharingModule())["step"] == 2
 
 
+def test_blocking_saves_from_two_threads_both_wait_for_the_background_save_before_them(tmp_path: Path) -> None:
+    """Thread A's blocking save took the pending background save X out of the record while it
+    waited for it, so thread B's blocking save, made meanwhile, found nothing to wait for: B wrote
+    at once and X (older) then landed on top of it (probe: steps 3, then 1, on disk)."""
+    model, _ = trained()
+    path = tmp_path / "ckpt.safetensors"
+    written_at_return: dict[str, bool] = {}  # thread name: was X written when its blocking save returned
+    with writer_held():
+        x = tiekit.save_checkpoint(path, model=model, step=1, blocking=False)
+
+        def blocking(step: int) -> None:
+            tiekit.save_checkpoint(path, model=model, step=step)
+            written_at_return[threading.current_thread().name] = x.done()
+
+        a = threading.Thread(target=blocking, args=(2,), name="a")
+        a.start()
+        time.sleep(0.3)  # A is waiting for X
+        b = threading.Thread(target=blocking, args=(3,), name="b")
+        b.start()
+        time.sleep(0.3)
+        assert written_at_return == {}  # both wait: the writer is held, so X is not written yet
+    a.join(60)
+    b.join(60)
+    assert written_at_return == {"a": True, "b": True}
+    assert tiekit.load_checkpoint(path, model=WeightSharingModule())["step"] in (2, 3)
+
+
 def test_a_failed_background_write_is_raised_by_wait(tmp_path: Path) -> None:
     model, _ = trained()
     blocker = tmp_path / "file"

@@ -143,12 +143,23 @@ def after_earlier_saves(target: Path, stacklevel: int) -> None:
     for is a ``RuntimeWarning``, ``stacklevel`` as `warnings.warn`'s from the caller. Raising it
     instead could leave other ranks waiting in the next save's collectives: it is the earlier
     handle's `wait` that raises it."""
+    key = os.path.realpath(target)
     with _pending_lock:
-        earlier = _pending.pop(os.path.realpath(target), [])
+        # Left registered while this waits: a save of the path from another thread meanwhile
+        # must wait for them too (taken out, an older write landed on top of its newer one).
+        earlier = list(_pending.get(key, []))
     for entry in earlier:
         if isinstance(entry, SaveHandle):
-            entry.join()
-        warn_if_unseen(entry if isinstance(entry, int) else entry.serial, stacklevel + 1)
+            entry.join()  # then `_forget` has removed it, or left its serial if it failed
+    serials = {entry if isinstance(entry, int) else entry.serial for entry in earlier}
+    with _pending_lock:
+        left = [entry for entry in _pending.get(key, []) if not (isinstance(entry, int) and entry in serials)]
+        if left:
+            _pending[key] = left
+        else:
+            _pending.pop(key, None)
+    for serial in sorted(serials):
+        warn_if_unseen(serial, stacklevel + 1)
 
 
 def report_failed_saves(target: Path, stacklevel: int) -> None:
