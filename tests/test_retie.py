@@ -191,6 +191,19 @@ def test_move_requires_a_target() -> None:
         tiekit.move(WeightSharingModule())
 
 
+def test_move_takes_a_dtype_in_place_of_the_device_as_module_to_does() -> None:
+    """move(model, torch.float64) raised torch's "device() received an invalid combination of
+    arguments" (probe); nn.Module.to takes it as a cast."""
+    model = WeightSharingModule()
+    tiekit.move(model, torch.float64)
+    assert model.layer_1.weight.dtype == torch.float64 and model.layer_3.weight is model.layer_1.weight
+    with pytest.raises(tiekit.TieError, match="'cpux' is not a device"):
+        tiekit.move(model, "cpux")
+    assert model.layer_1.weight.dtype == torch.float64  # untouched
+    with pytest.raises(tiekit.TieError, match="is not a device"):
+        tiekit.move(model, torch.float32, dtype=torch.float16)
+
+
 def test_a_declared_tie_applied_by_a_move_leaves_the_optimizer_one_parameter_with_the_sources_state(
     tmp_path: Path,
 ) -> None:

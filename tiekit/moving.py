@@ -22,7 +22,7 @@ from tiekit.retie import OnError, fitting_plan, retie, verify
 
 def move(
     model: nn.Module,
-    device: torch.device | str | int | None = None,
+    device: torch.device | str | int | torch.dtype | None = None,
     dtype: torch.dtype | None = None,
     *,
     optimizer: torch.optim.Optimizer | None = None,
@@ -34,12 +34,20 @@ def move(
     Each tensor object is converted once, however many modules register it: a tied weight
     crosses to the device once and never exists twice there.
 
-    ``device="xla"`` means this process's XLA device. With ``optimizer``, its param groups and
-    state are re-bound, by name, to the moved parameters.
+    ``device="xla"`` means this process's XLA device. A dtype in place of the device casts
+    only, as ``model.to(torch.bfloat16)`` does. With ``optimizer``, its param groups and state
+    are re-bound, by name, to the moved parameters.
     """
+    if isinstance(device, torch.dtype) and dtype is None:
+        device, dtype = None, device  # move(model, torch.bfloat16), as nn.Module.to takes it
     if device is None and dtype is None:
         raise ValueError("tiekit.move needs a device, a dtype or both")
-    target = devices.resolve_device(device)
+    try:
+        if isinstance(device, torch.dtype):
+            raise TypeError("a dtype, and dtype= is given too")
+        target = devices.resolve_device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise TieError(f"tiekit.move: {device!r} is not a device ({exc}); a dtype goes in dtype=") from exc
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TieError(f"tiekit.move: optimizer must be a torch.optim.Optimizer, not a {type(optimizer).__name__}")
     # A plan made here is checked too: one retie could not apply must refuse before anything moves.
