@@ -378,14 +378,7 @@ def test_shard_refuses_a_first_forward_that_writes_a_gathered_parameter(tmp_path
     ], run.output
 
 
-BROKEN_BEFORE_WRAPPING = """
-import json, sys, tempfile, torch, torch.distributed as dist
-from torch import nn
-from torch.distributed.fsdp import fully_shard
-import tiekit
-
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=0, world_size=1)
-
+TIED_LM = """
 
 class TiedLM(nn.Module):
     def __init__(self):
@@ -395,7 +388,19 @@ class TiedLM(nn.Module):
 
     def forward(self, ids):
         return self.head(torch.tanh(self.mid(self.embed(ids))))
+"""  # the model of the two scripts below
 
+BROKEN_BEFORE_WRAPPING = (
+    """
+import json, sys, tempfile, torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+import tiekit
+
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=0, world_size=1)
+"""
+    + TIED_LM
+    + """
 
 def broken_then_wrapped():
     with torch.device("meta"):
@@ -443,6 +448,7 @@ tiekit.clear_dtensor_caches()
 dist.destroy_process_group()
 print(json.dumps(told))
 """
+)
 
 
 def test_a_load_into_a_model_wrapped_after_its_tie_broke_is_refused_not_re_tied_by_attribute(tmp_path: Any) -> None:
@@ -462,24 +468,17 @@ def test_a_load_into_a_model_wrapped_after_its_tie_broke_is_refused_not_re_tied_
     assert told["tiekit.shard, tied after a forward"] is True
 
 
-FILE_INTO_SHARDED = """
+FILE_INTO_SHARDED = (
+    """
 import json, sys, torch, torch.distributed as dist
 from torch import nn
 import tiekit
 
 rank, port, folder = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-
-
-class TiedLM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed, self.mid, self.head = nn.Embedding(11, 4), nn.Linear(4, 4), nn.Linear(4, 11, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, ids):
-        return self.head(torch.tanh(self.mid(self.embed(ids))))
-
+"""
+    + TIED_LM
+    + """
 
 torch.manual_seed(1)
 saved = TiedLM()
@@ -515,6 +514,7 @@ dist.barrier()
 dist.destroy_process_group()
 print(json.dumps(told))
 """
+)
 
 
 def test_a_single_file_loads_into_a_sharded_model_each_rank_keeping_its_shard(tmp_path: Any) -> None:
