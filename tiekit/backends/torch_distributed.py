@@ -175,8 +175,8 @@ def collective_close_process_group(failure: BaseException | None = None) -> None
 def is_dtensor(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a DTensor (an FSDP2 parameter: each rank holds its shard). Local;
     never imports torch.distributed.tensor (no DTensor exists before it is imported)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(tensor, module.DTensor)
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)  # torch < 2.5: elsewhere
+    return dtensor is not None and isinstance(tensor, dtensor)
 
 
 def copy_whole_into_dtensor(target: torch.Tensor, whole: torch.Tensor) -> None:
@@ -198,8 +198,10 @@ def clear_dtensor_caches() -> None:
     it ("terminate called without an active exception"; a launcher then reports a run that
     finished as failed). Call it after the last sharded step, before destroying the group.
     Each cache is cleared only where this torch has it (2.9 has two of the four)."""
-    from torch.distributed.tensor import _collective_utils, _redistribute, debug
-
+    try:
+        from torch.distributed.tensor import _collective_utils, _redistribute, debug
+    except ImportError:  # torch before 2.5 keeps them in torch.distributed._tensor: not cleared (untested)
+        return
     clears = [
         getattr(_redistribute, "clear_redistribute_planner_cache", None),
         getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None),
