@@ -52,6 +52,7 @@ from tiekit.dcp.layout import (
     remove_stale,
     write_marker,
 )
+from tiekit.dcp.records import dcp_metadata, save_metadata
 from tiekit.dcp.state import running_dcp
 from tiekit.dcp.stream import Spec, Value, nbytes, write_dcp, write_safetensors
 from tiekit.errors import CheckpointError
@@ -170,8 +171,6 @@ def _open(path: Path) -> _Reader:
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or folder")
     if (path / MARKER_NAME).is_file() or lost_its_marker(path):
-        from tiekit.dcp.records import save_metadata
-
         marker = read_marker(path)  # without a marker: "no tiekit-dcp.json", as load_sharded says
         metadata = save_metadata(marker)
         stored = metadata.state_dict_metadata
@@ -208,22 +207,6 @@ def plain_dcp_metadata(folder: Path) -> Metadata:
     metadata = dcp_metadata(folder)
     _check_plain_files(folder, metadata)
     return metadata
-
-
-def dcp_metadata(folder: Path) -> Metadata:
-    """DCP's metadata of ``folder``, as torch's reader unpickles it (check a `save_sharded` save's
-    against its marker first: `read_marker`). `CheckpointError` naming the file when it is gone
-    (a newer save removed the folder meanwhile: `reading_committed` then reads the new save) or
-    unreadable. Local."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-
-    file = folder / DCP_METADATA
-    try:
-        return FileSystemReader(folder).read_metadata()
-    except FileNotFoundError as exc:
-        raise CheckpointError(f"{file}: missing (the DCP metadata of {folder}): {exc.strerror or exc}") from exc
-    except Exception as exc:
-        raise CheckpointError(f"{file}: unreadable DCP metadata: {exc}") from exc
 
 
 def _check_plain_files(folder: Path, metadata: Metadata) -> None:

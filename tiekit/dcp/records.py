@@ -8,17 +8,20 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tiekit.analyze import dtype_name
 from tiekit.checkpoint.source import Source
 from tiekit.dcp.damage import damaged_record
-from tiekit.dcp.layout import Marker, check_files, file_ends
+from tiekit.dcp.layout import DCP_METADATA, Marker, check_files, file_ends
 from tiekit.dcp.state import running_dcp
 from tiekit.errors import CheckpointError
 from tiekit.header import TensorEntry
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 
 def dcp_load(state: dict[str, torch.Tensor], folder: Path, metadata: Any, planner: Any, single: bool) -> None:
@@ -39,17 +42,29 @@ def dcp_load(state: dict[str, torch.Tensor], folder: Path, metadata: Any, planne
         raise damaged from exc
 
 
+def dcp_metadata(folder: Path) -> Metadata:
+    """DCP's metadata of ``folder``, as torch's reader unpickles it (check a `save_sharded` save's
+    against its marker first: `read_marker`). `CheckpointError` naming the file when it is gone
+    (a newer save removed the folder meanwhile: `reading_committed` then reads the new save) or
+    unreadable. Local."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    file = folder / DCP_METADATA
+    try:
+        return FileSystemReader(folder).read_metadata()
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{file}: missing (the DCP metadata of {folder}): {exc.strerror or exc}") from exc
+    except Exception as exc:
+        raise CheckpointError(f"{file}: unreadable DCP metadata: {exc}") from exc
+
+
 def save_metadata(marker: Marker) -> Any:
     """DCP's metadata (its hash already checked against the marker), checked against the marker's
     key table and the files: every chunk of every key inside a file of the save."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     folder = marker.folder
-    try:
-        metadata = FileSystemReader(folder).read_metadata()
-    except Exception as exc:
-        raise CheckpointError(f"{folder / '.metadata'}: unreadable DCP metadata: {exc}") from exc
+    metadata = dcp_metadata(folder)
     check_files(marker, file_ends(metadata))
     stored = metadata.state_dict_metadata
     for key, (shape, dtype) in marker.tensors.items():
