@@ -152,9 +152,9 @@ def _checkpoint_io_chain(strategy: Any) -> list[Any]:
     return chain
 
 
-def _uses_tied_io(strategy: Any) -> bool:
-    """Whether the strategy's checkpoints go through a `TiedCheckpointIO`, bare or wrapped."""
-    return any(isinstance(io, TiedCheckpointIO) for io in _checkpoint_io_chain(strategy))
+def _holds_tied_io(chain: list[Any]) -> bool:
+    """Whether a plugin chain (`_checkpoint_io_chain`) holds a `TiedCheckpointIO`, bare or wrapped."""
+    return any(isinstance(io, TiedCheckpointIO) for io in chain)
 
 
 def _refuse_tied_io_where_unused(strategy: Any) -> None:
@@ -164,7 +164,7 @@ def _refuse_tied_io_where_unused(strategy: Any) -> None:
     stores both), and they load every checkpoint with ``torch.load``, never through it (a resume fails)."""
     from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
-    if isinstance(strategy, ModelParallelStrategy | FSDPStrategy) and _uses_tied_io(strategy):
+    if isinstance(strategy, ModelParallelStrategy | FSDPStrategy) and _holds_tied_io(_checkpoint_io_chain(strategy)):
         raise TiekitError(
             f"TiedCheckpointIO does not work under {type(strategy).__name__}: it writes distributed checkpoints "
             "without the plugin, or hands it a gathered state dict whose tied names are separate copies, and it "
@@ -188,7 +188,7 @@ def _refuse_tied_io_in_async(strategy: Any) -> None:
     from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
     chain = _checkpoint_io_chain(strategy)
-    if any(isinstance(io, TiedCheckpointIO) for io in chain) and any(isinstance(io, AsyncCheckpointIO) for io in chain):
+    if _holds_tied_io(chain) and any(isinstance(io, AsyncCheckpointIO) for io in chain):
         raise TiekitError(
             "TiedCheckpointIO inside Lightning's AsyncCheckpointIO would lose the ties in every checkpoint: "
             "AsyncCheckpointIO clones each tensor of the checkpoint separately, so tied names reach the plugin as "
