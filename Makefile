@@ -3,7 +3,9 @@
 PYTHON ?= python3
 VENV := .venv
 LATEST := .venv-latest
-PIP_FLAGS := -q --disable-pip-version-check
+# --no-cache-dir: PyPI's torch wheels are CUDA builds (about 3.5 GB of wheels per environment); a
+# cache would keep a second copy of them on a CI disk that must also hold both environments.
+PIP_FLAGS := -q --disable-pip-version-check --no-cache-dir
 # The newest torch, installed without torch_xla, proves the core does not need it.
 LATEST_TORCH := torch==2.14.1
 
