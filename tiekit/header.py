@@ -65,6 +65,12 @@ class TensorEntry:
     start: int
     end: int
 
+    def rows(self, first: int, count: int) -> TensorEntry:
+        """The entry of rows ``[first, first + count)`` (along dim 0): a contiguous byte range."""
+        row = (self.end - self.start) // max(self.shape[0], 1)
+        start = self.start + first * row
+        return dataclasses.replace(self, shape=(count, *self.shape[1:]), start=start, end=start + count * row)
+
 
 @dataclass(frozen=True)
 class Header:

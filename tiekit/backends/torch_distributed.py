@@ -179,14 +179,58 @@ def is_dtensor(tensor: torch.Tensor) -> bool:
     return dtensor is not None and isinstance(tensor, dtensor)
 
 
-def copy_whole_into_dtensor(target: torch.Tensor, whole: torch.Tensor) -> None:
-    """Local: copy ``whole``, the full tensor (the same on every rank), into the DTensor ``target``,
-    each rank keeping its own shard of it: a replicated value split into shards is a local
-    slice, with no collective (checked: one rank alone copies while the other does not)."""
-    from torch.distributed.tensor.experimental import implicit_replication
+def shard_like(like: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """Local: a DTensor laid out as the DTensor ``like`` (its mesh and placements) holding
+    ``whole``, the full tensor (the same on every rank), in ``whole``'s dtype: each rank keeps
+    its own shard of it, as torch's ``distribute_tensor`` cuts it (uneven and empty shards too),
+    with no collective (``src_data_rank=None``: every rank uses its own copy)."""
+    from torch.distributed.tensor import distribute_tensor
 
-    with torch.no_grad(), implicit_replication():
-        target.copy_(whole.to(target.device))
+    mesh, placements = like.device_mesh, like.placements  # type: ignore[attr-defined]
+    with torch.no_grad():
+        try:
+            return distribute_tensor(whole.detach(), mesh, placements, src_data_rank=None)
+        except TypeError:  # torch < 2.6 has no src_data_rank: a replicated value split locally
+            from torch.distributed.tensor.experimental import implicit_replication
+
+            out = torch.empty_like(like, dtype=whole.dtype, requires_grad=False)
+            with implicit_replication():
+                out.copy_(whole.to(out.device))
+            return out
+
+
+def copy_whole_into_dtensor(target: torch.Tensor, whole: torch.Tensor) -> None:
+    """Local: copy ``whole``, the full tensor (the same on every rank), into the DTensor
+    ``target``, each rank keeping its own shard of it (`shard_like`; checked: one rank alone
+    copies while the other does not)."""
+    copy_rows_into_dtensor(target, shard_like(target, whole).to_local())  # type: ignore[attr-defined]
+
+
+def dtensor_local_rows(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """Local: for a DTensor whose shard on this rank is whole rows of the full tensor (FSDP2's
+    ``Shard(0)``, replicated over other mesh dimensions as in HSDP), ``(first row, row count)``;
+    None for any other layout (another dimension, a strided or custom shard)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = tensor.placements  # type: ignore[attr-defined]
+    if not all(type(p) is Replicate or (type(p) is Shard and p.dim == 0) for p in placements):
+        return None
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # private: where a torch moves it, the whole tensor is read instead
+        return None
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, placements)  # type: ignore[attr-defined]
+    local = tensor.to_local()  # type: ignore[attr-defined]
+    if tuple(local.shape) != tuple(shape) or tuple(shape[1:]) != tuple(tensor.shape[1:]) or any(offset[1:]):
+        return None
+    return int(offset[0]), int(shape[0])
+
+
+def copy_rows_into_dtensor(target: torch.Tensor, rows: torch.Tensor) -> None:
+    """Local: copy ``rows``, this rank's shard (as `dtensor_local_rows` or `shard_like` cut it), into
+    the DTensor ``target``."""
+    with torch.no_grad():
+        target.to_local().copy_(rows)  # type: ignore[attr-defined]
 
 
 def clear_dtensor_caches() -> None:

@@ -15,11 +15,16 @@ import torch
 from torch import nn
 
 from tiekit import devices
-from tiekit.backends.torch_distributed import copy_whole_into_dtensor, is_dtensor
+from tiekit.backends.torch_distributed import (
+    copy_rows_into_dtensor,
+    copy_whole_into_dtensor,
+    dtensor_local_rows,
+    is_dtensor,
+)
 from tiekit.checkpoint.codec import Reader, decode
 from tiekit.checkpoint.layout import CHECKPOINT_NAME, Device, PathLike
 from tiekit.checkpoint.optimizer import stage_optimizer
-from tiekit.checkpoint.reads import read_into, read_tensor, reading_again
+from tiekit.checkpoint.reads import read_into, read_tensors, reading_again
 from tiekit.checkpoint.source import Source, open_source, training_record
 from tiekit.checkpoint.staging import DtypePolicy, Staged, stage
 from tiekit.checkpoint.streaming import Job, stream_to_devices
@@ -143,8 +148,9 @@ def _fill(jobs: list[Job], files: Mapping[str, FileIdentity]) -> dict[int, torch
     their device are overwritten batch by batch): holding their new values aside would hold the
     model twice. Whatever else changes the model happens after every read succeeded.
     """
-    # A sharded (DTensor) parameter is read whole on the host, then each rank copies its shard.
-    sharded = {id(job.tensor) for job in jobs if is_dtensor(job.tensor)}
+    # A sharded (DTensor) parameter: each rank reads only its rows when its shard is whole rows
+    # (FSDP2), else the whole tensor, keeping its shard of it. Never the whole model per rank.
+    sharded = {id(job.tensor): dtensor_local_rows(job.tensor) for job in jobs if is_dtensor(job.tensor)}
     streamed = [job for job in jobs if job.device.type != "cpu" and id(job.tensor) not in sharded]
     on_device = stream_to_devices(streamed, files)
     reads: list[tuple[str, TensorEntry, torch.Tensor]] = []
@@ -158,6 +164,13 @@ def _fill(jobs: list[Job], files: Mapping[str, FileIdentity]) -> dict[int, torch
         if in_place and job.tensor.dtype == entry.dtype and _holds_its_values(job.tensor):
             reads.append((path, entry, job.tensor.detach()))  # straight into the parameter's memory
             continue
+        rows = sharded.get(id(job.tensor))
+        if rows is not None:
+            entry = entry.rows(*rows)
+            local = job.tensor.to_local()  # type: ignore[attr-defined]
+            if local.device.type == "cpu" and local.dtype == entry.dtype and _holds_its_values(local):
+                reads.append((path, entry, local.detach()))  # straight into this rank's shard
+                continue
         host = torch.empty(entry.shape, dtype=entry.dtype)
         reads.append((path, entry, host))
         if job.replace:
@@ -168,7 +181,9 @@ def _fill(jobs: list[Job], files: Mapping[str, FileIdentity]) -> dict[int, torch
     fresh = {id(job.tensor): host.to(job.dtype) for job, host in replaced}  # no copy when the dtype is right
     # Everything is read and on its device: only now does the rest of the model change.
     for tensor, host in copies:
-        if id(tensor) in sharded:
+        if sharded.get(id(tensor)) is not None:
+            copy_rows_into_dtensor(tensor, host)
+        elif id(tensor) in sharded:
             copy_whole_into_dtensor(tensor, host)
         else:
             tensor.copy_(host)  # casts
@@ -225,7 +240,9 @@ def _read_training_checkpoint(
     source = open_source(path, (CHECKPOINT_NAME,))
     record = training_record(source)
     staged = stage(model, source, strict=True, device=None, dtype=dtype)
-    tensors = {k: read_tensor(*v, source.files) for k, v in source.side.items()}
+    # The optimizer's state (twice the model for Adam) is read only for an optimizer.
+    wanted = {k: v for k, v in source.side.items() if optimizer is not None or not k.startswith("optimizer/")}
+    tensors = read_tensors(wanted, source.files)
     step = decode(record.get("step"), tensors, source.where)
     extra = decode(record.get("extra"), tensors, source.where, readers=readers)
     restore: Callable[[], None] | None = None

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from tiekit.backends.torch_distributed import is_dtensor, shard_like
 from tiekit.checkpoint.codec import decode, encode
 from tiekit.checkpoint.layout import name_list
 from tiekit.errors import CheckpointError
@@ -122,9 +123,9 @@ def stage_optimizer(
         for group, anchors, opts in zip(optimizer.param_groups, live_groups, options, strict=True):
             group["params"] = [resolve(model, a)[2] for a in anchors]
             ids = []
-            for anchor in anchors:
+            for anchor, param in zip(anchors, group["params"], strict=True):
                 if anchor in state:
-                    packed["state"][index] = state[anchor]
+                    packed["state"][index] = _laid_out_as(param, state[anchor])
                 ids.append(index)
                 index += 1
             packed["param_groups"].append({**opts, "params": ids})
@@ -132,6 +133,18 @@ def stage_optimizer(
         optimizer.load_state_dict(packed)
 
     return restore
+
+
+def _laid_out_as(param: torch.Tensor, values: dict[str, Any]) -> dict[str, Any]:
+    """A sharded (FSDP2) parameter's state as DTensors sharded as it is (each rank keeping its
+    shard; local): torch's ``load_state_dict`` would keep them whole, and the next step fails
+    mixing the two. Other state as it is."""
+    if not is_dtensor(param):
+        return values
+    return {
+        key: shard_like(param, value) if isinstance(value, torch.Tensor) and value.shape == param.shape else value
+        for key, value in values.items()
+    }
 
 
 # torch.optim optimizers whose per-parameter state tensors all have the parameter's shape (or

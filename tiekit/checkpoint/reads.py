@@ -167,6 +167,13 @@ def _read_chunk(fd: int, view: memoryview, offset: int, entry: TensorEntry, path
 
 
 def read_tensor(path: str, entry: TensorEntry, files: Mapping[str, FileIdentity]) -> torch.Tensor:
-    out = torch.empty(entry.shape, dtype=entry.dtype)
-    read_into([(path, entry, out)], files)
+    return read_tensors({entry.name: (path, entry)}, files)[entry.name]
+
+
+def read_tensors(
+    entries: Mapping[str, tuple[str, TensorEntry]], files: Mapping[str, FileIdentity]
+) -> dict[str, torch.Tensor]:
+    """Each ``key: (file, entry)`` read into a new CPU tensor, all in one `read_into`."""
+    out = {key: torch.empty(entry.shape, dtype=entry.dtype) for key, (_, entry) in entries.items()}
+    read_into([(path, entry, out[key]) for key, (path, entry) in entries.items()], files)
     return out

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tiekit.backends.torch_distributed import is_dtensor
 from tiekit.checkpoint.codec import Fallback
 from tiekit.checkpoint.contents import encode_training_state, header_metadata, host_tensors, saving_plan, unique_tensors
 from tiekit.checkpoint.deferred import DeferredCopies, deferrable_storages
@@ -62,6 +63,7 @@ def save_model(
     limit = None if max_shard_size is None else parse_size(max_shard_size)
     plan = saving_plan(model)
     names, tensors = unique_tensors(model, plan)
+    _refuse_sharded(model, dict(zip(names, tensors, strict=True)))
     header = header_metadata(metadata, plan)
 
     state = host_tensors(dict(zip(names, tensors, strict=True)))
@@ -195,9 +197,22 @@ def stage_training_checkpoint(
     target = target_path(path, CHECKPOINT_NAME)
     values = {"step": (_step_number(step, target), "extra/step"), "extra": (extra, "extra/value")}
     plan, state, encoded = encode_training_state(model, optimizer, values, fallback)
+    _refuse_sharded(model, state)
     header = header_metadata(None, plan)
     header[STATE_KEY] = json.dumps({"version": STATE_VERSION, **encoded}, separators=(",", ":"))
     return target, state, header
+
+
+def _refuse_sharded(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """A single-file save is local, and no rank holds a sharded (FSDP2) tensor whole: gathering
+    it would wait for every rank. Refused before anything is written."""
+    for name, tensor in state.items():
+        if is_dtensor(tensor):
+            raise CheckpointError(
+                f"cannot save {type(model).__name__} to one file from one rank: {name!r} is sharded across "
+                "ranks (an FSDP2 DTensor), so no rank holds it whole. Every rank calls tiekit.save_sharded "
+                "instead (a folder; `tiekit convert` makes one tied safetensors file of it)"
+            )
 
 
 def _step_number(step: Any, target: Path) -> int | None:

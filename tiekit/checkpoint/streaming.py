@@ -171,26 +171,8 @@ def _cut(job: Job, count: int, base: int) -> list[tuple[int, Job]]:
     that all have one shape, as (row of the whole tensor: ``base`` + the row in the job, piece)."""
     path, entry = job.entry
     rows = entry.shape[0]
-    row = (entry.end - entry.start) // rows
     firsts = [*range(0, rows - count, count), rows - count]
-    return [
-        (
-            base + first,
-            dataclasses.replace(
-                job,
-                entry=(
-                    path,
-                    dataclasses.replace(
-                        entry,
-                        shape=(count, *entry.shape[1:]),
-                        start=entry.start + first * row,
-                        end=entry.start + (first + count) * row,
-                    ),
-                ),
-            ),
-        )
-        for first in firsts
-    ]
+    return [(base + first, dataclasses.replace(job, entry=(path, entry.rows(first, count)))) for first in firsts]
 
 
 def _place(

@@ -27,7 +27,7 @@ from torch import nn
 from tiekit.analyze import dtype_name
 from tiekit.checkpoint.files import removed_on_failure
 from tiekit.checkpoint.layout import INDEX_SUFFIX, WEIGHTS_NAME, PathLike, parse_size
-from tiekit.checkpoint.reads import read_tensor
+from tiekit.checkpoint.reads import read_tensors
 from tiekit.checkpoint.source import open_source, training_record
 from tiekit.dcp.chunks import read_rows, row_chunks
 from tiekit.dcp.convert_plan import recorded_plan
@@ -192,7 +192,7 @@ def _open(path: Path) -> _Reader:
     specs = [(k, e.shape, e.dtype) for k, (_, e) in opened.entries.items()]
 
     def read(keys: list[str]) -> dict[str, torch.Tensor]:
-        return {k: read_tensor(*opened.entries[k], opened.files) for k in keys}
+        return read_tensors({k: opened.entries[k] for k in keys}, opened.files)
 
     try:
         left_out = _training_state(training_record(opened))
