@@ -2,7 +2,7 @@
 
 A tied safetensors file loads into a model from `tiekit.shard`: each rank reads only its own
 rows of each sharded tensor (never the whole model per rank), and a training checkpoint's
-optimizer state becomes DTensors sharded as their parameters are. A single-file save of a
+optimizer state becomes DTensors sharded as their parameters are, read as rows too. A single-file save of a
 sharded model is refused by name: it is local, and no rank holds a sharded tensor whole.
 """
 
@@ -81,7 +81,9 @@ for call in ("load_model", "load_checkpoint"):
 torch.manual_seed(2)
 model = tiekit.shard(TiedLM())
 opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+before = bytes_read()
 tiekit.load_checkpoint(ckpt, model=model, optimizer=opt)
+told["with the optimizer"] = {"bytes read": bytes_read() - before, "file bytes": os.path.getsize(ckpt)}
 moments = [type(opt.state[p]["exp_avg"]).__name__ for p in model.parameters()]
 try:
     model(ids).sum().backward()
@@ -149,6 +151,9 @@ def test_single_files_and_a_sharded_model(tmp_path: Any) -> None:
             assert found["rows"] == [[2050, 1], [2049, 0]][rank], told
             # Half the embedding (1 MiB of the 1.07 MiB file) plus headers, never the whole file.
             assert 0.4 * size < found["bytes read"] < 0.6 * size, (found["bytes read"], size)
+        # The weights and both Adam moments: this rank's rows of each (the whole state before).
+        read, size = told["with the optimizer"]["bytes read"], told["with the optimizer"]["file bytes"]
+        assert 0.4 * size < read < 0.6 * size, (read, size)
         assert told["next step"] is True, told
         assert told["moments"] == ["DTensor"], told
         for name, refused in told["refusals"].items():

@@ -233,6 +233,21 @@ def copy_rows_into_dtensor(target: torch.Tensor, rows: torch.Tensor) -> None:
         target.to_local().copy_(rows)  # type: ignore[attr-defined]
 
 
+def dtensor_from_rows(like: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Local: a DTensor laid out as the DTensor ``like`` whose shard on this rank is ``rows`` (as
+    `dtensor_local_rows` names them), no copy, no collective."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        rows,
+        like.device_mesh,  # type: ignore[attr-defined]
+        like.placements,  # type: ignore[attr-defined]
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
+
+
 def clear_dtensor_caches() -> None:
     """Local: empty torch's process-wide DTensor caches (sharding propagation, redistribution
     plans and transforms, mesh topology); later DTensor work refills them.

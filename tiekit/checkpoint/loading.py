@@ -18,12 +18,13 @@ from tiekit import devices
 from tiekit.backends.torch_distributed import (
     copy_rows_into_dtensor,
     copy_whole_into_dtensor,
+    dtensor_from_rows,
     dtensor_local_rows,
     is_dtensor,
 )
 from tiekit.checkpoint.codec import Reader, decode
 from tiekit.checkpoint.layout import CHECKPOINT_NAME, Device, PathLike
-from tiekit.checkpoint.optimizer import stage_optimizer
+from tiekit.checkpoint.optimizer import sharded_state_rows, stage_optimizer
 from tiekit.checkpoint.reads import read_into, read_tensors, reading_again
 from tiekit.checkpoint.source import Source, open_source, training_record
 from tiekit.checkpoint.staging import DtypePolicy, Staged, stage
@@ -240,9 +241,15 @@ def _read_training_checkpoint(
     source = open_source(path, (CHECKPOINT_NAME,))
     record = training_record(source)
     staged = stage(model, source, strict=True, device=None, dtype=dtype)
-    # The optimizer's state (twice the model for Adam) is read only for an optimizer.
+    # The optimizer's state (twice the model for Adam) is read only for an optimizer; a sharded
+    # parameter's state only as this rank's rows of it.
     wanted = {k: v for k, v in source.side.items() if optimizer is not None or not k.startswith("optimizer/")}
-    tensors = read_tensors(wanted, source.files)
+    rows = sharded_state_rows(record.get("optimizer"), model, staged) if optimizer is not None else {}
+    rows = {k: r for k, r in rows.items() if k in wanted and wanted[k][1].shape == tuple(r[0].shape)}
+    tensors = read_tensors(
+        {k: (path, e.rows(*rows[k][1:]) if k in rows else e) for k, (path, e) in wanted.items()}, source.files
+    )
+    tensors.update((k, dtensor_from_rows(param, tensors[k])) for k, (param, _, _) in rows.items())
     step = decode(record.get("step"), tensors, source.where)
     extra = decode(record.get("extra"), tensors, source.where, readers=readers)
     restore: Callable[[], None] | None = None

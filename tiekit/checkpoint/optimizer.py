@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from tiekit.backends.torch_distributed import is_dtensor, shard_like
+from tiekit.backends.torch_distributed import dtensor_local_rows, is_dtensor, shard_like
 from tiekit.checkpoint.codec import decode, encode
 from tiekit.checkpoint.layout import name_list
-from tiekit.errors import CheckpointError
+from tiekit.errors import CheckpointError, TieError
 from tiekit.plan import TiePlan
 from tiekit.slots import resolve
 
@@ -135,14 +135,41 @@ def stage_optimizer(
     return restore
 
 
+def sharded_state_rows(record: Any, model: nn.Module, staged: Staged) -> dict[str, tuple[torch.Tensor, int, int]]:
+    """Before anything is read: the stored optimizer state tensors that belong to a sharded
+    (FSDP2) parameter whose shard on this rank is whole rows, as ``{stored key: (parameter,
+    first row, row count)}``, so that each rank reads its own rows of them only. What does not
+    fit this (a corrupted record, another shape) is left out, read whole, and judged later."""
+    state = record.get("state") if isinstance(record, dict) else None
+    if not isinstance(state, dict):
+        return {}
+    key_anchor = {key: name for name, key in staged.loads}
+    out: dict[str, tuple[torch.Tensor, int, int]] = {}
+    for name, values in state.items():
+        try:
+            param = resolve(model, str(key_anchor.get(name, name)))[2]
+        except TieError:
+            continue
+        rows = dtensor_local_rows(param) if is_dtensor(param) else None
+        if rows is None or not isinstance(values, dict):
+            continue
+        for value in values.values():
+            stored = value.get("__tensor__") if isinstance(value, dict) else None
+            if isinstance(stored, str):
+                out[stored] = (param, *rows)
+    return out
+
+
 def _laid_out_as(param: torch.Tensor, values: dict[str, Any]) -> dict[str, Any]:
     """A sharded (FSDP2) parameter's state as DTensors sharded as it is (each rank keeping its
     shard; local): torch's ``load_state_dict`` would keep them whole, and the next step fails
-    mixing the two. Other state as it is."""
+    mixing the two. State already read as this rank's rows, and other state, as it is."""
     if not is_dtensor(param):
         return values
     return {
-        key: shard_like(param, value) if isinstance(value, torch.Tensor) and value.shape == param.shape else value
+        key: shard_like(param, value)
+        if isinstance(value, torch.Tensor) and not is_dtensor(value) and value.shape == param.shape
+        else value
         for key, value in values.items()
     }
 
