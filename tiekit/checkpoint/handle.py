@@ -49,6 +49,7 @@ class SaveHandle:
         self._then = then
         self._serial = next(_serials)
         self._watchers: list[Callable[[SaveHandle], None]] = []
+        self._watchers_lock = threading.Lock()  # orders `_complete` against `_when_finished`
         if future is None:
             self._finished.set()
         else:
@@ -67,7 +68,7 @@ class SaveHandle:
                 _unseen[self._serial] = str(self._failure())
         finally:
             self._then = None  # it may hold the staged copies, which may be large: drop them once written
-            with _unseen_lock:  # the lock orders this against `_when_finished`: each watcher runs once
+            with self._watchers_lock:  # each watcher runs once: here, or in `_when_finished`
                 self._finished.set()
                 watchers, self._watchers = self._watchers, []
             for watcher in watchers:
@@ -75,7 +76,7 @@ class SaveHandle:
 
     def _when_finished(self, watcher: Callable[[SaveHandle], None]) -> None:
         """Run ``watcher(self)`` once the save finished: now if it has, else on the writing thread."""
-        with _unseen_lock:
+        with self._watchers_lock:
             if not self._finished.is_set():
                 self._watchers.append(watcher)
                 return
