@@ -110,6 +110,31 @@ def to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.T
     return list(moved)
 
 
+def adopts_host_memory(device: torch.device) -> bool:
+    """Whether ``device``'s buffers are host memory that can take over a host tensor's memory,
+    with no copy (`adopt_host`): an XLA:CPU device that is its process's only XLA device, outside
+    SPMD (where a buffer is one of several devices'). Every other device is filled by a transfer."""
+    if device.type != "xla" or device.index not in (None, 0):
+        return False
+    xla()
+    import torch_xla.runtime as xr
+
+    return bool(xr.device_type() == "CPU" and not xr.is_spmd() and xr.addressable_device_count() == 1)  # type: ignore[no-untyped-call]
+
+
+def adopt_host(host: torch.Tensor) -> torch.Tensor | None:
+    """``host``'s memory as the device buffer of a new tensor on the device `adopts_host_memory`
+    named, no copy (torch_xla's DLPack import; the buffer keeps ``host``'s storage alive, and a
+    computation may later reuse it for its result: drop every other reference to ``host``).
+    None when XLA:CPU cannot take it (not 64-byte aligned, not contiguous)."""
+    if not host.is_contiguous() or host.data_ptr() % 64:
+        return None
+    xla()
+    from torch_xla.utils.dlpack import from_dlpack
+
+    return from_dlpack(host.detach())  # type: ignore[no-any-return]
+
+
 def write_rows(target: torch.Tensor, first: int, rows: torch.Tensor) -> None:
     """``target[first : first + len(rows)] = rows``, in place, both tensors on one device.
 

@@ -52,7 +52,13 @@ def stream_to_devices(jobs: list[Job], files: Mapping[str, FileIdentity]) -> lis
     """Each replacing job's new value on its device (jobs filled in place are written as their
     batch arrives), read and transferred in batches of at most `STAGING_BYTES` (a larger tensor
     alone): each batch is read into a reused buffer while the one before it is transferred from
-    the other, so reading and transferring overlap as in one batched transfer."""
+    the other, so reading and transferring overlap as in one batched transfer. A device whose
+    buffers are host memory (XLA:CPU, `devices.adopts_host_memory`) takes each new tensor's memory
+    as it is read instead: nothing is staged or copied."""
+    adopted = [job for job in jobs if job.replace and devices.adopts_host_memory(job.device)]
+    if adopted:
+        taken = {id(job) for job in adopted}
+        return _adopt(adopted, files) + stream_to_devices([job for job in jobs if id(job) not in taken], files)
     total = sum(_staged_bytes(job) for job in jobs)
     pieces: dict[int, tuple[Job, int]] = {}  # id(piece) -> (the job it is part of, its first row)
     units: list[Job] = []
@@ -61,6 +67,20 @@ def stream_to_devices(jobs: list[Job], files: Mapping[str, FileIdentity]) -> lis
         pieces.update((id(piece), (job, first)) for first, piece in cut)
         units.extend([piece for _, piece in cut] or [job])
     return _stream(units, pieces, files)
+
+
+def _adopt(jobs: list[Job], files: Mapping[str, FileIdentity]) -> list[tuple[Job, torch.Tensor]]:
+    """Each job's tensor read into memory of its own (cast on the host when its dtype differs),
+    which its device then takes over (`devices.adopt_host`); moved by a transfer where it cannot."""
+    hosts = [torch.empty(job.entry[1].shape, dtype=job.entry[1].dtype) for job in jobs]
+    with TensorReader(files) as reader:
+        reader.read([(*job.entry, host) for job, host in zip(jobs, hosts, strict=True)])
+    out: list[tuple[Job, torch.Tensor]] = []
+    for job in jobs:
+        host = hosts.pop(0).to(job.dtype)  # no copy when the dtype is right; the file's dtype goes now
+        value = devices.adopt_host(host)  # the device's buffer from now on: no other reference is kept
+        out.append((job, devices.to_device([host], job.device)[0] if value is None else value))
+    return out
 
 
 def stream_rows_in_place(parts: list[RowPart], files: Mapping[str, FileIdentity]) -> None:
