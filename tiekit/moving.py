@@ -18,6 +18,7 @@ from tiekit.analyze import find_ties, reinterpreting_views
 from tiekit.errors import TieError, TieWarning
 from tiekit.plan import TiePlan
 from tiekit.retie import OnError, fitting_plan, retie, verify
+from tiekit.sharding.check import refuse_cast_after_first_forward
 
 
 def move(
@@ -58,6 +59,7 @@ def move(
         kwargs["device"] = target
     if dtype is not None:
         kwargs["dtype"] = dtype
+        refuse_cast_after_first_forward(model, dtype)
     with converting_once(model):
         model.to(**kwargs)  # type: ignore[call-overload]
     retie(model, plan)

@@ -181,6 +181,28 @@ def refuse_split_by_fsdp(model: nn.Module, group: TieGroup) -> None:
         raise TieError(_message(problems))
 
 
+def refuse_cast_after_first_forward(model: nn.Module, dtype: torch.dtype) -> None:
+    """`TieError` when casting ``model`` to ``dtype`` would change a floating parameter that an
+    FSDP2 unit has already run a forward with: FSDP2 fixes each parameter's dtype at its first
+    forward (its all-gather buffers keep it), so the next forward after the cast fails deep in
+    torch. Local; nothing for a model no ``fully_shard`` touched."""
+    if "torch.distributed.fsdp" not in sys.modules:
+        return
+    try:
+        assignment = fsdp_assignment(model)
+    except TiekitError:
+        return
+    for name, managed in assignment.items():
+        fixed = getattr(managed.param, "orig_dtype", None)  # set by FSDP2 at the unit's first forward
+        if fixed is not None and fixed.is_floating_point and fixed != dtype:
+            raise TieError(
+                f"cannot cast {type(model).__name__} to {dtype}: {name!r} is sharded by FSDP2 (unit "
+                f"{managed.unit}), which fixed its dtype ({fixed}) at its first forward; after the cast "
+                "the next forward would fail. Cast before the first forward (or before tiekit.shard), or "
+                "compute in another dtype with fully_shard's mp_policy=MixedPrecisionPolicy(param_dtype=...)"
+            )
+
+
 _ADVICE = {
     "split": "Put the modules that own one tied tensor in one unit (fully_shard([a, b]) before "
     "fully_shard(model)), or leave them all to the root; tiekit.shard(model) chooses such units. "
