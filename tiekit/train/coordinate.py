@@ -50,7 +50,7 @@ from tiekit.collective import (
 )
 from tiekit.dcp import SaveHandle
 from tiekit.dcp.saving import process_group_needed, save_sharded_staged
-from tiekit.errors import CheckpointError, TiekitError
+from tiekit.errors import CheckpointError, TieError, TiekitError
 from tiekit.plan import TiePlan
 from tiekit.train import resuming, state
 from tiekit.train.config import FitConfig, Job
@@ -181,13 +181,17 @@ class Coordinator:
         if self.ranks.world == 1:
             return state.resume(path, model, optimizer, self.training_run(backend), backend.device, sharded=sharded)
         loaded: state.Position | str
+        kind: type[TiekitError] = TiekitError
         try:
             loaded = state.resume(path, model, optimizer, self.training_run(backend), backend.device, sharded=sharded)
         except TiekitError as exc:  # reported to every rank below (a failed load changes nothing)
             loaded = f"{type(exc).__name__}: {exc}"
+            kind = (
+                CheckpointError if isinstance(exc, CheckpointError) else TieError if isinstance(exc, TieError) else kind
+            )
         outcomes = self.gather(loaded)
         if all(isinstance(o, str) for o in outcomes) and len(set(outcomes)) == 1:  # the same failure everywhere
-            raise TiekitError(f"resume: every rank failed to load {path}: {loaded}")
+            raise kind(f"resume: every rank failed to load {path}: {loaded}")  # as one rank alone raises it
         if isinstance(loaded, str) or len(set(outcomes)) > 1:
             shown = "; ".join(f"rank {r}: {resuming.loaded(o)}" for r, o in enumerate(outcomes))
             raise TiekitError(
