@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from stat import S_ISREG
 from typing import Any, TypeVar
 
 from tiekit.checkpoint.files import _commit_file, _fsync
@@ -316,9 +317,13 @@ def check_files(marker: Marker, chunks: Mapping[str, list[tuple[str, int]]]) -> 
         file = marker.folder / name
         held = sorted({key for key, _ in chunks.get(name, [])})
         keys = f" (holding {', '.join(repr(k) for k in held[:6])}{' and more' if len(held) > 6 else ''})"
-        if not file.is_file():
+        try:
+            stat = file.stat()  # one call: a file removed between two checks is still named as missing
+        except OSError:  # as is_file() took it
+            stat = None
+        if stat is None or not S_ISREG(stat.st_mode):
             raise CheckpointError(f"{file}: missing shard file of save {marker.save_id!r}{keys if held else ''}")
-        actual = file.stat().st_size
+        actual = stat.st_size
         if actual != size:
             raise CheckpointError(
                 f"{file}: {actual} bytes, but save {marker.save_id!r} wrote {size} (truncated or replaced)"
