@@ -110,6 +110,30 @@ def to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.T
     return list(moved)
 
 
+def spmd_sharding(t: torch.Tensor) -> Any | None:
+    """``t``'s XLA SPMD sharding annotation (torch_xla's ``OpSharding``, as ``mark_sharding``
+    gave it), or None: not an XLA tensor, or not annotated (SPMD off, or never sharded)."""
+    if t.device.type != "xla":
+        return None
+    sharding: Any = xla()._XLAC._get_xla_op_sharding(t)
+    return sharding
+
+
+def to_device_sharded_as(host: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A copy of host tensor ``host`` on ``like``'s device, sharded as ``like`` is (`spmd_sharding`):
+    each device receives only its shard, straight from ``host``, which torch_xla copies before
+    this returns (its buffer may be reused). What a tensor sharded under SPMD is overwritten from:
+    torch_xla 2.9's ``copy_`` between two XLA tensors gives the target the source's sharding, and
+    a host tensor transferred whole (`to_device`) is ``{replicated}``, on every device whole."""
+    sharding = spmd_sharding(like)
+    # Under SPMD a host tensor moved to the device stays on the host until it is annotated; the
+    # annotation then transfers each device's shard (torch_xla's virtual device).
+    moved = host.to(like.device)
+    if sharding is not None:
+        xla()._XLAC._xla_mark_sharding(moved, sharding)
+    return moved
+
+
 def adopts_host_memory(device: torch.device) -> bool:
     """Whether ``device``'s buffers are host memory that can take over a host tensor's memory,
     with no copy (`adopt_host`): an XLA:CPU device that is its process's only XLA device, outside

@@ -234,17 +234,31 @@ def _fits(batch: list[Job]) -> bool:
 
 
 def _transfer(batch: list[Job], hosts: list[torch.Tensor]) -> list[tuple[Job, torch.Tensor]]:
-    """The batch on its devices, one batched transfer per device. torch_xla copies each host
+    """The batch on its devices, one batched transfer per device; a value that overwrites an XLA
+    SPMD-sharded tensor whole goes sharded as it (`_sharded_target`). torch_xla copies each host
     tensor before it returns (its AtenSource, a blocking ``Tensor.to(copy=True)``; the device
     buffer is filled from that copy), as a blocking ``.to()`` does: the buffer is free after."""
     by_device: dict[torch.device, list[tuple[Job, torch.Tensor]]] = {}
+    sharded: dict[int, torch.Tensor] = {}  # id(job) -> its value, sharded as the tensor it overwrites
     for job, host in zip(batch, hosts, strict=True):
-        by_device.setdefault(job.device, []).append((job, host))
-    out: list[tuple[Job, torch.Tensor]] = []
+        if _sharded_target(job):
+            sharded[id(job)] = devices.to_device_sharded_as(host.to(job.dtype), job.tensor)
+        else:
+            by_device.setdefault(job.device, []).append((job, host))
+    moved: dict[int, torch.Tensor] = {}
     for device, items in by_device.items():
-        moved = devices.to_device([host.to(job.dtype) for job, host in items], device)
-        out.extend((job, value) for (job, _), value in zip(items, moved, strict=True))
-    return out
+        values = devices.to_device([host.to(job.dtype) for job, host in items], device)
+        moved.update((id(job), value) for (job, _), value in zip(items, values, strict=True))
+    return [(job, sharded[id(job)] if id(job) in sharded else moved[id(job)]) for job in batch]
+
+
+def _sharded_target(job: Job) -> bool:
+    """Whether the job overwrites a tensor sharded under XLA SPMD whole, with ``copy_``: torch_xla's
+    ``copy_`` between XLA tensors gives the target the source's sharding, so a value transferred
+    whole (``{replicated}``) would leave every device holding all of it. A piece of rows is written
+    by `devices.write_rows`, which keeps the target's sharding."""
+    whole = tuple(job.entry[1].shape) == tuple(job.tensor.shape)
+    return not job.replace and whole and devices.spmd_sharding(job.tensor) is not None
 
 
 def _staged_bytes(job: Job) -> int:
