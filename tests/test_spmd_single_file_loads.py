@@ -125,3 +125,12 @@ def test_a_load_keeps_each_parameters_spmd_sharding(out: dict[str, Any], load: s
     assert found["after"] == SHARDED, "the load left the parameters sharded otherwise (each device whole?)"
     assert found["embed_rows"] == [50, 50]  # each device holds its half of the tied embedding, not all of it
     assert found["values"] and found["tied"] and found["buffers"] == 1
+
+
+@pytest.mark.parametrize("staging", ["default", "2 KiB"])
+def test_load_checkpoint_gives_the_optimizer_state_its_parameters_sharding(out: dict[str, Any], staging: str) -> None:
+    found = out[f"load_checkpoint {staging}"]
+    assert found["moments"]
+    assert found["moment_specs"] == {"exp_avg": SHARDED["embed.weight"], "exp_avg_sq": SHARDED["embed.weight"]}
+    assert found["specs_after_step"] == SHARDED
+    assert found["step_diff"] == 0.0  # the step the saving model took after the save

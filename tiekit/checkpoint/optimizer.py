@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from tiekit import devices
 from tiekit.backends.torch_distributed import dtensor_local_rows, is_dtensor, shard_like
 from tiekit.checkpoint.codec import decode, encode
 from tiekit.checkpoint.layout import name_list
@@ -163,7 +164,10 @@ def sharded_state_rows(record: Any, model: nn.Module, staged: Staged) -> dict[st
 def _laid_out_as(param: torch.Tensor, values: dict[str, Any]) -> dict[str, Any]:
     """A sharded (FSDP2) parameter's state as DTensors sharded as it is (each rank keeping its
     shard; local): torch's ``load_state_dict`` would keep them whole, and the next step fails
-    mixing the two. State already read as this rank's rows, and other state, as it is."""
+    mixing the two. An XLA SPMD-sharded parameter's state sharded as it is (`_spmd_sharded_as`).
+    State already read as this rank's rows, and other state, as it is."""
+    if devices.spmd_sharding(param) is not None:
+        return {key: _spmd_sharded_as(param, key, value) for key, value in values.items()}
     if not is_dtensor(param):
         return values
     return {
@@ -172,6 +176,19 @@ def _laid_out_as(param: torch.Tensor, values: dict[str, Any]) -> dict[str, Any]:
         else value
         for key, value in values.items()
     }
+
+
+def _spmd_sharded_as(param: torch.Tensor, key: str, value: Any) -> Any:
+    """A state tensor of the parameter's shape on its device and sharded as it is under XLA SPMD,
+    each device receiving only its shard: what an SPMD step gives it. torch's ``load_state_dict``
+    would move it unannotated, whole on every device until the next step. Cast first as that
+    casts it (to a floating-point parameter's dtype), so that its own ``.to`` keeps this tensor.
+    Other values (``step``, which torch leaves where it is) as they are."""
+    if key == "step" or not isinstance(value, torch.Tensor) or value.shape != param.shape:
+        return value
+    if param.is_floating_point():
+        value = value.to(param.dtype)
+    return devices.to_device_sharded_as(value, param)
 
 
 # torch.optim optimizers whose per-parameter state tensors all have the parameter's shape (or
