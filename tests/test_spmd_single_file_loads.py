@@ -4,9 +4,10 @@
 Every parameter keeps its sharding (the load once left each one ``{replicated}``: every device
 holding the whole model, silently), the values are the file's, the tie is kept, and with an
 optimizer the moments come back sharded as their parameter (once unannotated) and the next step
-is the one the saving model takes. Each load runs twice: with the default staging, every tensor
-written whole; with staging buffers of 2 KiB, the embedding written in pieces of rows and the
-other tensors through reused buffers.
+is the one the saving model takes. A load that replaces the parameters (``dtype="file"``, a
+bfloat16 file) gives the new ones the old ones' shardings. Each load runs twice: with the
+default staging, every tensor written whole; with staging buffers of 2 KiB, the embedding written
+in pieces of rows and the other tensors through reused buffers.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ device, mesh, _, _ = spmd_mesh("fsdp")
 class LM(nn.Module):
     def __init__(self):
         super().__init__()
-        self.embed = nn.Embedding(100, 16)
+        self.embed = nn.Embedding(200, 16)
         self.mid = nn.Linear(16, 16)
-        self.head = nn.Linear(16, 100, bias=False)
+        self.head = nn.Linear(16, 200, bias=False)
         self.head.weight = self.embed.weight
 
     def forward(self, ids):
@@ -71,29 +72,38 @@ saved = host(saving)
 saved_moments = {k: adamw.state[saving.embed.weight][k].cpu() for k in ("exp_avg", "exp_avg_sq")}
 tiekit.save_model(saving, root / "m.safetensors")
 tiekit.save_checkpoint(root / "c.safetensors", model=saving, optimizer=adamw, step=1)
+half = LM()
+half.load_state_dict(saved)
+tiekit.save_model(half.to(torch.bfloat16), root / "h.safetensors")  # loaded with dtype="file": new tensors
+saved_half = {k: v.to(torch.bfloat16) for k, v in saved.items()}
 step(saving, adamw)  # the step the loaded models must take too
 next_step = host(saving)
 
 out = {}
 for staging in ("default", "2 KiB"):
     if staging == "2 KiB":
-        streaming.STAGING_BYTES = 2048  # the embedding (6400 bytes) in pieces, the rest in two batches
+        streaming.STAGING_BYTES = 2048  # the embedding (12800 bytes, 6400 in bfloat16) in pieces
         streaming._PIECES_COST = 0
-    for how in ("load_model", "load_checkpoint"):
+    for how in ("load_model", "load_checkpoint", "load_model dtype=file"):
         model = spmd_model(1)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         before = {n: spec(p) for n, p in model.named_parameters()}
         if how == "load_model":
             tiekit.load_model(model, root / "m.safetensors")
+        elif how == "load_model dtype=file":
+            tiekit.load_model(model, root / "h.safetensors", dtype="file")
         else:
             tiekit.load_checkpoint(root / "c.safetensors", model=model, optimizer=optimizer)
         torch_xla.sync()
         loaded = host(model)
+        expected = saved_half if how.endswith("dtype=file") else saved
         result = dict(
             before=before,
             after={n: spec(p) for n, p in model.named_parameters()},
             embed_rows=shard_rows(model.embed.weight),
-            values=sorted(loaded) == sorted(saved) and all(torch.equal(loaded[k], saved[k]) for k in saved),
+            values=sorted(loaded) == sorted(expected) and all(
+                loaded[k].dtype == expected[k].dtype and torch.equal(loaded[k], expected[k]) for k in expected
+            ),
             tied=model.head.weight is model.embed.weight,
             buffers=len(set(devices.xla_buffer_handles([model.embed.weight, model.head.weight]))),
         )
@@ -110,7 +120,11 @@ print(json.dumps(out))
 """
 
 SHARDED = {"embed.weight": "{devices=[2,1]0,1}", "mid.weight": "{devices=[2,1]0,1}", "mid.bias": "{devices=[2]0,1}"}
-LOADS = [f"{how} {staging}" for how in ("load_model", "load_checkpoint") for staging in ("default", "2 KiB")]
+LOADS = [
+    f"{how} {staging}"
+    for how in ("load_model", "load_checkpoint", "load_model dtype=file")
+    for staging in ("default", "2 KiB")
+]
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +137,7 @@ def test_a_load_keeps_each_parameters_spmd_sharding(out: dict[str, Any], load: s
     found = out[load]
     assert found["before"] == SHARDED
     assert found["after"] == SHARDED, "the load left the parameters sharded otherwise (each device whole?)"
-    assert found["embed_rows"] == [50, 50]  # each device holds its half of the tied embedding, not all of it
+    assert found["embed_rows"] == [100, 100]  # each device holds its half of the tied embedding, not all 200 rows
     assert found["values"] and found["tied"] and found["buffers"] == 1
 
 

@@ -134,6 +134,15 @@ def to_device_sharded_as(host: torch.Tensor, like: torch.Tensor) -> torch.Tensor
     return moved
 
 
+def mark_sharded_as(t: torch.Tensor, like: torch.Tensor) -> None:
+    """Annotate XLA tensor ``t``, a new one of ``like``'s shape still being computed, with ``like``'s
+    SPMD sharding (`spmd_sharding`), so that it is computed into each device's shard; nothing when
+    ``like`` has none."""
+    sharding = spmd_sharding(like)
+    if sharding is not None:
+        xla()._XLAC._xla_mark_sharding(t, sharding)
+
+
 def adopts_host_memory(device: torch.device) -> bool:
     """Whether ``device``'s buffers are host memory that can take over a host tensor's memory,
     with no copy (`adopt_host`): an XLA:CPU device that is its process's only XLA device, outside

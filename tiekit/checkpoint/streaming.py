@@ -218,6 +218,7 @@ def _place(
             target = targets.get(id(job))
         if target is None:
             target = targets[id(job)] = torch.zeros(job.entry[1].shape, dtype=job.dtype, device=job.device)
+            devices.mark_sharded_as(target, job.tensor)  # sharded as the SPMD tensor it replaces, if any
             devices.sync()  # a graph of its own, so every write runs the same one
             out.append((job, target))
         devices.write_rows(target, first, value)
@@ -253,12 +254,13 @@ def _transfer(batch: list[Job], hosts: list[torch.Tensor]) -> list[tuple[Job, to
 
 
 def _sharded_target(job: Job) -> bool:
-    """Whether the job overwrites a tensor sharded under XLA SPMD whole, with ``copy_``: torch_xla's
-    ``copy_`` between XLA tensors gives the target the source's sharding, so a value transferred
-    whole (``{replicated}``) would leave every device holding all of it. A piece of rows is written
-    by `devices.write_rows`, which keeps the target's sharding."""
+    """Whether the job's value is a whole tensor sharded under XLA SPMD on its device: it overwrites
+    one with ``copy_`` (torch_xla's ``copy_`` between XLA tensors gives the target the source's
+    sharding, so a value transferred whole, ``{replicated}``, would leave every device holding all
+    of it), or replaces one (``dtype="file"``), whose sharding the new tensor keeps. A piece of rows
+    is written by `devices.write_rows`, which keeps the target's sharding."""
     whole = tuple(job.entry[1].shape) == tuple(job.tensor.shape)
-    return not job.replace and whole and devices.spmd_sharding(job.tensor) is not None
+    return whole and job.tensor.device == job.device and devices.spmd_sharding(job.tensor) is not None
 
 
 def _staged_bytes(job: Job) -> int:
