@@ -1,7 +1,8 @@
 """`tiekit.move(model, dtype)` of an FSDP2 model, in 2 gloo processes on 127.0.0.1: before the
 first forward it casts and trains; after it, FSDP2 has fixed each parameter's dtype (its
 all-gather buffers keep it) and a cast breaks the next forward deep in torch, so the move refuses
-by name and leaves the model as it was."""
+by name and leaves the model as it was; `preserve_ties` around your own cast says what it broke
+and how to undo it."""
 
 from __future__ import annotations
 
@@ -54,6 +55,12 @@ try:
     told["trains on"] = model[2].weight is model[0].weight
 except RuntimeError as exc:
     told["trains on"] = str(exc)
+try:  # your own cast inside preserve_ties: it happened, so the error says how to undo it
+    with tiekit.preserve_ties(model):
+        model.to(torch.float64)
+    told["preserve_ties"] = "re-tied"
+except tiekit.TieError as exc:
+    told["preserve_ties"] = str(exc)
 del model, optimizer
 tiekit.clear_dtensor_caches()
 dist.destroy_process_group()
@@ -70,3 +77,5 @@ def test_move_casts_an_fsdp2_model_before_its_first_forward_and_refuses_after(tm
         assert "'0.weight' is sharded by FSDP2" in told["after a forward"], told
         assert "fixed its dtype (torch.float32) at its first forward" in told["after a forward"], told
         assert told["untouched"] is True and told["trains on"] is True, told
+        assert "FSDPSequential was cast to torch.float64: '0.weight' is sharded by FSDP2" in told["preserve_ties"]
+        assert "Cast it back to torch.float32 before the next forward" in told["preserve_ties"], told

@@ -216,5 +216,6 @@ def preserve_ties(
     plan = fitting_plan(model, _moving_plan(model, declared) if plan is None else _given_plan(model, plan))
     with converting_once(model):
         yield plan
+    refuse_cast_after_first_forward(model)  # your cast happened: what it breaks, and how to undo it
     retie(model, plan)
     verify(model, plan, on_error=on_error)

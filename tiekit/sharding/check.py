@@ -181,11 +181,12 @@ def refuse_split_by_fsdp(model: nn.Module, group: TieGroup) -> None:
         raise TieError(_message(problems))
 
 
-def refuse_cast_after_first_forward(model: nn.Module, dtype: torch.dtype) -> None:
+def refuse_cast_after_first_forward(model: nn.Module, dtype: torch.dtype | None = None) -> None:
     """`TieError` when casting ``model`` to ``dtype`` would change a floating parameter that an
     FSDP2 unit has already run a forward with: FSDP2 fixes each parameter's dtype at its first
     forward (its all-gather buffers keep it), so the next forward after the cast fails deep in
-    torch. Local; nothing for a model no ``fully_shard`` touched."""
+    torch. ``dtype=None``: whether such a cast already happened (`preserve_ties` around your own
+    ``.to``), saying how to undo it. Local; nothing for a model no ``fully_shard`` touched."""
     if "torch.distributed.fsdp" not in sys.modules:
         return
     try:
@@ -194,13 +195,22 @@ def refuse_cast_after_first_forward(model: nn.Module, dtype: torch.dtype) -> Non
         return
     for name, managed in assignment.items():
         fixed = getattr(managed.param, "orig_dtype", None)  # set by FSDP2 at the unit's first forward
-        if fixed is not None and fixed.is_floating_point and fixed != dtype:
-            raise TieError(
-                f"cannot cast {type(model).__name__} to {dtype}: {name!r} is sharded by FSDP2 (unit "
-                f"{managed.unit}), which fixed its dtype ({fixed}) at its first forward; after the cast "
-                "the next forward would fail. Cast before the first forward (or before tiekit.shard), or "
-                "compute in another dtype with fully_shard's mp_policy=MixedPrecisionPolicy(param_dtype=...)"
-            )
+        if fixed is None or not fixed.is_floating_point:
+            continue
+        now = getattr(getattr(managed.param, "sharded_param", None), "dtype", fixed)
+        if dtype is not None and fixed != dtype:
+            what = f"cannot cast {type(model).__name__} to {dtype}"
+            undo = "Cast before the first forward (or before tiekit.shard)"
+        elif dtype is None and now != fixed:
+            what = f"{type(model).__name__} was cast to {now}"
+            undo = f"Cast it back to {fixed} before the next forward, or cast before the first one"
+        else:
+            continue
+        raise TieError(
+            f"{what}: {name!r} is sharded by FSDP2 (unit {managed.unit}), which fixed its dtype ({fixed}) at "
+            f"its first forward; after the cast the next forward would fail. {undo}, or compute in another "
+            "dtype with fully_shard's mp_policy=MixedPrecisionPolicy(param_dtype=...)"
+        )
 
 
 _ADVICE = {
