@@ -159,13 +159,16 @@ def adopt_host(host: torch.Tensor) -> torch.Tensor | None:
     """``host``'s memory as the device buffer of a new tensor on the device `adopts_host_memory`
     named, no copy (torch_xla's DLPack import; the buffer keeps ``host``'s storage alive, and a
     computation may later reuse it for its result: drop every other reference to ``host``).
-    None when XLA:CPU cannot take it (not 64-byte aligned, not contiguous)."""
+    None when XLA:CPU cannot take it (not 64-byte aligned, not contiguous, a dtype DLPack lacks)."""
     if not host.is_contiguous() or host.data_ptr() % 64:
         return None
     xla()
     from torch_xla.utils.dlpack import from_dlpack
 
-    return from_dlpack(host.detach())  # type: ignore[no-any-return]
+    try:
+        return from_dlpack(host.detach())  # type: ignore[no-any-return]
+    except BufferError:  # a dtype DLPack has no code for (float8): transferred instead
+        return None
 
 
 def write_rows(target: torch.Tensor, first: int, rows: torch.Tensor) -> None:

@@ -142,9 +142,10 @@ def _stream(
             following = batches[index + 1] if index + 1 < len(batches) else None
             ahead = following is not None and _fits(following)
             pending = start(following) if following is not None and ahead else None  # read as this crosses
-            out.extend(_place(_transfer(batch, hosts), pieces, targets))
+            adopted = _adopting(batch)
+            out.extend(_place(_adopted(batch, hosts) if adopted else _transfer(batch, hosts), pieces, targets))
             del hosts
-            if _fits(batch):
+            if _fits(batch) and not adopted:  # an adopted block is the device's now
                 free.append(block)
             del block  # a larger tensor's own memory goes now
             release_freed_memory()
@@ -251,6 +252,21 @@ def _transfer(batch: list[Job], hosts: list[torch.Tensor]) -> list[tuple[Job, to
         values = devices.to_device([host.to(job.dtype) for job, host in items], device)
         moved.update((id(job), value) for (job, _), value in zip(items, values, strict=True))
     return [(job, sharded[id(job)] if id(job) in sharded else moved[id(job)]) for job in batch]
+
+
+def _adopting(batch: list[Job]) -> bool:
+    """Whether every job of the batch goes to a device that takes over host memory (XLA:CPU)."""
+    return all(devices.adopts_host_memory(job.device) and not _sharded_target(job) for job in batch)
+
+
+def _adopted(batch: list[Job], hosts: list[torch.Tensor]) -> list[tuple[Job, torch.Tensor]]:
+    """The batch's values as device tensors on the host memory they were read into (64-byte
+    aligned views of one block: `_staged_bytes`), no transfer; by transfer where that fails."""
+    out = []
+    for job, host in zip(batch, hosts, strict=True):
+        value = devices.adopt_host(host.to(job.dtype))
+        out.append((job, devices.to_device([host.to(job.dtype)], job.device)[0] if value is None else value))
+    return out
 
 
 def _sharded_target(job: Job) -> bool:

@@ -269,7 +269,7 @@ def _device_rows(
         for key, tensor in targets.items()
         if tensor.device.type not in ("cpu", "meta")
         and type(tensor) is torch.Tensor
-        and tensor.numel() * tensor.element_size() > STAGING_BYTES  # smaller ones cost DCP little
+        and tensor.numel() * tensor.element_size() > _streamed_from(tensor.device)
     }
     if not wanted:
         return {}, {}
@@ -281,6 +281,13 @@ def _device_rows(
     }
     dtypes = {key: metadata.state_dict_metadata[key].properties.dtype for key in places}
     return locate_rows(folder, places, dtypes)
+
+
+def _streamed_from(device: torch.device) -> int:
+    """The size above which a tensor bound for ``device`` is streamed rather than read through DCP:
+    a staging buffer (smaller ones cost DCP little); every tensor on a device that takes over
+    host memory (XLA:CPU), which then holds it where it was read, with no transfer."""
+    return 0 if devices.adopts_host_memory(device) else STAGING_BYTES
 
 
 def _side_destinations(model: nn.Module, marker: Marker, *, with_optimizer: bool) -> dict[str, torch.Tensor]:
