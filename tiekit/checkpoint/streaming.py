@@ -70,17 +70,11 @@ def stream_to_devices(jobs: list[Job], files: Mapping[str, FileIdentity]) -> lis
 
 
 def _adopt(jobs: list[Job], files: Mapping[str, FileIdentity]) -> list[tuple[Job, torch.Tensor]]:
-    """Each job's tensor read into memory of its own (cast on the host when its dtype differs),
-    which its device then takes over (`devices.adopt_host`); moved by a transfer where it cannot."""
+    """Each job's tensor read into memory of its own, which its device then takes over (`_adopted`)."""
     hosts = [torch.empty(job.entry[1].shape, dtype=job.entry[1].dtype) for job in jobs]
     with TensorReader(files) as reader:
         reader.read([(*job.entry, host) for job, host in zip(jobs, hosts, strict=True)])
-    out: list[tuple[Job, torch.Tensor]] = []
-    for job in jobs:
-        host = hosts.pop(0).to(job.dtype)  # no copy when the dtype is right; the file's dtype goes now
-        value = devices.adopt_host(host)  # the device's buffer from now on: no other reference is kept
-        out.append((job, devices.to_device([host], job.device)[0] if value is None else value))
-    return out
+    return _adopted(jobs, hosts)
 
 
 def stream_rows_in_place(parts: list[RowPart], files: Mapping[str, FileIdentity]) -> None:
@@ -260,12 +254,15 @@ def _adopting(batch: list[Job]) -> bool:
 
 
 def _adopted(batch: list[Job], hosts: list[torch.Tensor]) -> list[tuple[Job, torch.Tensor]]:
-    """The batch's values as device tensors on the host memory they were read into (64-byte
-    aligned views of one block: `_staged_bytes`), no transfer; by transfer where that fails."""
+    """The batch's values as device tensors on the host memory they were read into (memory of
+    their own, or 64-byte aligned views of one block: `_staged_bytes`), cast on the host where the
+    dtype differs; by transfer where the device cannot take it (`devices.adopt_host`). Takes the
+    hosts out of ``hosts`` one by one, so a file-dtype original goes once it is cast."""
     out = []
-    for job, host in zip(batch, hosts, strict=True):
-        value = devices.adopt_host(host.to(job.dtype))
-        out.append((job, devices.to_device([host.to(job.dtype)], job.device)[0] if value is None else value))
+    for job in batch:
+        host = hosts.pop(0).to(job.dtype)  # no copy when the dtype is right
+        value = devices.adopt_host(host)  # the device's buffer from now on: no other reference is kept
+        out.append((job, devices.to_device([host], job.device)[0] if value is None else value))
     return out
 
 
