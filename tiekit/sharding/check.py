@@ -163,18 +163,25 @@ def check_sharding(model: nn.Module, plan: TiePlan | None = None) -> None:
         raise TieError(_message(problems))
 
 
+def _assignment_if_any(model: nn.Module) -> dict[str, Managed]:
+    """`fsdp_assignment`, or nothing where no FSDP2 model can exist yet (torch.distributed.fsdp
+    never imported: the import is skipped) or where it cannot be read (FSDP1 wrappers, a torch
+    without FSDP2): the refusals built on it are not theirs to judge."""
+    if "torch.distributed.fsdp" not in sys.modules:
+        return {}
+    try:
+        return fsdp_assignment(model)
+    except TiekitError:
+        return {}
+
+
 def refuse_split_by_fsdp(model: nn.Module, group: TieGroup) -> None:
     """`TieError` (`check_sharding`'s message) when FSDP2 manages parameters of ``group`` as
     separate tensors: re-tying them by pointing a module attribute at the source would not last,
     since FSDP2 puts its own parameter back at the next forward and trains each apart (a load
     into a model wrapped after its tie broke reported the tie restored and trained wrong). Local;
     nothing for a model no ``fully_shard`` touched."""
-    if "torch.distributed.fsdp" not in sys.modules:  # no FSDP2 model can exist yet: skip the import
-        return
-    try:
-        assignment = fsdp_assignment(model)
-    except TiekitError:  # FSDP1 wrappers, or a torch without FSDP2: not this check's to judge
-        return
+    assignment = _assignment_if_any(model)
     names = [m.name for m in group.members if m.kind == "parameter" and m.view is None]
     problems = _split(names, assignment, "are tied") if assignment else []
     if problems:
@@ -187,13 +194,7 @@ def refuse_cast_after_first_forward(model: nn.Module, dtype: torch.dtype | None 
     forward (its all-gather buffers keep it), so the next forward after the cast fails deep in
     torch. ``dtype=None``: whether such a cast already happened (`preserve_ties` around your own
     ``.to``), saying how to undo it. Local; nothing for a model no ``fully_shard`` touched."""
-    if "torch.distributed.fsdp" not in sys.modules:
-        return
-    try:
-        assignment = fsdp_assignment(model)
-    except TiekitError:
-        return
-    for name, managed in assignment.items():
+    for name, managed in _assignment_if_any(model).items():
         fixed = getattr(managed.param, "orig_dtype", None)  # set by FSDP2 at the unit's first forward
         if fixed is None or not fixed.is_floating_point:
             continue
