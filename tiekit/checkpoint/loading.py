@@ -143,7 +143,7 @@ def _fill(jobs: list[Job], files: Mapping[str, FileIdentity]) -> dict[int, torch
     """Read each job's bytes into its tensor (in place) or into a new tensor; {id(old): new}.
 
     Values are cast to the job's dtype as ``load_state_dict`` casts them. Tensors bound for a
-    device other than the CPU stream through the host in `STAGING_BYTES` batches (one batched
+    device other than the CPU stream through the host in batches of `staging_bytes` (one batched
     transfer each), first; then the CPU reads. Tensors filled in place are written as their
     bytes arrive (same-dtype CPU tensors are read straight into their memory, tensors already on
     their device are overwritten batch by batch): holding their new values aside would hold the

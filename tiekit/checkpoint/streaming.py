@@ -6,16 +6,15 @@ of safetensors files this way; `tiekit.dcp.loading` the rows of DCP shard files.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
 from tiekit import devices
+from tiekit.checkpoint.adoption import adopt_in_place, adopt_new
 from tiekit.checkpoint.reads import TensorReader
 from tiekit.header import FileIdentity, TensorEntry
 
@@ -42,73 +41,86 @@ class RowPart:
     first: int
 
 
-#: Bytes of each of the two host buffers a load onto XLA or CUDA streams through: one batch is read
-#: into one while the previous batch, in the other, is transferred; never the whole model (a
-#: tensor larger than this goes alone, in memory of its own, freed once it is transferred).
+#: The most bytes of each of the two host buffers a load onto XLA or CUDA streams through: one
+#: batch is read into one while the previous batch, in the other, is transferred; never the whole
+#: model (a tensor larger than a buffer goes alone, in memory of its own, freed once it is
+#: transferred, or in pieces that fit one). A load's own buffers are `staging_bytes` of its size.
 STAGING_BYTES = 16 << 20
+
+#: The fewest bytes of a staging buffer (unless `STAGING_BYTES` is fewer): below it, per-batch costs
+#: (a transfer call, a graph run per piece) outweigh the memory saved.
+_SMALLEST_STAGING = 1 << 20
+
+
+def staging_bytes(total: int) -> int:
+    """Bytes of each staging buffer of a load of ``total`` bytes: a 64th of it, at least 1 MiB and
+    at most `STAGING_BYTES`. A batch briefly exists about three times on XLA (its buffer, torch_xla's
+    copy, the device buffer), so two buffers and a batch in flight stay near 5/64 (8%) of the load,
+    within issue 13's 15%; a fixed 16 MiB was 0.4-0.8x of a 79 MiB model with a dominant embedding."""
+    return min(STAGING_BYTES, max(_SMALLEST_STAGING, total // 64))
 
 
 def stream_to_devices(jobs: list[Job], files: Mapping[str, FileIdentity]) -> list[tuple[Job, torch.Tensor]]:
     """Each replacing job's new value on its device (jobs filled in place are written as their
-    batch arrives), read and transferred in batches of at most `STAGING_BYTES` (a larger tensor
+    batch arrives), read and transferred in batches of at most `staging_bytes` (a larger tensor
     alone): each batch is read into a reused buffer while the one before it is transferred from
     the other, so reading and transferring overlap as in one batched transfer. A device whose
-    buffers are host memory (XLA:CPU, `devices.adopts_host_memory`) takes each new tensor's memory
-    as it is read instead: nothing is staged or copied."""
-    adopted = [job for job in jobs if job.replace and devices.adopts_host_memory(job.device)]
-    if adopted:
-        taken = {id(job) for job in adopted}
-        return _adopt(adopted, files) + stream_to_devices([job for job in jobs if id(job) not in taken], files)
+    buffers are host memory (XLA:CPU, `devices.adopts_host_memory`) takes each tensor's memory as
+    it is read instead (`tiekit.checkpoint.adoption`): nothing is staged or copied."""
     total = sum(_staged_bytes(job) for job in jobs)
+    room = staging_bytes(total)
+    new = [job for job in jobs if job.replace and devices.adopts_host_memory(job.device)]
+    adopted = adopt_new(new, files) if new else []
+    in_place = [RowPart(job.tensor, *job.entry, 0) for job in jobs if not job.replace]
+    left = {id(part.tensor) for part in adopt_in_place(in_place, files, room)} if in_place else set()
+    taken = {id(job) for job in new}
+    jobs = [job for job in jobs if id(job) not in taken and (job.replace or id(job.tensor) in left)]
     pieces: dict[int, tuple[Job, int]] = {}  # id(piece) -> (the job it is part of, its first row)
     units: list[Job] = []
     for job in jobs:
-        cut = _pieces(job, total)
+        cut = _pieces(job, total, room)
         pieces.update((id(piece), (job, first)) for first, piece in cut)
         units.extend([piece for _, piece in cut] or [job])
-    return _stream(units, pieces, files)
-
-
-def _adopt(jobs: list[Job], files: Mapping[str, FileIdentity]) -> list[tuple[Job, torch.Tensor]]:
-    """Each job's tensor read into memory of its own, which its device then takes over (`_adopted`)."""
-    hosts = [torch.empty(job.entry[1].shape, dtype=job.entry[1].dtype) for job in jobs]
-    with TensorReader(files) as reader:
-        reader.read([(*job.entry, host) for job, host in zip(jobs, hosts, strict=True)])
-    return _adopted(jobs, hosts)
+    return adopted + _stream(units, pieces, files, room)
 
 
 def stream_rows_in_place(parts: list[RowPart], files: Mapping[str, FileIdentity]) -> None:
     """Overwrite device tensors in place with rows read from files: each `RowPart` is the bytes of
     rows ``[first, first + entry.shape[0])`` of its tensor. A part that is the whole tensor goes as
     `stream_to_devices` sends a tensor filled in place; a part of one is written as pieces of rows
-    (`tiekit.devices.write_rows`). The writes have run when this returns. Local."""
+    (`tiekit.devices.write_rows`); on a device that takes over host memory, the parts of each
+    tensor are read into memory it then takes (`adoption.adopt_in_place`). The writes have run
+    when this returns. Local."""
     total = sum(part.entry.end - part.entry.start for part in parts)
+    room = staging_bytes(total)
+    parts = adopt_in_place(parts, files, room)
     pieces: dict[int, tuple[Job, int]] = {}
     units: list[Job] = []
     for part in parts:
         job = Job(part.tensor, (part.path, part.entry), part.tensor.device, part.tensor.dtype, False)
         if part.first == 0 and tuple(part.entry.shape) == tuple(part.tensor.shape):
-            cut = _pieces(job, total)
+            cut = _pieces(job, total, room)
         else:
             row = (part.entry.end - part.entry.start) // max(part.entry.shape[0], 1)
-            count = min(part.entry.shape[0], max((STAGING_BYTES - 63) // max(row, 1), 1))
+            count = min(part.entry.shape[0], max((room - 63) // max(row, 1), 1))
             cut = _cut(job, count, part.first)
         pieces.update((id(piece), (job, first)) for first, piece in cut)
         units.extend([piece for _, piece in cut] or [job])
-    _stream(units, pieces, files)
+    _stream(units, pieces, files, room)
     devices.sync()
 
 
 def _stream(
-    units: list[Job], pieces: dict[int, tuple[Job, int]], files: Mapping[str, FileIdentity]
+    units: list[Job], pieces: dict[int, tuple[Job, int]], files: Mapping[str, FileIdentity], room: int
 ) -> list[tuple[Job, torch.Tensor]]:
+    """The units read into two reused buffers of ``room`` bytes (`staging_bytes`) and sent on."""
     total = sum(_staged_bytes(unit) for unit in units)
     # Larger tensors first: such a batch briefly exists three times (its own memory, torch_xla's
     # copy of it, the device buffer: all host memory on XLA:CPU), cheapest while little is on the
     # device. The rest keep the file's order, which reads the file front to back.
-    units.sort(key=lambda job: -_staged_bytes(job) if _staged_bytes(job) > STAGING_BYTES else 0)
-    batches = list(_batches(units))
-    room = min(STAGING_BYTES, total)
+    units.sort(key=lambda job: -_staged_bytes(job) if _staged_bytes(job) > room else 0)
+    batches = list(_batches(units, room))
+    made = min(room, total)  # the size of a new buffer: no larger than the whole load
     targets: dict[int, torch.Tensor] = {}  # id(job) -> the device tensor its pieces are written into
     free: list[torch.Tensor] = []  # staging buffers not in use; two at most are ever made
     out: list[tuple[Job, torch.Tensor]] = []
@@ -117,10 +129,10 @@ def _stream(
 
         def start(batch: list[Job]) -> tuple[torch.Tensor, list[torch.Tensor], list[Future[None]]]:
             size = sum(_staged_bytes(job) for job in batch)
-            if size > STAGING_BYTES:
+            if size > room:
                 block = torch.empty(size, dtype=torch.uint8)  # one tensor larger than a buffer
             else:
-                block = free.pop() if free else torch.empty(room, dtype=torch.uint8)
+                block = free.pop() if free else torch.empty(made, dtype=torch.uint8)
             hosts, offset = [], 0
             for job in batch:
                 entry = job.entry[1]
@@ -134,15 +146,14 @@ def _stream(
             block, hosts, reads = pending
             reader.wait(reads)
             following = batches[index + 1] if index + 1 < len(batches) else None
-            ahead = following is not None and _fits(following)
+            ahead = following is not None and _fits(following, room)
             pending = start(following) if following is not None and ahead else None  # read as this crosses
-            adopted = _adopting(batch)
-            out.extend(_place(_adopted(batch, hosts) if adopted else _transfer(batch, hosts), pieces, targets))
+            out.extend(_place(_transfer(batch, hosts), pieces, targets))
             del hosts
-            if _fits(batch) and not adopted:  # an adopted block is the device's now
+            if _fits(batch, room):
                 free.append(block)
             del block  # a larger tensor's own memory goes now
-            release_freed_memory()
+            devices.release_freed_memory()
             if following is not None and not ahead:
                 pending = start(following)  # a larger tensor: not while this batch's copies exist
     return out
@@ -153,9 +164,9 @@ def _stream(
 _PIECES_COST = 64 << 20
 
 
-def _pieces(job: Job, total: int) -> list[tuple[int, Job]]:
-    """The job cut into pieces of whole rows that each fit a staging buffer, as (first row, piece),
-    when that takes less memory than the tensor whole; else nothing.
+def _pieces(job: Job, total: int, room: int) -> list[tuple[int, Job]]:
+    """The job cut into pieces of whole rows that each fit a staging buffer of ``room`` bytes, as
+    (first row, piece), when that takes less memory than the tensor whole; else nothing.
 
     A tensor larger than a buffer crosses whole, briefly existing three times (`_stream_to_devices`);
     in pieces it exists once, on the device, each piece written in place (`devices.write_rows`),
@@ -171,11 +182,11 @@ def _pieces(job: Job, total: int) -> list[tuple[int, Job]]:
     entry = job.entry[1]
     size = entry.end - entry.start
     # Written in place, the tensor's three copies come on top of the whole model already there.
-    room = (total if job.replace else 0) + 3 * STAGING_BYTES + _PIECES_COST
-    if size <= STAGING_BYTES or len(entry.shape) == 0 or entry.shape[0] < 2 or 3 * size <= room:
+    whole = (total if job.replace else 0) + 3 * room + _PIECES_COST
+    if size <= room or len(entry.shape) == 0 or entry.shape[0] < 2 or 3 * size <= whole:
         return []
     row = size // entry.shape[0]
-    count = (STAGING_BYTES - 63) // row  # rows per piece; its room is rounded up to 64 bytes
+    count = (room - 63) // row  # rows per piece; its room is rounded up to 64 bytes
     if count == 0:
         return []  # one row is larger than a buffer
     return _cut(job, count, 0)
@@ -225,8 +236,8 @@ def _place(
     return out
 
 
-def _fits(batch: list[Job]) -> bool:
-    return sum(_staged_bytes(job) for job in batch) <= STAGING_BYTES
+def _fits(batch: list[Job], room: int) -> bool:
+    return sum(_staged_bytes(job) for job in batch) <= room
 
 
 def _transfer(batch: list[Job], hosts: list[torch.Tensor]) -> list[tuple[Job, torch.Tensor]]:
@@ -248,24 +259,6 @@ def _transfer(batch: list[Job], hosts: list[torch.Tensor]) -> list[tuple[Job, to
     return [(job, sharded[id(job)] if id(job) in sharded else moved[id(job)]) for job in batch]
 
 
-def _adopting(batch: list[Job]) -> bool:
-    """Whether every job of the batch goes to a device that takes over host memory (XLA:CPU)."""
-    return all(devices.adopts_host_memory(job.device) and not _sharded_target(job) for job in batch)
-
-
-def _adopted(batch: list[Job], hosts: list[torch.Tensor]) -> list[tuple[Job, torch.Tensor]]:
-    """The batch's values as device tensors on the host memory they were read into (memory of
-    their own, or 64-byte aligned views of one block: `_staged_bytes`), cast on the host where the
-    dtype differs; by transfer where the device cannot take it (`devices.adopt_host`). Takes the
-    hosts out of ``hosts`` one by one, so a file-dtype original goes once it is cast."""
-    out = []
-    for job in batch:
-        host = hosts.pop(0).to(job.dtype)  # no copy when the dtype is right
-        value = devices.adopt_host(host)  # the device's buffer from now on: no other reference is kept
-        out.append((job, devices.to_device([host], job.device)[0] if value is None else value))
-    return out
-
-
 def _sharded_target(job: Job) -> bool:
     """Whether the job's value is a whole tensor sharded under XLA SPMD on its device: it overwrites
     one with ``copy_`` (torch_xla's ``copy_`` between XLA tensors gives the target the source's
@@ -282,32 +275,14 @@ def _staged_bytes(job: Job) -> int:
     return -(-(entry.end - entry.start) // 64) * 64
 
 
-def _batches(jobs: list[Job]) -> Iterator[list[Job]]:
+def _batches(jobs: list[Job], room: int) -> Iterator[list[Job]]:
     batch: list[Job] = []
     size = 0
     for job in jobs:
-        if batch and size + _staged_bytes(job) > STAGING_BYTES:
+        if batch and size + _staged_bytes(job) > room:
             yield batch
             batch, size = [], 0
         batch.append(job)
         size += _staged_bytes(job)
     if batch:
         yield batch
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        trim: Callable[[int], int] = ctypes.CDLL(None).malloc_trim
-    except (OSError, TypeError, AttributeError):
-        return None  # not glibc
-    return trim
-
-
-def release_freed_memory() -> None:
-    """Give the host memory freed by a batch back to the OS: glibc keeps freed blocks for reuse,
-    fragmented among the device buffers on XLA:CPU, so the process would grow by a fifth of the
-    model more however small the batches (GPT-2 small: 1.30x the file instead of 1.10x)."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)

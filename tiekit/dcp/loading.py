@@ -28,7 +28,7 @@ from tiekit.checkpoint.optimizer import stage_optimizer
 from tiekit.checkpoint.reads import READ_ATTEMPTS
 from tiekit.checkpoint.source import Source
 from tiekit.checkpoint.staging import Staged, stage
-from tiekit.checkpoint.streaming import STAGING_BYTES, RowPart, release_freed_memory, stream_rows_in_place
+from tiekit.checkpoint.streaming import STAGING_BYTES, RowPart, stream_rows_in_place
 from tiekit.collective import collective_gather, ranks
 from tiekit.dcp.chunks import Located, locate_rows, row_chunks
 from tiekit.dcp.layout import Marker, committed_save_id, read_marker
@@ -249,7 +249,7 @@ def _weights_planner(targets: Iterable[torch.Tensor]) -> Any:
             self.pending += tensor.numel() * tensor.element_size()
             if self.pending >= STAGING_BYTES:
                 devices.sync()
-                release_freed_memory()  # the replaced buffers, back to the OS (see there)
+                devices.release_freed_memory()  # the replaced buffers, back to the OS (see there)
                 self.pending = 0
 
     return Syncing()
