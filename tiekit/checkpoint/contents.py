@@ -81,7 +81,8 @@ def _same_values(model: nn.Module, target: str, source: str) -> bool:
 
 def declared_ties(model: nn.Module) -> dict[str, str]:
     """``{target: source}`` ties the model declares: ``TPUMixin.tied_weights`` and transformers'
-    ``_tied_weights_keys`` (expanded, restricted to names that exist in the model). A
+    ``_tied_weights_keys`` (restricted to names that exist in the model): transformers 5's
+    expanded ``{target: source}``, or transformers 4's list of targets (`transformers4_ties`). A
     ``tied_weights`` name that does not resolve is a `CheckpointError`, as it is a `TieError`
     when the module moves. Through ``torch.compile``'s wrapper, the wrapped model's, under its
     ``_orig_mod.`` names (the wrapper forwards the attribute, but its names carry the prefix)."""
@@ -95,6 +96,8 @@ def declared_ties(model: nn.Module) -> dict[str, str]:
             found = expand(all_submodels=True)
             if isinstance(found, Mapping):
                 declared.update({t: s for t, s in found.items() if isinstance(t, str) and isinstance(s, str)})
+    else:
+        declared.update(transformers4_ties(model))
     if isinstance(model, TPUMixin):
         for target, source in model.tied_weights.items():
             if not isinstance(target, str) or not isinstance(source, str):
@@ -114,6 +117,97 @@ def declared_ties(model: nn.Module) -> dict[str, str]:
         if a.shape == b.shape and a.dtype == b.dtype:
             out[target] = source
     return out
+
+
+def transformers4_ties(model: nn.Module, *, by_config: bool = True) -> dict[str, str]:
+    """``{target: source}`` ties a transformers 4.x model declares, as its ``tie_weights`` makes
+    them in each (sub)model: the names its class lists in ``_tied_weights_keys`` take the input
+    embedding's weight, when the (text decoder) config ties word embeddings (the default; with
+    ``torchscript`` it clones instead); with ``is_encoder_decoder`` and ``tie_encoder_decoder``
+    each encoder weight and bias takes its decoder counterpart's. ``by_config=False``: the
+    embedding ties the classes declare whatever the config says. Names relative to ``model``;
+    those that do not exist are left for the caller to drop."""
+    ties: dict[str, str] = {}
+    for path, module in model.named_modules():
+        prefix = f"{path}." if path else ""
+        config = getattr(module, "config", None)
+        if config is None:
+            continue
+        pairs = dict(_embedding_ties(module)) if not by_config or _ties_word_embeddings(config) else {}
+        if by_config and getattr(config, "is_encoder_decoder", False) and getattr(config, "tie_encoder_decoder", False):
+            pairs.update(_encoder_decoder_ties(module))
+        for target, source in pairs.items():
+            ties.setdefault(prefix + target, prefix + source)  # an outer model's declaration first
+    return ties
+
+
+def _ties_word_embeddings(config: Any) -> bool:
+    text = config
+    with contextlib.suppress(TypeError, AttributeError, ValueError):
+        text = config.get_text_config(decoder=True)
+    return bool(getattr(text, "tie_word_embeddings", True)) and not getattr(config, "torchscript", False)
+
+
+def _embedding_ties(module: nn.Module) -> list[tuple[str, str]]:
+    """The targets ``module`` lists in a 4.x ``_tied_weights_keys``, each with the input
+    embedding's weight as source (named by identity; not one of the targets, which may already
+    be that tensor)."""
+    targets = getattr(module, "_tied_weights_keys", None)
+    get_input_embeddings = getattr(module, "get_input_embeddings", None)
+    if not isinstance(targets, (list, tuple)) or not callable(get_input_embeddings):
+        return []
+    try:
+        weight = getattr(get_input_embeddings(), "weight", None)
+    except (NotImplementedError, AttributeError, TypeError, ValueError):
+        return []
+    if not isinstance(weight, torch.Tensor):
+        return []
+    names = dict(module.named_parameters(remove_duplicate=False))
+    source = next((n for n, p in names.items() if p is weight and n not in targets), None)
+    if source is None:
+        return []
+    return [(t, source) for t in targets if isinstance(t, str) and t in names and t != source]
+
+
+def _encoder_decoder_ties(module: nn.Module) -> list[tuple[str, str]]:
+    """4.x's ``tie_encoder_decoder``: in the base model, each encoder module's weight (and bias)
+    takes the one at the same path in the decoder (under the decoder's own base model, as
+    ``EncoderDecoderModel`` does); decoder layers the encoder lacks (a cross-attention layer
+    between two of its own) shift the encoder's layer index back."""
+    base = getattr(module, str(getattr(module, "base_model_prefix", "")), None)
+    base = base if isinstance(base, nn.Module) else module
+    encoder, decoder = getattr(base, "encoder", None), getattr(base, "decoder", None)
+    if not isinstance(encoder, nn.Module) or not isinstance(decoder, nn.Module):
+        return []
+    base_path = next((p for p, m in module.named_modules() if m is base), "")
+    prefix = f"{base_path}." if base_path else ""
+    decoder_path = f"{prefix}decoder"
+    inner = decoder._modules.get(str(getattr(decoder, "base_model_prefix", "")))
+    if inner is not None:
+        decoder, decoder_path = inner, f"{decoder_path}.{getattr(decoder, 'base_model_prefix', '')}"
+    pairs: list[tuple[str, str]] = []
+    _pair_modules(encoder, decoder, f"{prefix}encoder", decoder_path, pairs)
+    return pairs
+
+
+def _pair_modules(
+    encoder: nn.Module, decoder: nn.Module, encoder_path: str, decoder_path: str, pairs: list[tuple[str, str]]
+) -> None:
+    if hasattr(decoder, "weight"):  # a leaf for 4.x: its weight and bias, not its children
+        pairs.extend((f"{encoder_path}.{a}", f"{decoder_path}.{a}") for a in ("weight", "bias") if hasattr(decoder, a))
+        return
+    shift = 0
+    for name, child in decoder._modules.items():
+        if child is None:
+            continue
+        encoder_name = str(int(name) + shift) if name.isdigit() else name
+        counterpart = encoder._modules.get(encoder_name)
+        unequal = len(encoder._modules) != len(decoder._modules)
+        if name.isdigit() and unequal and not isinstance(child, type(counterpart)):
+            shift -= 1  # a decoder-only layer: the encoder's next layer pairs with the decoder's next one
+            continue
+        if counterpart is not None:
+            _pair_modules(counterpart, child, f"{encoder_path}.{encoder_name}", f"{decoder_path}.{name}", pairs)
 
 
 def unique_tensors(model: nn.Module, plan: TiePlan) -> tuple[list[str], list[torch.Tensor]]:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from tiekit.analyze import dtype_name, find_ties
-from tiekit.checkpoint.contents import declared_ties
+from tiekit.checkpoint.contents import declared_ties, transformers4_ties
 from tiekit.checkpoint.layout import name_list
 from tiekit.checkpoint.reads import read_tensor
 from tiekit.checkpoint.source import Source
@@ -108,8 +108,11 @@ def stage(model: nn.Module, source: Source, *, strict: bool, device: torch.devic
 def _untied_hint(model: nn.Module, missing: list[str], entries: Mapping[str, Any]) -> str:
     """Why a tie target is missing when the model class ties it only by config: transformers'
     ``_tied_weights_keys`` hold for a config with ``tie_word_embeddings`` (the default), whose
-    saves leave the target out; a model built untied then finds it missing."""
+    saves leave the target out; a model built untied then finds it missing. transformers 4 lists
+    the targets alone, each tied to the input embedding."""
     declared = getattr(type(model), "_tied_weights_keys", None)
+    if isinstance(declared, (list, tuple)):
+        declared = transformers4_ties(model, by_config=False)
     if not isinstance(declared, Mapping):
         return ""
     untied = [(t, s) for t, s in declared.items() if t in missing and s in entries and t not in declared_ties(model)]
