@@ -299,3 +299,21 @@ def test_a_failure_alike_on_several_ranks_is_reported_once_with_their_ranks() ->
     assert failure_message("save", ["OSError: x"]) == "save failed: rank 0: OSError: x"  # one process
     shared = failure_message("collective_save_model", [None, "OSError: x"], ["/a.safetensors", "/b.safetensors"])
     assert shared == "collective_save_model failed on 1 of 2 rank(s): rank 1 (/b.safetensors): OSError: x"
+
+
+def test_a_torch_whose_dcp_lacks_no_dist_is_refused_by_name(
+    saved: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every DCP call of tiekit passes ``no_dist``, which torch 2.4 to 2.6 lack (a probe on 2.4.1
+    and 2.6.0 got DCP's raw ``TypeError`` from every sharded save, load and convert). The tested
+    torch has it; a torch without it is a `CheckpointError` naming its version, before DCP writes
+    or reads anything: no checkpoint committed, the model and the files untouched."""
+    from tiekit.dcp import state
+
+    assert state.dcp_takes_no_dist()  # the torch under test
+    monkeypatch.setattr(state, "dcp_takes_no_dist", lambda: False)
+    with pytest.raises(tiekit.CheckpointError, match=rf"this torch \({re.escape(torch.__version__)}\) lacks"):
+        tiekit.save_sharded(Tied(), tmp_path / "new")
+    assert not (tmp_path / "new" / MARKER_NAME).exists()
+    assert not list((tmp_path / "new").glob("save-*/*.distcp"))
+    refused(saved, r"no_dist, which this torch .* lacks \(torch 2\.4 to 2\.6 do")

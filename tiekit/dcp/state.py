@@ -10,6 +10,8 @@ reshards: a DTensor destination gets this rank's rows, a plain one the whole ten
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -105,12 +107,28 @@ def running_dcp(where: object, reading: bool) -> Iterator[None]:
     the program set meanwhile (``simplefilter("error")``)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
+    if not dcp_takes_no_dist():
+        raise CheckpointError(
+            f"{where}: tiekit's sharded checkpoints call torch.distributed.checkpoint's save and load with "
+            f"no_dist, which this torch ({torch.__version__}) lacks (torch 2.4 to 2.6 do; 2.9.1 and 2.14.1 "
+            "are tested): upgrade torch, or use single-file checkpoints (tiekit.save_checkpoint)"
+        )
     for message in _DCP_NOISE:  # first again at every call: ahead of an "error" filter set since
         warnings.filterwarnings("ignore", message=message)
     try:
         yield
     except CheckpointException as exc:
         raise dcp_failure(exc, where, reading) from exc
+
+
+@functools.cache
+def dcp_takes_no_dist() -> bool:
+    """Whether this torch's DCP ``save`` and ``load`` take ``no_dist`` (a single-process or
+    rank-local call, without a collective), which every DCP call of tiekit passes."""
+    from torch.distributed.checkpoint.state_dict_loader import load
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    return all("no_dist" in inspect.signature(call).parameters for call in (save, load))
 
 
 _DCP_NOISE = ("torch.distributed is disabled, unavailable or uninitialized", "TypedStorage is deprecated")
