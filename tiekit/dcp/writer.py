@@ -39,7 +39,7 @@ def records_without_checksums() -> Iterator[None]:
     """``torch.save`` writes no CRC32 while any block of this kind runs in the process; the option
     is set back to what it was when the last one ends."""
     global _writers_without_checksums, _checksums_before
-    if not hasattr(torch.serialization, "set_crc32_options"):  # torch < 2.5 always writes them
+    if not hasattr(torch.serialization, "set_crc32_options"):  # torch < 2.6 always writes them
         yield
         return
     with _checksums_lock:
