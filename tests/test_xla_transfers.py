@@ -225,18 +225,8 @@ def peak():
 # host copies until then, and a buffer let go of while its transfer runs is freed only after it:
 # wait until every tensor is ready, and hand every freed block back, so that the growth from here
 # is the load's own (without this, an in-place load seemed to grow by 0.03-0.26x by the race).
-import ctypes, threading
-_on_xla = list({id(t): t for t in [*model.parameters(), *model.buffers()] if t.device.type == "xla"}.values())
-_left, _ready, _lock = [len(_on_xla)], threading.Event(), threading.Lock()
-def _one_ready():
-    with _lock:
-        _left[0] -= 1
-        if _left[0] == 0:
-            _ready.set()
-for _tensor in _on_xla:
-    torch_xla._XLAC._on_ready_callback(_tensor, _one_ready)
-if _on_xla:
-    _ready.wait(timeout=120)
+import ctypes
+tiekit.devices.wait_until_ready([*model.parameters(), *model.buffers()])
 ctypes.CDLL(None).malloc_trim(0)
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # the peak restarts from what the process holds now

@@ -13,6 +13,7 @@ import functools
 import importlib
 import importlib.util
 import os
+import threading
 import time
 from collections.abc import Callable
 from types import ModuleType
@@ -185,7 +186,9 @@ def release_buffers(tensors: list[torch.Tensor]) -> None:
     took 5-11 ms here): memory read into before that would hold the tensor twice (a 79 MiB model
     with a 90% embedding grew by 0.01-0.94x beyond it, by the race). So this waits, up to half a second,
     until the process's resident memory has fallen by 7/8 of the bytes let go of (Linux; elsewhere
-    it does not wait)."""
+    it does not wait). It first waits until each buffer is filled (`wait_until_ready`): one still
+    being filled by a transfer (right after a move) is freed only after it."""
+    wait_until_ready(tensors)
     before = _resident_bytes()
     with torch.no_grad():
         for tensor in tensors:
@@ -200,6 +203,32 @@ def release_buffers(tensors: list[torch.Tensor]) -> None:
         if now is None or now <= before - released + released // 8:
             return
         time.sleep(0.0002)
+
+
+def wait_until_ready(tensors: list[torch.Tensor]) -> None:
+    """Return once every XLA tensor of ``tensors`` has its device buffer filled: XLA:CPU completes
+    a transfer, and a graph's results, on its own threads after the call returns. Other tensors
+    are ready already, and so is one whose value is still a pending computation (it has no buffer
+    yet). Waits at most a minute, then returns anyway (a buffer that never fills
+    would otherwise hang the caller)."""
+    pending = [t for t in tensors if t.device.type == "xla"]
+    if not pending:
+        return
+    torch_xla = xla()
+    left, ready, lock = [len(pending)], threading.Event(), threading.Lock()
+
+    def one_ready() -> None:
+        with lock:
+            left[0] -= 1
+            if left[0] == 0:
+                ready.set()
+
+    for tensor in pending:
+        try:
+            torch_xla._XLAC._on_ready_callback(tensor, one_ready)
+        except RuntimeError:  # no buffer yet (a pending computation): nothing of its own to wait for
+            one_ready()
+    ready.wait(timeout=60)
 
 
 #: Bytes let go of below which `release_buffers` does not wait for them to be freed: less than a
