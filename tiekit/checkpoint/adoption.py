@@ -44,8 +44,9 @@ def adopt_in_place(parts: list[RowPart], files: Mapping[str, FileIdentity], room
     groups: dict[int, list[RowPart]] = {}
     for part in parts:
         groups.setdefault(id(part.tensor), []).append(part)
-    whole = [group for group in groups.values() if _covers(group)]
-    rest = [part for group in groups.values() if not _covers(group) for part in group]
+    covered = {key: _covers(group) for key, group in groups.items()}
+    whole = [group for key, group in groups.items() if covered[key]]
+    rest = [part for key, group in groups.items() if not covered[key] for part in group]
     if not whole:
         return rest
     with TensorReader(files) as reader, torch.no_grad():
