@@ -8,6 +8,7 @@ when an XLA device is actually asked for, never by ``import tiekit``.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import importlib
@@ -180,29 +181,50 @@ def release_buffers(tensors: list[torch.Tensor]) -> None:
     be read into the memory it frees (`tiekit.checkpoint.adoption`), and return once that memory is
     back. Their values become zeros, pending on a lazy device (XLA: nothing is computed or
     allocated unless a `sync` runs before the new values arrive). A buffer another tensor shares
-    stays, with that tensor's values.
+    stays, with that tensor's values; an inference tensor is written in inference mode (`writing`).
 
     XLA:CPU frees a buffer on its own threads after the call that let go of it (unmapping 70 MiB
     took 5-11 ms here): memory read into before that would hold the tensor twice (a 79 MiB model
-    with a 90% embedding grew by 0.01-0.94x beyond it, by the race). So this waits, up to half a second,
-    until the process's resident memory has fallen by 7/8 of the bytes let go of (Linux; elsewhere
-    it does not wait). It first waits until each buffer is filled (`wait_until_ready`): one still
-    being filled by a transfer (right after a move) is freed only after it."""
+    with a 90% embedding grew by 0.01-0.94x beyond it, by the race). So this waits until the
+    process's resident memory has fallen by 7/8 of the bytes let go of, for as long as it keeps
+    falling (a pause of `_FREEING_PAUSE` ends the wait: a buffer another tensor shares, or a value
+    still pending, frees nothing), at most half a second (Linux; elsewhere it does not wait). It
+    first waits until each buffer is filled (`wait_until_ready`): one still being filled by a
+    transfer (right after a move) is freed only after it."""
     wait_until_ready(tensors)
     before = _resident_bytes()
     with torch.no_grad():
         for tensor in tensors:
-            tensor.copy_(torch.zeros((), dtype=tensor.dtype, device=tensor.device).expand(tensor.shape))
+            with writing(tensor):
+                tensor.copy_(torch.zeros((), dtype=tensor.dtype, device=tensor.device).expand(tensor.shape))
     released = sum(tensor.nbytes for tensor in tensors)
     if before is None or released < _WORTH_WAITING_FOR:
         return
-    deadline = time.monotonic() + 0.5
-    while time.monotonic() < deadline:
+    start = last = time.monotonic()
+    lowest = before
+    while last - start < 0.5:
         release_freed_memory()  # a smaller buffer goes back to a malloc arena, not to the OS
         now = _resident_bytes()
         if now is None or now <= before - released + released // 8:
             return
+        moment = time.monotonic()
+        if now < lowest:
+            lowest, last = now, moment
+        elif moment - last > _FREEING_PAUSE:
+            return
         time.sleep(0.0002)
+
+
+#: How long resident memory may stay put before `release_buffers` stops waiting for it to fall:
+#: XLA:CPU's thread starts freeing within a millisecond here, and unmaps without a pause.
+_FREEING_PAUSE = 0.003
+
+
+def writing(tensor: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
+    """Where an in-place write into ``tensor`` may run: inference mode for an inference tensor
+    (made under ``torch.inference_mode``, which refuses in-place writes outside it, as a load into
+    a CPU model, read straight into its memory, never asks), else no change."""
+    return torch.inference_mode() if tensor.is_inference() else contextlib.nullcontext()
 
 
 def wait_until_ready(tensors: list[torch.Tensor]) -> None:
@@ -255,12 +277,13 @@ def write_rows(target: torch.Tensor, first: int, rows: torch.Tensor) -> None:
     offset), and torch_xla hands the target's buffer to the result, so the target is never held
     twice. Pending until the next `sync`.
     """
-    if target.device.type != "xla":
-        target.narrow(0, first, rows.shape[0]).copy_(rows)
-        return
-    start = torch.tensor([first], dtype=torch.int32).to(target.device)  # a shape-[1] tensor: 0 and 1
-    # as 0-d tensors would become constants of the graph, and the first piece would compile alone
-    target.copy_(_xla_row_writer()(target, rows, start, rank=target.dim()))
+    with writing(target):
+        if target.device.type != "xla":
+            target.narrow(0, first, rows.shape[0]).copy_(rows)
+            return
+        start = torch.tensor([first], dtype=torch.int32).to(target.device)  # a shape-[1] tensor: 0 and 1
+        # as 0-d tensors would become constants of the graph, and the first piece would compile alone
+        target.copy_(_xla_row_writer()(target, rows, start, rank=target.dim()))
 
 
 @functools.cache

@@ -59,7 +59,8 @@ def adopt_in_place(parts: list[RowPart], files: Mapping[str, FileIdentity], room
             del reads
             values = adopt_hosts(hosts, [(group[0].tensor.dtype, group[0].tensor.device) for group in batch])
             for group, value in zip(batch, values, strict=True):
-                group[0].tensor.copy_(value)  # the tensor now holds the adopted buffer: no copy on XLA
+                with devices.writing(group[0].tensor):
+                    group[0].tensor.copy_(value)  # the tensor now holds the adopted buffer: no copy on XLA
             del values
     devices.sync()
     return rest

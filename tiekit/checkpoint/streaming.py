@@ -215,7 +215,8 @@ def _place(
             if unit.replace:
                 out.append((unit, value))
             else:
-                unit.tensor.copy_(value)
+                with devices.writing(unit.tensor):
+                    unit.tensor.copy_(value)
                 written = True
             continue
         job, first = whole
