@@ -21,9 +21,13 @@ rank, port = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 
 
-def tied():
+class MixinSequential(tiekit.TPUMixin, nn.Sequential):
+    pass
+
+
+def tied(kind=nn.Sequential):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(101, 16), nn.Linear(16, 16), nn.Linear(16, 101, bias=False))
+    model = kind(nn.Embedding(101, 16), nn.Linear(16, 16), nn.Linear(16, 101, bias=False))
     model[2].weight = model[0].weight
     return tiekit.shard(model)
 
@@ -61,6 +65,20 @@ try:  # your own cast inside preserve_ties: it happened, so the error says how t
     told["preserve_ties"] = "re-tied"
 except tiekit.TieError as exc:
     told["preserve_ties"] = str(exc)
+
+model = tied(MixinSequential)  # TPUMixin's own conversions: .to(dtype) after the first forward
+optimizer = torch.optim.AdamW(model.parameters())
+step(model, optimizer)
+try:
+    model.to(torch.float64)
+    told["mixin after a forward"] = "cast"
+except tiekit.TieError as exc:
+    told["mixin after a forward"] = str(exc)
+told["mixin untouched"] = [str(p.dtype) for p in model.parameters()] == ["torch.float32"] * 3
+step(model, optimizer)
+told["mixin trains on"] = model[2].weight is model[0].weight
+model.to(torch.float32)  # a conversion that keeps the dtype goes through
+told["mixin same dtype"] = model[2].weight is model[0].weight
 del model, optimizer
 tiekit.clear_dtensor_caches()
 dist.destroy_process_group()
@@ -79,3 +97,6 @@ def test_move_casts_an_fsdp2_model_before_its_first_forward_and_refuses_after(tm
         assert told["untouched"] is True and told["trains on"] is True, told
         assert "FSDPSequential was cast to torch.float64: '0.weight' is sharded by FSDP2" in told["preserve_ties"]
         assert "Cast it back to torch.float32 before the next forward" in told["preserve_ties"], told
+        assert "cannot cast FSDPMixinSequential to torch.float64" in told["mixin after a forward"], told
+        assert told["mixin untouched"] is True and told["mixin trains on"] is True, told
+        assert told["mixin same dtype"] is True, told

@@ -22,6 +22,7 @@ from tiekit.mixin_loading import before_load, enclosing_mixin_loads, finish_inte
 from tiekit.moving import once_per_tensor
 from tiekit.plan import TiePlan
 from tiekit.retie import fitting_plan, retie, still_holds, verify
+from tiekit.sharding.check import refuse_conversion_after_first_forward
 
 # torch_xla.launch runs one replica per thread in a single process, so "already inside a
 # tiekit conversion" must be per thread, not a module attribute or a global.
@@ -140,6 +141,7 @@ class TPUMixin:
                 return super()._apply(fn, recurse)  # type: ignore[misc]
             assert isinstance(self, nn.Module)
             plan = fitting_plan(self, self.tie_plan())  # refused before anything converts
+            refuse_conversion_after_first_forward(self, fn)  # an FSDP2 dtype fixed at its first forward
             result = super()._apply(once_per_tensor(fn), recurse)  # type: ignore[misc]
             assert isinstance(self, nn.Module)
             retie(self, plan)

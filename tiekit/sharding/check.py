@@ -13,7 +13,7 @@ visible by identity, which is why the plan should be made before wrapping.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -212,6 +212,26 @@ def refuse_cast_after_first_forward(model: nn.Module, dtype: torch.dtype | None 
             f"its first forward; after the cast the next forward would fail. {undo}, or compute in another "
             "dtype with fully_shard's mp_policy=MixedPrecisionPolicy(param_dtype=...)"
         )
+
+
+def refuse_conversion_after_first_forward(model: nn.Module, convert: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """`refuse_cast_after_first_forward` for ``convert``, a conversion ``nn.Module._apply`` runs
+    (``TPUMixin``'s ``.to``, ``.half()``...): the dtype it makes of each dtype FSDP2 fixed, found by
+    converting an empty tensor of it on the parameter's device. A conversion that cannot run on
+    one is left to run. Local; nothing for a model no ``fully_shard`` touched."""
+    seen: set[tuple[torch.dtype, torch.device]] = set()
+    for managed in _assignment_if_any(model).values():
+        fixed = getattr(managed.param, "orig_dtype", None)
+        device = getattr(getattr(managed.param, "sharded_param", None), "device", None)
+        if fixed is None or not fixed.is_floating_point or device is None or (fixed, device) in seen:
+            continue
+        seen.add((fixed, device))
+        try:
+            made = convert(torch.empty(0, dtype=fixed, device=device)).dtype
+        except Exception:  # noqa: BLE001 - the conversion itself will say what is wrong with it
+            continue
+        if made != fixed:
+            refuse_cast_after_first_forward(model, made)
 
 
 _ADVICE = {
