@@ -128,6 +128,8 @@ def transformers4_ties(model: nn.Module, *, by_config: bool = True) -> dict[str,
     embedding ties the classes declare whatever the config says. Names relative to ``model``;
     those that do not exist are left for the caller to drop."""
     ties: dict[str, str] = {}
+    if not isinstance(model, nn.Module):
+        return ties  # not a model: the caller's own check names what it is
     for path, module in model.named_modules():
         prefix = f"{path}." if path else ""
         config = getattr(module, "config", None)
