@@ -34,6 +34,14 @@ windows), so a run is compared only with itself. The write of a background save 
 inside its window (the script prints the steps outside the windows against those of the runs
 without checkpoints, so a write spilling past its window shows).
 
+Two more within-run measures, since this VM's step drifts within a run too (after a background
+save the steps are fast, then slow down until the next one): *paired*, each save's window minus
+the ``--window`` steps just before it, with its standard error over every save; and the *cycle
+profile*, the median step at each position between two saves, whose position 0 (the save call
+and the step beside the write) is compared with positions 1-2. Last, the kernel CPU of writing
+one save's file (``/proc/stat``: system, irq and softirq time), which a background save takes
+from the step whatever thread writes when every core computes.
+
     .venv/bin/python benchmarks/bench_async_checkpoint.py [--strategy single|fsdp|xla] [--ranks 2] [--repeats 5]
         [--threads N] [--keep N] [--steps 43 --every 8 --window 4]
 """
@@ -204,6 +212,65 @@ def lost_within(durations: list[float], inside: set[int]) -> tuple[float, float]
     return sum(durations[i] - typical for i in inside), typical
 
 
+def paired_losses(durations: list[float], steps: int, every: int, window: int) -> list[float]:
+    """Each in-loop save's loss against the steps just before it: the ``window`` steps after the
+    save minus the ``window`` steps before it (outside every save's window, since ``every`` is at
+    least twice ``window``). A run's drift (its typical step moving by 30% between runs on this
+    VM, and within a run) cancels out of each pair; what stays is the save and the steps' own
+    jitter, which the standard error over all saves shows."""
+    losses = []
+    for s in range(every, steps, every):
+        after = [s - 1 + k for k in range(window)]
+        before = [s - 1 - window + k for k in range(window)]
+        if before[0] >= WARMUP and after[-1] < steps - 1:
+            losses.append(sum(durations[i] for i in after) - sum(durations[i] for i in before))
+    return losses
+
+
+def mean_and_error(values: list[float]) -> tuple[float, float]:
+    """The mean and its standard error."""
+    return statistics.fmean(values), statistics.stdev(values) / len(values) ** 0.5
+
+
+def cycle_profile(durations: list[float], every: int) -> list[float]:
+    """The median step (ms) at each position of the save cycle: position 0 holds the save call
+    and the step that runs beside a background write, position ``every - 1`` the step before the
+    next save."""
+    return [
+        statistics.median(d for i, d in enumerate(durations) if i >= every and (i + 1) % every == k) * 1e3
+        for k in range(every)
+    ]
+
+
+def kernel_cpu_of_writing(size: int, folder: Path, rounds: int = 10) -> float | None:
+    """Milliseconds of CPU the kernel spends (system, irq and softirq time of the whole machine,
+    from ``/proc/stat``) per file of ``size`` bytes written as background saves write them
+    (``O_DIRECT`` from aligned memory). Interrupt handling lands on whichever core, so beside a
+    step that keeps every core busy this much is taken from the step whatever thread writes.
+    None where ``/proc/stat`` or ``O_DIRECT`` is missing."""
+    from tiekit.checkpoint.direct import aligned, open_new, round_up, write_all
+
+    if not hasattr(os, "O_DIRECT") or not Path("/proc/stat").exists():
+        return None
+
+    def kernel_jiffies() -> int:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        return sum(int(fields[i]) for i in (3, 6, 7))  # system, irq, softirq
+
+    memory = aligned(round_up(size)).fill_(1).numpy()
+    target = folder / "kernel-cpu.bin"
+    before = kernel_jiffies()
+    for _ in range(rounds):
+        fd = open_new(target, direct=True)
+        try:
+            write_all(fd, memory.data, 0)
+        finally:
+            os.close(fd)
+    ticks = kernel_jiffies() - before
+    target.unlink()
+    return ticks / os.sysconf("SC_CLK_TCK") / rounds * 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategy", choices=["single", "fsdp", "xla"], default="single")
@@ -215,8 +282,8 @@ def main() -> None:
     parser.add_argument("--keep", type=int, default=None, help="fit's checkpoint_keep (default: keep all)")
     parser.add_argument("--window", type=int, default=4, help="steps after a save that count its loss (within a run)")
     args = parser.parse_args()
-    if args.window >= args.every:
-        parser.error("--window must be smaller than --every: the typical step is measured between the windows")
+    if 2 * args.window > args.every:
+        parser.error("--every must be at least twice --window: each save is compared with the steps before it")
     if args.threads:
         torch.set_num_threads(args.threads)
         os.environ[THREADS] = str(args.threads)
@@ -227,6 +294,9 @@ def main() -> None:
     inside = windows(args.steps, args.every, args.window)
     within: dict[str, list[float]] = {"none": [], "blocking": [], "async": []}  # ms lost per save, per run
     typical: dict[str, list[float]] = {"none": [], "blocking": [], "async": []}
+    pairs: dict[str, list[float]] = {"none": [], "blocking": [], "async": []}  # ms, every save of every run
+    cycles: dict[str, list[list[float]]] = {"none": [], "blocking": [], "async": []}
+    save_bytes = 0
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats + 1):  # the first round warms up and is dropped
             for mode in seconds:
@@ -239,14 +309,19 @@ def main() -> None:
                     lost, step = lost_within(durations, inside)
                     within[mode].append(lost / saves * 1e3)
                     typical[mode].append(step * 1e3)
+                    pairs[mode] += [x * 1e3 for x in paired_losses(durations, args.steps, args.every, args.window)]
+                    cycles[mode].append(cycle_profile(durations, args.every))
                 if repeat and mode in stalls:
                     stalls[mode].extend(STALLS[:saves])  # the in-loop saves (not the final one)
+                if mode == "blocking" and args.strategy != "fsdp":  # one save's bytes: its largest file
+                    save_bytes = max((p.stat().st_size for p in folder.rglob("*") if p.is_file()), default=0)
                 # Freed page cache is what the next run writes into. On this VM, page cache grown
                 # into memory the guest never touched costs ~10x the CPU per byte written (95 MB:
                 # 300-400 ms instead of 25-35 ms), which would bill the machine's history to a mode.
                 shutil.rmtree(folder, ignore_errors=True)
                 if repeat:
                     seconds[mode].append(value)
+        kernel_ms = kernel_cpu_of_writing(save_bytes, Path(tmp)) if save_bytes else None
     median = {mode: statistics.median(values) for mode, values in seconds.items()}
     lost = {mode: (median[mode] - median["none"]) / saves for mode in ("blocking", "async")}
     print(
@@ -271,6 +346,37 @@ def main() -> None:
         f"  within runs, background / blocking: {ratio:.3f}x of the medians; per round "
         f"{', '.join(f'{r:.3f}' for r in paired)} (target at most 0.20x)"
     )
+    print(f"  each save against the {args.window} steps before it (mean +- standard error over every save):")
+    paired_mean = {mode: mean_and_error(values) for mode, values in pairs.items()}
+    for mode, (mean, error) in paired_mean.items():
+        print(f"    {mode:8s}: {mean:6.1f} +- {error:4.1f} ms over {len(pairs[mode])} saves")
+    floor = paired_mean["none"][0]
+    cost = {mode: paired_mean[mode][0] - floor for mode in ("blocking", "async")}
+    spread = (paired_mean["async"][1] ** 2 + paired_mean["none"][1] ** 2) ** 0.5
+    print(
+        f"  paired, beyond the runs without checkpoints: blocking {cost['blocking']:.1f} ms, background "
+        f"{cost['async']:.1f} +- {spread:.1f} ms: {cost['async'] / cost['blocking']:.3f}x "
+        f"(+- {spread / cost['blocking']:.3f}; target at most 0.20x)"
+    )
+    print("  median step (ms) at each position of the save cycle (0: the save and the step beside its write):")
+    excess = {}  # position 0 beyond the two steps after it, which the write no longer touches
+    for mode, profiles in cycles.items():
+        median = [statistics.median(p[k] for p in profiles) for k in range(args.every)]
+        excess[mode] = median[0] - (median[1] + median[2]) / 2
+        cells = " ".join(f"{m:6.1f}" for m in median)
+        print(f"    {mode:8s}: {cells}   position 0 beyond 1-2: {excess[mode]:.1f}")
+    step_cost = {mode: excess[mode] - excess["none"] for mode in ("blocking", "async")}
+    print(
+        f"  the save's step beyond the steps after it, beyond the runs without checkpoints: blocking "
+        f"{step_cost['blocking']:.1f} ms, background {step_cost['async']:.1f} ms: "
+        f"{step_cost['async'] / step_cost['blocking']:.3f}x (target at most 0.20x)"
+    )
+    if kernel_ms is not None:
+        print(
+            f"  kernel CPU of writing one save's file ({save_bytes / 1e6:.0f} MB, O_DIRECT, /proc/stat): "
+            f"{kernel_ms:.1f} ms = {kernel_ms / step_cost['blocking']:.3f}x of a blocking save's: a background "
+            "save loses at least that beside a step that keeps every core busy"
+        )
     if args.strategy != "fsdp":  # fsdp saves in the spawned processes, out of this one's sight
         stall = {mode: statistics.median(values) for mode, values in stalls.items()}
         print(
