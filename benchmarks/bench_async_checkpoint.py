@@ -53,6 +53,7 @@ import itertools
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -271,6 +272,19 @@ def kernel_cpu_of_writing(size: int, folder: Path, rounds: int = 10) -> float | 
     return ticks / os.sysconf("SC_CLK_TCK") / rounds * 1e3
 
 
+#: glibc's malloc settings, fixed for every mode of a run. By default glibc serves each
+#: allocation above a threshold that starts at 128 KiB with mmap, and gives the top of its heap
+#: back to the system beyond 128 KiB free; both rise when a large block is freed. A step's large
+#: temporaries (the logits and the 33 MB gradient of the tied embedding here) are then mapped or
+#: grown into and given back every step, page faults included, until something frees a large
+#: block; a run's first background save does (it moves the parameters and moments into its file
+#: image and frees the originals), after which that run's steps took 57 ms instead of 72-78 ms
+#: (2 threads), a difference no save makes. Fixing both for every mode takes that accident out of
+#: the comparison (a bare loop of this model: 53 ms instead of 74 ms; the mmap threshold alone,
+#: 77 ms; with the trim threshold at 64 MiB, 75 ms).
+MALLOC_SETTINGS = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategy", choices=["single", "fsdp", "xla"], default="single")
@@ -281,7 +295,15 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2, help="fsdp processes")
     parser.add_argument("--keep", type=int, default=None, help="fit's checkpoint_keep (default: keep all)")
     parser.add_argument("--window", type=int, default=4, help="steps after a save that count its loss (within a run)")
+    parser.add_argument(
+        "--malloc-default",
+        action="store_true",
+        help="keep glibc's dynamic malloc thresholds (by default the run fixes them, see MALLOC_SETTINGS)",
+    )
     args = parser.parse_args()
+    if not args.malloc_default and sys.platform == "linux" and not MALLOC_SETTINGS.keys() <= os.environ.keys():
+        # glibc reads them at process start, and fit's spawned ranks inherit the environment.
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_SETTINGS})
     if 2 * args.window > args.every:
         parser.error("--every must be at least twice --window: each save is compared with the steps before it")
     if args.threads:
