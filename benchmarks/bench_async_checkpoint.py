@@ -34,13 +34,13 @@ windows), so a run is compared only with itself. The write of a background save 
 inside its window (the script prints the steps outside the windows against those of the runs
 without checkpoints, so a write spilling past its window shows).
 
-Two more within-run measures, since this VM's step drifts within a run too (after a background
-save the steps are fast, then slow down until the next one): *paired*, each save's window minus
-the ``--window`` steps just before it, with its standard error over every save; and the *cycle
-profile*, the median step at each position between two saves, whose position 0 (the save call
-and the step beside the write) is compared with positions 1-2. Last, the kernel CPU of writing
+Two more within-run measures: *paired*, each save's window minus the ``--window`` steps just
+before it, with its standard error over every save; and the *cycle profile*, the median step at
+each position between two saves, whose first ``--window`` positions (the save call, the steps
+beside the write) are compared with the positions after them. Last, the kernel CPU of writing
 one save's file (``/proc/stat``: system, irq and softirq time), which a background save takes
-from the step whatever thread writes when every core computes.
+from the step whatever thread writes when every core computes. The run fixes glibc's malloc
+thresholds for every mode (`MALLOC_SETTINGS`; ``--malloc-default`` keeps glibc's own).
 
     .venv/bin/python benchmarks/bench_async_checkpoint.py [--strategy single|fsdp|xla] [--ranks 2] [--repeats 5]
         [--threads N] [--keep N] [--steps 43 --every 8 --window 4]
@@ -277,9 +277,9 @@ def kernel_cpu_of_writing(size: int, folder: Path, rounds: int = 10) -> float | 
 #: back to the system beyond 128 KiB free; both rise when a large block is freed. A step's large
 #: temporaries (the logits and the 33 MB gradient of the tied embedding here) are then mapped or
 #: grown into and given back every step, page faults included, until something frees a large
-#: block; a run's first background save does (it moves the parameters and moments into its file
-#: image and frees the originals), after which that run's steps took 57 ms instead of 72-78 ms
-#: (2 threads), a difference no save makes. Fixing both for every mode takes that accident out of
+#: block (most likely a run's first background save, which moves the parameters and moments into
+#: its file image and frees the originals): the background runs' steps took 57 ms where the
+#: others took 72-78 ms (2 threads), a difference no save makes. Fixing both for every mode takes that accident out of
 #: the comparison (a bare loop of this model: 53 ms instead of 74 ms; the mmap threshold alone,
 #: 77 ms; with the trim threshold at 64 MiB, 75 ms).
 MALLOC_SETTINGS = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
@@ -380,16 +380,18 @@ def main() -> None:
         f"{cost['async']:.1f} +- {spread:.1f} ms: {cost['async'] / cost['blocking']:.3f}x "
         f"(+- {spread / cost['blocking']:.3f}; target at most 0.20x)"
     )
-    print("  median step (ms) at each position of the save cycle (0: the save and the step beside its write):")
-    excess = {}  # position 0 beyond the two steps after it, which the write no longer touches
+    print("  median step (ms) at each position of the save cycle (0: the save call and the step beside its write):")
+    # The window's positions beyond the positions after it (a write may spill into position 1).
+    excess = {}
     for mode, profiles in cycles.items():
         median = [statistics.median(p[k] for p in profiles) for k in range(args.every)]
-        excess[mode] = median[0] - (median[1] + median[2]) / 2
+        rest = statistics.median(median[args.window :])
+        excess[mode] = sum(median[: args.window]) - args.window * rest
         cells = " ".join(f"{m:6.1f}" for m in median)
-        print(f"    {mode:8s}: {cells}   position 0 beyond 1-2: {excess[mode]:.1f}")
+        print(f"    {mode:8s}: {cells}   positions 0-{args.window - 1} beyond the rest: {excess[mode]:.1f}")
     step_cost = {mode: excess[mode] - excess["none"] for mode in ("blocking", "async")}
     print(
-        f"  the save's step beyond the steps after it, beyond the runs without checkpoints: blocking "
+        f"  cycle profile, beyond the runs without checkpoints: blocking "
         f"{step_cost['blocking']:.1f} ms, background {step_cost['async']:.1f} ms: "
         f"{step_cost['async'] / step_cost['blocking']:.3f}x (target at most 0.20x)"
     )
