@@ -136,6 +136,27 @@ def test_unstorable_extra_is_refused_before_writing(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["single-file", "sharded"])
+def test_lists_and_tuples_of_plain_values_come_back_as_saved(tmp_path: Path, sharded: bool) -> None:
+    """Lists and tuples of numbers, strings, booleans and None are stored whole (an RNG state is
+    thousands of ints); a tuple must still come back a tuple, and nesting as it was."""
+    extra = {
+        "ints": list(range(5000)),
+        "mixed": [1, 2.5, None, "x", True, 2**62],
+        "tuple": (1, "a", None, False),
+        "nested": [(1, 2), [3, (4.5,)], []],
+        "empty": ((), []),
+    }
+    if sharded:
+        tiekit.save_sharded(model(0), tmp_path / "ck", extra=extra)
+        loaded = tiekit.load_sharded(model(1), tmp_path / "ck").extra
+    else:
+        save_checkpoint(tmp_path / "c.safetensors", model=model(0), extra=extra)
+        loaded = load_checkpoint(tmp_path / "c.safetensors", model=model(1))["extra"]
+    assert loaded == extra
+    assert type(loaded["nested"][0]) is tuple and type(loaded["mixed"][4]) is bool
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single-file", "sharded"])
 def test_extra_keys_that_derive_the_same_tensor_key_keep_both_tensors(tmp_path: Path, sharded: bool) -> None:
     """``{"a/b": x, "a": {"b": y}}`` derives the key ``extra/value/a/b`` twice; y used to replace x
     in the file, and both loaded as y, silently."""
