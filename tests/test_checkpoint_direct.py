@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -205,6 +206,24 @@ def test_a_direct_file_holds_exactly_the_bytes_written(tmp_path: Path) -> None:
                 os.fsync(out.fileno())
                 assert path.read_bytes() == written
     assert path.read_bytes() == written
+
+
+def test_many_small_pieces_across_chunks_are_the_bytes_written(tmp_path: Path) -> None:
+    # torch.save hands its zip headers over a few bytes at a time; they take a path of their own
+    rng = torch.Generator().manual_seed(2)
+    sizes = [*torch.randint(0, 300, (2_000,), generator=rng).tolist(), direct.CHUNK - 100, 99, 2, 4095, 4096]
+    sizes += torch.randint(0, 4096, (4_000,), generator=rng).tolist()
+    data = torch.randint(0, 256, (sum(sizes),), generator=rng, dtype=torch.uint8).numpy().tobytes()
+    path = tmp_path / "stream.bin"
+    at = 0
+    with direct.DirectFile(path) as out:
+        for n in sizes:
+            assert out.write(data[at : at + n]) == n
+            at += n
+        floats = np.arange(10, dtype=np.float32)  # a buffer of other items: its bytes, counted in bytes
+        assert out.write(floats) == floats.nbytes
+        assert out.tell() == len(data) + floats.nbytes
+    assert path.read_bytes() == data + floats.tobytes()
 
 
 def test_torch_save_into_a_direct_file_is_torch_save(tmp_path: Path) -> None:
