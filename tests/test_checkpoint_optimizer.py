@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors.torch
@@ -135,6 +136,15 @@ def test_unstorable_extra_is_refused_before_writing(tmp_path: Path) -> None:
     )
 
 
+def extra_round_trip(folder: Path, extra: Any, sharded: bool) -> Any:
+    """``extra`` saved with a model and loaded back, by `save_sharded` or `save_checkpoint`."""
+    if sharded:
+        tiekit.save_sharded(model(0), folder / "ck", extra=extra)
+        return tiekit.load_sharded(model(1), folder / "ck").extra
+    save_checkpoint(folder / "c.safetensors", model=model(0), extra=extra)
+    return load_checkpoint(folder / "c.safetensors", model=model(1))["extra"]
+
+
 @pytest.mark.parametrize("sharded", [False, True], ids=["single-file", "sharded"])
 def test_lists_and_tuples_of_plain_values_come_back_as_saved(tmp_path: Path, sharded: bool) -> None:
     """Lists and tuples of numbers, strings, booleans and None are stored whole (an RNG state is
@@ -146,12 +156,7 @@ def test_lists_and_tuples_of_plain_values_come_back_as_saved(tmp_path: Path, sha
         "nested": [(1, 2), [3, (4.5,)], []],
         "empty": ((), []),
     }
-    if sharded:
-        tiekit.save_sharded(model(0), tmp_path / "ck", extra=extra)
-        loaded = tiekit.load_sharded(model(1), tmp_path / "ck").extra
-    else:
-        save_checkpoint(tmp_path / "c.safetensors", model=model(0), extra=extra)
-        loaded = load_checkpoint(tmp_path / "c.safetensors", model=model(1))["extra"]
+    loaded = extra_round_trip(tmp_path, extra, sharded)
     assert loaded == extra
     assert type(loaded["nested"][0]) is tuple and type(loaded["mixed"][4]) is bool
 
@@ -161,12 +166,7 @@ def test_extra_keys_that_derive_the_same_tensor_key_keep_both_tensors(tmp_path: 
     """``{"a/b": x, "a": {"b": y}}`` derives the key ``extra/value/a/b`` twice; y used to replace x
     in the file, and both loaded as y, silently."""
     extra = {"a/b": torch.ones(2), "a": {"b": torch.zeros(2)}, "a/b#2": torch.full((2,), 2.0)}
-    if sharded:
-        tiekit.save_sharded(model(0), tmp_path / "ck", extra=extra)
-        loaded = tiekit.load_sharded(model(1), tmp_path / "ck").extra
-    else:
-        save_checkpoint(tmp_path / "c.safetensors", model=model(0), extra=extra)
-        loaded = load_checkpoint(tmp_path / "c.safetensors", model=model(1))["extra"]
+    loaded = extra_round_trip(tmp_path, extra, sharded)
     assert torch.equal(loaded["a/b"], torch.ones(2)) and torch.equal(loaded["a"]["b"], torch.zeros(2))
     assert torch.equal(loaded["a/b#2"], torch.full((2,), 2.0))
 

@@ -221,7 +221,7 @@ def _as_lists(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _as_lists(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_as_lists(v) for v in value]
+        return [v if type(v) is int else _as_lists(v) for v in value]  # Python's state: 625 ints
     return value
 
 
