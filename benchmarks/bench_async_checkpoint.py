@@ -384,10 +384,10 @@ def main() -> None:
     # The window's positions beyond the positions after it (a write may spill into position 1).
     excess = {}
     for mode, profiles in cycles.items():
-        median = [statistics.median(p[k] for p in profiles) for k in range(args.every)]
-        rest = statistics.median(median[args.window :])
-        excess[mode] = sum(median[: args.window]) - args.window * rest
-        cells = " ".join(f"{m:6.1f}" for m in median)
+        positions = [statistics.median(p[k] for p in profiles) for k in range(args.every)]
+        rest = statistics.median(positions[args.window :])
+        excess[mode] = sum(positions[: args.window]) - args.window * rest
+        cells = " ".join(f"{m:6.1f}" for m in positions)
         print(f"    {mode:8s}: {cells}   positions 0-{args.window - 1} beyond the rest: {excess[mode]:.1f}")
     step_cost = {mode: excess[mode] - excess["none"] for mode in ("blocking", "async")}
     print(
