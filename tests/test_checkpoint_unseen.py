@@ -48,15 +48,15 @@ def test_a_failed_background_save_nothing_waited_for_is_reported_at_exit(tmp_pat
 def test_a_failed_sharded_save_nothing_waited_for_warns_at_the_next_save_into_its_folder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from tiekit.dcp.writer import DurableWriter  # the writer save_sharded uses
 
-    def full_disk(self: FileSystemWriter, *args: object) -> None:
+    def full_disk(self: DurableWriter, *args: object) -> None:
         raise OSError(28, "No space left on device")
 
     model = WeightSharingModule()
     tiekit.save_sharded(model, tmp_path / "ck")
     with monkeypatch.context() as patch:
-        patch.setattr(FileSystemWriter, "write_data", full_disk)
+        patch.setattr(DurableWriter, "write_data", full_disk)
         failed = tiekit.save_sharded(model, tmp_path / "ck", blocking=False)
         failed.join()
     with pytest.warns(RuntimeWarning, match=r"ck/save-\w+.*No space left on device.*nothing waited for this save"):
@@ -65,7 +65,7 @@ def test_a_failed_sharded_save_nothing_waited_for_warns_at_the_next_save_into_it
         failed.wait(0)  # still raised by its own handle
     # A failure that was waited for is not reported again.
     with monkeypatch.context() as patch:
-        patch.setattr(FileSystemWriter, "write_data", full_disk)
+        patch.setattr(DurableWriter, "write_data", full_disk)
         seen = tiekit.save_sharded(model, tmp_path / "ck", blocking=False)
         with pytest.raises(tiekit.CheckpointError):
             seen.wait(60)
@@ -176,16 +176,16 @@ def test_a_failed_background_save_keeps_no_copy_of_the_state(
     the record of pending saves lived (probe; 1 copy sharded, 2 single-file)."""
     import gc
 
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from tiekit.dcp.writer import DurableWriter  # the writer save_sharded uses
 
-    def full_disk(self: FileSystemWriter, *args: object) -> None:
+    def full_disk(self: DurableWriter, *args: object) -> None:
         raise OSError(28, "No space left on device")
 
     rows = 4093 if kind == "sharded" else 4091  # sizes no other tensor of this process has
     model = nn.Sequential(nn.Embedding(rows, 64), nn.Linear(64, rows, bias=False))
     model[1].weight = model[0].weight
     if kind == "sharded":
-        monkeypatch.setattr(FileSystemWriter, "write_data", full_disk)
+        monkeypatch.setattr(DurableWriter, "write_data", full_disk)
         handle = tiekit.save_sharded(model, tmp_path / "ck", blocking=False)
     else:
         (tmp_path / "file").write_text("in the way")

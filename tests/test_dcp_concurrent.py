@@ -271,20 +271,20 @@ def test_a_save_another_writer_committed_over_meanwhile_is_not_committed(
     """Two writers in one folder: the one committing second used to replace the first's marker and
     remove its save (the first's checkpoint lost, silently). Now it refuses to commit; the other
     writer's save stays the folder's checkpoint, whole."""
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from tiekit.dcp.writer import DurableWriter  # the writer save_sharded uses
 
     folder = tmp_path / "ck"
     commit_here(folder, 1.0)
-    real = FileSystemWriter.write_data
+    real = DurableWriter.write_data
     calls: list[int] = []
 
-    def write_data(self: FileSystemWriter, *args: Any, **kwargs: Any) -> Any:
+    def write_data(self: DurableWriter, *args: Any, **kwargs: Any) -> Any:
         calls.append(1)
         if len(calls) == 1:
             commit_from_another_process(folder, 2.0)
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(FileSystemWriter, "write_data", write_data)
+    monkeypatch.setattr(DurableWriter, "write_data", write_data)
     model = tied()
     with torch.no_grad():
         for p in model.parameters():

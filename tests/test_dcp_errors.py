@@ -144,14 +144,14 @@ def test_a_failed_dcp_write_is_a_checkpoint_error_and_keeps_the_previous_save(
     """A write DCP fails (a full disk, injected into its writer) comes out as a CheckpointError
     naming the save folder and the rank's error, not DCP's BaseException; the previous save is
     still the one the marker names."""
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from tiekit.dcp.writer import DurableWriter  # the writer save_sharded uses
 
     before = json.loads((saved / MARKER_NAME).read_text())
 
-    def full_disk(self: FileSystemWriter, *args: object) -> None:
+    def full_disk(self: DurableWriter, *args: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(FileSystemWriter, "write_data", full_disk)
+    monkeypatch.setattr(DurableWriter, "write_data", full_disk)
     pattern = r"ck/save-\w+: DCP could not write its shard files: rank 0: OSError: \[Errno 28\] No space left"
     with pytest.raises(tiekit.CheckpointError, match=pattern):
         tiekit.save_sharded(Tied(), saved, blocking=blocking).wait(timeout=60)

@@ -36,7 +36,7 @@ from tiekit.checkpoint.layout import PathLike
 from tiekit.collective import Ranks, collective_gather, failure_message, ranks
 from tiekit.dcp.layout import SAVE_PREFIX, committed_save_id, new_save_id, remove_stale, write_marker
 from tiekit.dcp.staging import host_copies
-from tiekit.dcp.state import SaveState, running_dcp, save_state, unwrap, xla_spmd
+from tiekit.dcp.state import SaveState, dcp_save, running_dcp, save_state, unwrap, xla_spmd
 from tiekit.errors import CheckpointError, TiekitError
 
 
@@ -87,8 +87,6 @@ def save_sharded_staged(
     caller must call the returned `DeferredCopies`' ``settle()`` before anything changes them (its
     next optimizer step). A tensor written in between fails the save on every rank, in DCP's
     planning step, before anything is written (`tiekit.checkpoint.deferred`)."""
-    from torch.distributed.checkpoint.state_dict_saver import save
-
     from tiekit.dcp.writer import DurableWriter  # DCP's file system: loaded by the first save, not by import
 
     root = Path(os.path.abspath(os.fspath(path)))
@@ -109,7 +107,7 @@ def save_sharded_staged(
         try:
             tensors = _spmd_writable(state.tensors) if spmd else state.tensors
             with running_dcp(folder, reading=False):
-                save(tensors, storage_writer=DurableWriter(folder), planner=planner, no_dist=not distributed)
+                dcp_save(tensors, storage_writer=DurableWriter(folder), planner=planner, no_dist=not distributed)
         except Exception as exc:  # noqa: BLE001 - reported on every rank below
             conflict = _writer_conflict(root, save_id, before, exc) if writes_marker else None
             error = conflict or exc
@@ -151,7 +149,7 @@ def save_sharded_staged(
             raise CheckpointError(destroyed)
         try:
             with running_dcp(folder, reading=False):
-                save(hosts, storage_writer=writer, planner=planner, process_group=group, no_dist=not distributed)
+                dcp_save(hosts, storage_writer=writer, planner=planner, process_group=group, no_dist=not distributed)
         except Exception as exc:
             # DCP raised on every rank (it hands each rank every rank's failure), after all of them
             # stopped writing: each removes its own part of the folder.

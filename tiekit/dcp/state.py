@@ -131,6 +131,33 @@ def dcp_takes_no_dist() -> bool:
     return all("no_dist" in inspect.signature(call).parameters for call in (save, load))
 
 
+def dcp_save(
+    state: Mapping[str, Any], *, storage_writer: Any, no_dist: bool, planner: Any = None, process_group: Any = None
+) -> None:
+    """Collective unless ``no_dist`` (then this process alone): DCP's save of ``state``, whose
+    values are tensors and plain data, no ``Stateful`` objects. DCP's own ``_save_state_dict``
+    where this torch has it: its public ``save`` first passes each top-level value through a
+    call wrapped in DCP's method logger (a UUID and a log record per key, discarded unless a
+    handler was added), 17 µs a key on torch 2.14, 7.7 ms of a background save's Python for 450
+    keys, taken from the training thread, which waits for the GIL. ``save`` itself otherwise."""
+    from torch.distributed.checkpoint import state_dict_saver
+
+    kwargs = {"storage_writer": storage_writer, "planner": planner, "process_group": process_group, "no_dist": no_dist}
+    if _takes_state_dict_directly():
+        state_dict_saver._save_state_dict(state_dict=dict(state), **kwargs)
+    else:
+        state_dict_saver.save(dict(state), **kwargs)
+
+
+@functools.cache
+def _takes_state_dict_directly() -> bool:
+    from torch.distributed.checkpoint import state_dict_saver
+
+    inner = getattr(state_dict_saver, "_save_state_dict", None)
+    wanted = {"state_dict", "storage_writer", "planner", "process_group", "no_dist"}
+    return inner is not None and wanted <= set(inspect.signature(inner).parameters)
+
+
 _DCP_NOISE = ("torch.distributed is disabled, unavailable or uninitialized", "TypedStorage is deprecated")
 
 

@@ -211,9 +211,8 @@ def write_dcp(folder: Path, specs: Sequence[Spec], read: Callable[[str], torch.T
     (an `OSError` as a `CheckpointError` naming its file), not as DCP's failure to write ``folder``."""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
-    from torch.distributed.checkpoint.state_dict_saver import save
 
-    from tiekit.dcp.state import running_dcp
+    from tiekit.dcp.state import dcp_save, running_dcp
 
     unreclaimed = 0  # bytes handed to DCP since the last collection
     failed_reads: list[BaseException] = []  # what ``read`` raised inside DCP's writer, which wraps it
@@ -243,7 +242,7 @@ def write_dcp(folder: Path, specs: Sequence[Spec], read: Callable[[str], torch.T
         with running_dcp(folder, reading=False):
             # A file per tensor: torch's writer holds every tensor of a file until the file is done.
             writer = FileSystemWriter(folder, single_file_per_rank=False)
-            save(placeholders, storage_writer=writer, planner=Streaming(), no_dist=True)
+            dcp_save(placeholders, storage_writer=writer, planner=Streaming(), no_dist=True)
     except CheckpointError:
         if failed_reads:
             raise failed_reads[0] from None  # the source's error; DCP's message blamed the write

@@ -39,7 +39,8 @@ def write_record(stream: Any, tensor: torch.Tensor) -> None:
     if template is None:
         torch.save(tensor, stream)
         return
-    prefix, suffix = template  # type: ignore[misc]
+    assert isinstance(template, tuple)
+    prefix, suffix = template
     stream.write(prefix)
     stream.write(_storage_bytes(tensor))
     stream.write(suffix)
@@ -86,7 +87,7 @@ def _capture(key: tuple[Any, ...], tensor: torch.Tensor, stream: Any) -> None:
     """``torch.save`` the tensor into ``stream``, keeping what it wrote around the tensor's bytes
     as the layout's template."""
     recording = _Recording(stream, tensor)
-    torch.save(tensor, recording)
+    torch.save(tensor, recording)  # type: ignore[arg-type]  # a binary stream, as torch.save takes
     template = recording.template()
     with _templates_lock:
         if len(_templates) < _MAX_TEMPLATES:
