@@ -129,21 +129,23 @@ _pending: dict[str, list[SaveHandle | int]] = {}
 _pending_lock = threading.Lock()
 
 
-def register_pending(target: Path, handle: SaveHandle) -> None:
+def register_pending(target: Path, handle: SaveHandle, key: str | None = None) -> None:
     """Local: ``handle`` is a background save of ``target`` (a file, or a sharded save's folder),
-    for the next save of ``target`` in this process to wait for (`after_earlier_saves`)."""
-    key = os.path.realpath(target)
+    for the next save of ``target`` in this process to wait for (`after_earlier_saves`). ``key``:
+    the real path `after_earlier_saves` returned for ``target`` in the same save, if at hand (each
+    costs a ``stat`` per component of the path)."""
+    key = os.path.realpath(target) if key is None else key
     with _pending_lock:
         _pending.setdefault(key, []).append(handle)
     handle._when_finished(lambda finished: _forget(key, finished))
 
 
-def after_earlier_saves(target: Path, stacklevel: int) -> None:
+def after_earlier_saves(target: Path, stacklevel: int) -> str:
     """Local: return once every background save of ``target`` made by this process is written or
     failed (waits for this process's writer threads, for no other rank); a failure nothing waited
     for is a ``RuntimeWarning``, ``stacklevel`` as `warnings.warn`'s from the caller. Raising it
     instead could leave other ranks waiting in the next save's collectives: it is the earlier
-    handle's `wait` that raises it."""
+    handle's `wait` that raises it. Returns ``target``'s real path (for `register_pending`)."""
     key = os.path.realpath(target)
     with _pending_lock:
         # Left registered while this waits: a save of the path from another thread meanwhile
@@ -161,6 +163,7 @@ def after_earlier_saves(target: Path, stacklevel: int) -> None:
             _pending.pop(key, None)
     for serial in sorted(serials):
         warn_if_unseen(serial, stacklevel + 1)
+    return key
 
 
 def report_failed_saves(target: Path, stacklevel: int) -> None:

@@ -93,7 +93,7 @@ def save_sharded_staged(
     needed = process_group_needed(ranks(), _distributed(), "save_sharded", root)
     if needed is not None:
         raise needed
-    after_earlier_saves(root, stacklevel=3)  # 3: the caller of save_sharded
+    key = after_earlier_saves(root, stacklevel=3)  # 3: the caller of save_sharded
     inner = unwrap(model)
     writes_marker = _rank() == 0
     before = committed_save_id(root) if writes_marker else None  # what the commit may replace
@@ -163,7 +163,7 @@ def save_sharded_staged(
     future = _background_writer().submit(write)
     commit = functools.partial(_commit_or_remove, root, save_id, state, before) if writes_marker else None
     handle = SaveHandle(root, save_id, future, commit)
-    register_pending(root, handle)
+    register_pending(root, handle, key)
     return handle, hosts, copies
 
 
