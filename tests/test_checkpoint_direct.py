@@ -432,3 +432,25 @@ def test_a_lent_image_written_before_it_is_taken_back_copies_nothing(tmp_path: P
     assert lent.copied == 0
     back = load_file(path)
     assert all(torch.equal(back[k], v) for k, v in tensors.items())
+
+
+@pytest.mark.parametrize(
+    "size", [0, 100, 4096, direct.CHUNK * 2 + 4096 * 3 + 123], ids=["empty", "small", "block", "chunks"]
+)
+def test_a_file_begun_from_aligned_memory_holds_it_then_the_bytes_written_after(tmp_path: Path, size: int) -> None:
+    import mmap
+
+    rng = torch.Generator().manual_seed(3)
+    memory = mmap.mmap(-1, max(size, 1))  # page-aligned, as a ShardImage's memory
+    head = torch.randint(0, 256, (size,), generator=rng, dtype=torch.uint8).numpy().tobytes()
+    memory[:size] = head
+    after = [torch.randint(0, 256, (n,), generator=rng, dtype=torch.uint8).numpy().tobytes() for n in (5, 5000, 70)]
+    path = tmp_path / "stream.bin"
+    with direct.DirectFile(path) as out:
+        out.write_from(memoryview(memory)[:size])
+        assert out.tell() == size
+        for piece in after:
+            out.write(piece)
+        with pytest.raises(ValueError, match="first bytes"):
+            out.write_from(memoryview(memory)[:size])
+    assert path.read_bytes() == head + b"".join(after)

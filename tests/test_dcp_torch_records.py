@@ -62,7 +62,7 @@ def test_records_from_templates_are_the_bytes_torch_save_writes() -> None:
     with records_without_checksums():
         for t in layouts():
             first = recorded(t)  # torch.save's own, its template kept
-            assert torch_records._templates.get(torch_records._layout(t)) is not None, t.dtype
+            assert torch_records._templates.get(torch_records.layout_of(t)) is not None, t.dtype
             other = changed(t)
             assert first == saved(t), t.dtype
             assert saved(other) != first  # other values, so a template holding them would show
@@ -90,12 +90,12 @@ def test_without_a_template_torch_save_writes_the_record() -> None:
     cases = [base[2:4], torch.empty(0, 3), torch.randn(4, requires_grad=True)]
     with records_without_checksums():
         for t in cases:
-            assert torch_records._layout(t) is None
+            assert torch_records.layout_of(t) is None
             assert recorded(t) == saved(t)
     checked = torch.randn(50)
     if hasattr(torch.serialization, "set_crc32_options"):
         assert torch.serialization.get_crc32_options()
-    assert torch_records._layout(checked) is None  # checksums on: torch.save writes it
+    assert torch_records.layout_of(checked) is None  # checksums on: torch.save writes it
     assert recorded(checked) == saved(checked)
     assert not torch_records._templates
 
@@ -108,7 +108,7 @@ def test_a_record_whose_bytes_are_not_found_is_left_to_torch_save(monkeypatch: p
     t = torch.randn(64)
     with records_without_checksums():
         assert recorded(t) == saved(t)
-        key = torch_records._layout(t)
+        key = torch_records.layout_of(t)
         assert key in torch_records._templates and torch_records._templates[key] is None
         assert recorded(t + 1) == saved(t + 1)
 

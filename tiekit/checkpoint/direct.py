@@ -164,7 +164,7 @@ class DirectFile(io.RawIOBase):
         # numpy copies release the GIL (an mmap slice assignment would hold it): a background
         # save does not stop the training thread while it fills the buffer.
         self._buffer = np.frombuffer(self._mapped, dtype=np.uint8)
-        self._base = 0  # the file offset of the buffer's first byte, a multiple of CHUNK
+        self._base = 0  # the file offset of the buffer's first byte, a multiple of BLOCK
         self._filled = 0  # bytes in the buffer
         self._synced = 0  # bytes of the buffer already on disk (written at fileno())
 
@@ -190,6 +190,18 @@ class DirectFile(io.RawIOBase):
                 self._write_at(self._base, CHUNK)
                 self._base, self._filled, self._synced = self._base + CHUNK, 0, 0
         return size
+
+    def write_from(self, memory: memoryview) -> None:
+        """At the start of the file: ``memory`` (its address a multiple of `BLOCK`, as a mapping's
+        is) as the file's first bytes, its whole blocks written from where they are, with no copy
+        into the buffer; its last partial block is copied and later writes follow it."""
+        if self.tell() != 0:
+            raise ValueError(f"{self.path}: write_from writes a file's first bytes; {self.tell()} are written")
+        whole = len(memory) // BLOCK * BLOCK
+        for start in range(0, whole, CHUNK):  # in the pieces the buffer would have written
+            write_all(self._fd, memory[start : min(start + CHUNK, whole)], start)
+        self._base = whole
+        self.write(memory[whole:])
 
     def tell(self) -> int:
         return self._base + self._filled

@@ -135,7 +135,8 @@ def save_sharded_staged(
     else:
         deferrable = deferrable_storages(inner, optimizer) if defer else None
         hosts, copies = host_copies(state.tensors, staging, deferrable)
-    writer = DurableWriter(folder, None if copies is None else functools.partial(_copy_and_check, copies, folder))
+    ready = None if copies is None else functools.partial(_copy_and_check, copies, folder)
+    writer = DurableWriter(folder, ready, getattr(hosts, "image", None))
 
     def write() -> None:
         destroyed = (

@@ -9,6 +9,9 @@ the same buffers each time instead of faulting in new memory inside its step.
 The copies of the tensors only an optimizer step changes (parameters and optimizer state,
 `tiekit.checkpoint.deferred.deferrable_storages`) may be left to the writing thread, made beside
 the next step's forward and backward passes, as `tiekit.fit`'s single-file saves do.
+
+The copies of the tensors this rank alone writes are made in a `ShardImage`: laid out as the
+shard file's records, which the writer then sends to the file from where they are.
 """
 
 from __future__ import annotations
@@ -18,22 +21,41 @@ from collections.abc import Container, Mapping
 import torch
 
 from tiekit.checkpoint.deferred import DeferredCopies, local_part
+from tiekit.dcp.shard_image import ShardImage
+
+
+class Staging(dict[str, torch.Tensor]):
+    """Host copies by name, and the `ShardImage` holding those this rank alone writes (None
+    when there is none)."""
+
+    image: ShardImage | None = None
 
 
 def host_copies(
     tensors: Mapping[str, torch.Tensor],
     staging: Mapping[str, torch.Tensor] | None = None,
     defer: Container[int] | None = None,
-) -> tuple[dict[str, torch.Tensor], DeferredCopies | None]:
+) -> tuple[Staging, DeferredCopies | None]:
     """A host copy of every tensor of ``tensors``, made in ``staging``'s copy of the same name
     where its layout matches (a previous call's result whose write is finished), else in new
-    memory; and the copies not made here: those of host tensors whose storage is in ``defer``.
+    memory (those this rank alone writes in a new `ShardImage`, all of them when one of them is
+    new); and the copies not made here: those of host tensors whose storage is in ``defer``.
     Local."""
-    hosts: dict[str, torch.Tensor] = {}
+    previous = staging or {}
+    sources = {name: local_part(value) for name, value in tensors.items()}
+    copies = {name: _reusable(previous.get(name), value, sources[name]) for name, value in tensors.items()}
+    imaged = [name for name, value in tensors.items() if _written_here_alone(value, sources[name])]
+    image = getattr(staging, "image", None)
+    if imaged and (image is None or any(copies[name] is None for name in imaged)):
+        image = ShardImage([(sources[name].shape, sources[name].dtype) for name in imaged])
+        for name, local in zip(imaged, image.tensors, strict=True):
+            copies[name] = None if local is None else _on(tensors[name], sources[name], local)
+    hosts = Staging()
+    hosts.image = image if imaged else None
     later: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = []
     for name, value in tensors.items():
-        source = local_part(value)
-        copy = _reusable((staging or {}).get(name), value, source)
+        source = sources[name]
+        copy = copies[name]
         if copy is None:
             copy = _new_copy(value, source)
         target = local_part(copy)
@@ -45,8 +67,25 @@ def host_copies(
     return hosts, DeferredCopies(later) if later else None
 
 
+def _written_here_alone(value: torch.Tensor, source: torch.Tensor) -> bool:
+    """Whether DCP plans ``value`` for this rank whatever the others hold: a shard of a DTensor
+    sharded on every mesh dimension, or anything in a single process (DCP gives a replicated
+    tensor to one rank of those holding it)."""
+    if not source.numel():
+        return False
+    if source is not value:
+        return all(p.is_shard() for p in value.placements)  # type: ignore[attr-defined]
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
 def _new_copy(value: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-    local = torch.empty(source.shape, dtype=source.dtype, device="cpu")
+    return _on(value, source, torch.empty(source.shape, dtype=source.dtype, device="cpu"))
+
+
+def _on(value: torch.Tensor, source: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as the host copy of ``value`` (whose local part is ``source``): itself, or a
+    DTensor of ``value``'s layout over it."""
     if source is value:
         return local
     from torch.distributed.tensor import DTensor

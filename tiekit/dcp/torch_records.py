@@ -16,12 +16,41 @@ from __future__ import annotations
 
 import io
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import torch
 
 # (prefix, suffix) by layout; None for a layout whose bytes could not be found in its record.
+_checksums_lock = threading.Lock()
+_writers_without_checksums = 0
+_checksums_before = True
+
+
+@contextmanager
+def records_without_checksums() -> Iterator[None]:
+    """``torch.save`` writes no CRC32 while any block of this kind runs in the process; the option
+    is set back to what it was when the last one ends."""
+    global _writers_without_checksums, _checksums_before
+    if not hasattr(torch.serialization, "set_crc32_options"):  # torch < 2.6 always writes them
+        yield
+        return
+    with _checksums_lock:
+        if _writers_without_checksums == 0:
+            _checksums_before = torch.serialization.get_crc32_options()
+            torch.serialization.set_crc32_options(False)
+        _writers_without_checksums += 1
+    try:
+        yield
+    finally:
+        with _checksums_lock:
+            _writers_without_checksums -= 1
+            if _writers_without_checksums == 0:
+                torch.serialization.set_crc32_options(_checksums_before)
+
+
 _templates: dict[tuple[Any, ...], tuple[bytes, bytes] | None] = {}
 _templates_lock = threading.Lock()
 _MAX_TEMPLATES = 4096  # a model has a few hundred layouts; the bound only stops unbounded growth
@@ -30,7 +59,7 @@ _UNSEEN = object()
 
 def write_record(stream: Any, tensor: torch.Tensor) -> None:
     """Write ``tensor`` (on the host) to ``stream`` as ``torch.save(tensor, stream)`` would."""
-    key = _layout(tensor)
+    key = layout_of(tensor)
     template = None if key is None else _templates.get(key, _UNSEEN)
     if template is _UNSEEN:
         assert key is not None
@@ -52,9 +81,10 @@ def _storage_bytes(t: torch.Tensor) -> np.ndarray:
     return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy()
 
 
-def _layout(t: torch.Tensor) -> tuple[Any, ...] | None:
-    """What a record of ``t`` depends on besides its values; None where a template cannot stand
-    for ``torch.save`` (its checksum would depend on the values, or the pickle on more than this)."""
+def layout_of(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What a record of ``t`` depends on besides its values (dtype, shape, strides, torch's
+    storage alignment); None where a template cannot stand for ``torch.save`` (checksums on: they
+    depend on the values; or the pickle would hold more than this)."""
     if (
         type(t) is not torch.Tensor
         or t.layout != torch.strided
@@ -83,6 +113,22 @@ def _storage_alignment() -> int:
     return int(getattr(getattr(config, "save", None), "storage_alignment", 64))
 
 
+def record_template(shape: torch.Size, dtype: torch.dtype) -> tuple[tuple[Any, ...], bytes, bytes] | None:
+    """(layout, prefix, suffix) of the record of a new contiguous tensor of ``shape`` and
+    ``dtype`` written without checksums (`layout_of` it), made the first time by ``torch.save``
+    of untouched memory into no file (its bytes are never read); None where a template cannot
+    stand for ``torch.save``."""
+    tensor = torch.empty(shape, dtype=dtype)
+    with records_without_checksums():
+        key = layout_of(tensor)
+        if key is None:
+            return None
+        if key not in _templates:
+            _capture(key, tensor, None)
+    template = _templates.get(key)
+    return None if template is None else (key, *template)
+
+
 def _capture(key: tuple[Any, ...], tensor: torch.Tensor, stream: Any) -> None:
     """``torch.save`` the tensor into ``stream``, keeping what it wrote around the tensor's bytes
     as the layout's template."""
@@ -95,8 +141,8 @@ def _capture(key: tuple[Any, ...], tensor: torch.Tensor, stream: Any) -> None:
 
 
 class _Recording(io.RawIOBase):
-    """A stream passing every write on to ``stream``, keeping the bytes written before and after
-    the one write of ``tensor``'s own memory."""
+    """A stream passing every write on to ``stream`` (None: nowhere), keeping the bytes written
+    before and after the one write of ``tensor``'s own memory."""
 
     def __init__(self, stream: Any, tensor: torch.Tensor) -> None:
         super().__init__()
@@ -115,7 +161,8 @@ class _Recording(io.RawIOBase):
             self._data_at.append(len(self._pieces))
         else:
             self._pieces.append(bytes(view))
-        self._stream.write(view)
+        if self._stream is not None:
+            self._stream.write(view)
         return view.nbytes
 
     def template(self) -> tuple[bytes, bytes] | None:

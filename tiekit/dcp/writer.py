@@ -21,8 +21,7 @@ in its order, with a few writes instead of ``torch.save``'s forty.
 from __future__ import annotations
 
 import os
-import threading
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -40,33 +39,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from tiekit.checkpoint.direct import DirectFile
-from tiekit.dcp.torch_records import write_record
-
-_checksums_lock = threading.Lock()
-_writers_without_checksums = 0
-_checksums_before = True
-
-
-@contextmanager
-def records_without_checksums() -> Iterator[None]:
-    """``torch.save`` writes no CRC32 while any block of this kind runs in the process; the option
-    is set back to what it was when the last one ends."""
-    global _writers_without_checksums, _checksums_before
-    if not hasattr(torch.serialization, "set_crc32_options"):  # torch < 2.6 always writes them
-        yield
-        return
-    with _checksums_lock:
-        if _writers_without_checksums == 0:
-            _checksums_before = torch.serialization.get_crc32_options()
-            torch.serialization.set_crc32_options(False)
-        _writers_without_checksums += 1
-    try:
-        yield
-    finally:
-        with _checksums_lock:
-            _writers_without_checksums -= 1
-            if _writers_without_checksums == 0:
-                torch.serialization.set_crc32_options(_checksums_before)
+from tiekit.dcp.shard_image import ShardImage
+from tiekit.dcp.torch_records import records_without_checksums, write_record
 
 
 class DirectFileSystem(FileSystem):
@@ -96,10 +70,12 @@ class DurableWriter(FileSystemWriter):
     may wait (for the copies a background save makes beside training) or raise, and DCP then
     fails the save on every rank alike, before any rank writes a byte or waits for this one."""
 
-    def __init__(self, folder: Path, ready: Callable[[], None] | None = None) -> None:
+    def __init__(self, folder: Path, ready: Callable[[], None] | None = None, image: ShardImage | None = None) -> None:
+        """``image``: the `ShardImage` holding the host copies being written, if any."""
         super().__init__(folder, sync_files=True)
         self.fs = DirectFileSystem()
         self._ready = ready
+        self._image = image
 
     def prepare_local_plan(self, plan: Any) -> Any:
         if self._ready is not None:
@@ -107,9 +83,10 @@ class DurableWriter(FileSystemWriter):
         return super().prepare_local_plan(plan)
 
     def write_data(self, plan: Any, planner: Any) -> Future[list[WriteResult]]:
-        """DCP's one shard file of this rank, as its own single-thread loop writes it (the byte
-        items, then each tensor as a ``torch.save`` record, then an ``fsync``), each record from
-        its layout's template; DCP's loop where this writer was set up otherwise."""
+        """DCP's one shard file of this rank, with the records DCP's own single-thread loop writes
+        (each from its layout's template), then an ``fsync``: the image's records first, written
+        from where they are, when every one of them is planned here; then the byte items and
+        the other tensors, in DCP's order. DCP's loop where this writer was set up otherwise."""
         if not (
             self.single_file_per_rank
             and self.thread_count == 1
@@ -119,19 +96,38 @@ class DurableWriter(FileSystemWriter):
             return super().write_data(plan, planner)
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
         results = []
+
+        def written(item: Any, offset: int, length: int) -> None:
+            stored = _StorageInfo(name, offset, length)
+            results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=stored))
+
         with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
             byte_items = [item for item in plan.items if item.type == WriteItemType.BYTE_IO]
             tensor_items = [item for item in plan.items if item.type != WriteItemType.BYTE_IO]
-            for item in byte_items + tensor_items:
+            values: list[torch.Tensor | None] = [None] * len(tensor_items)
+            if self._image is not None:
+                resolved = [_host_tensor(planner.resolve_data(item)) for item in tensor_items]
+                values = list(resolved)
+                placed = self._image.placement(resolved)
+                if placed is not None:
+                    records = self._image.records()
+                    if isinstance(stream, DirectFile):
+                        stream.write_from(records)
+                    else:
+                        stream.write(records)
+                    for item, slot in zip(tensor_items, placed, strict=True):
+                        if slot is not None:
+                            written(item, slot.start, slot.end - slot.start)
+                    left = [i for i, slot in enumerate(placed) if slot is None]
+                    tensor_items, values = [tensor_items[i] for i in left], [values[i] for i in left]
+            pairs: list[tuple[Any, torch.Tensor | None]] = [(item, None) for item in byte_items]
+            for item, value in pairs + list(zip(tensor_items, values, strict=True)):
                 offset = stream.tell()
                 if item.type == WriteItemType.BYTE_IO:
                     stream.write(planner.resolve_data(item).getbuffer())
                 else:
-                    write_record(stream, _host_tensor(planner.resolve_data(item)))
-                length = stream.tell() - offset
-                results.append(
-                    WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
-                )
+                    write_record(stream, _host_tensor(planner.resolve_data(item)) if value is None else value)
+                written(item, offset, stream.tell() - offset)
             if self.sync_files:
                 os.fsync(stream.fileno())
         done: Future[list[WriteResult]] = Future()

@@ -1,0 +1,130 @@
+"""A background sharded save writes its host copies from a `ShardImage` (`tiekit.dcp.shard_image`):
+the copies are laid out as the shard file's records, which go to the file from where they are.
+The file is a DCP shard file every reader takes (each record the bytes torch.save writes); an
+image the plan does not wholly cover is written record by record, as DCP's own writer would."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import pickle
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import tiekit
+from tiekit.dcp.shard_image import ShardImage
+from tiekit.dcp.staging import host_copies
+from tiekit.dcp.writer import DurableWriter, records_without_checksums
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(1000, 64)
+        self.norm = nn.LayerNorm(64)
+        self.head = nn.Linear(64, 1000, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.embed(ids)))
+
+
+def trained() -> tuple[Tied, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = Tied()
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.arange(9)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def records(folder: Path) -> list[tuple[str, int, int]]:
+    """(key, offset, length) of every item in ``folder``'s shard file, in file order."""
+    with (folder / ".metadata").open("rb") as f:
+        storage = pickle.load(f).storage_data
+    return sorted(((index.fqn, s.offset, s.length) for index, s in storage.items()), key=lambda r: r[1])
+
+
+def saved(t: torch.Tensor) -> bytes:
+    out = io.BytesIO()
+    with records_without_checksums():
+        torch.save(t.detach().clone(), out)
+    return out.getvalue()
+
+
+def test_a_background_save_writes_its_records_from_the_image(tmp_path: Path) -> None:
+    model, optimizer = trained()
+    tiekit.save_sharded(model, tmp_path / "blocking", optimizer=optimizer)  # record by record: the control
+    tiekit.save_sharded(model, tmp_path / "background", optimizer=optimizer, blocking=False).wait(60)
+    blocking = records(next((tmp_path / "blocking").glob("save-*")))
+    folder = next((tmp_path / "background").glob("save-*"))
+    imaged = records(folder)
+    assert sorted(r[0] for r in imaged) == sorted(r[0] for r in blocking)
+    gaps = [b[1] - (a[1] + a[2]) for a, b in itertools.pairwise(imaged)]
+    assert all(offset % 64 == 0 for _, offset, _ in imaged) and any(gaps)  # the image's record starts
+    assert not any(b[1] - (a[1] + a[2]) for a, b in itertools.pairwise(blocking))  # back to back
+    raw = next(folder.glob("*.distcp")).read_bytes()
+    state = {"embed.weight": model.embed.weight, "norm.weight": model.norm.weight, "norm.bias": model.norm.bias}
+    for key, offset, length in imaged:
+        if key in state:
+            assert raw[offset : offset + length] == saved(state[key]), key
+    fresh = Tied()
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters())
+    tiekit.load_sharded(fresh, tmp_path / "background", optimizer=fresh_optimizer)
+    assert fresh.head.weight is fresh.embed.weight
+    for name, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], value), name
+    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(optimizer.state[p]["exp_avg_sq"], fresh_optimizer.state[q]["exp_avg_sq"])
+
+
+def test_an_image_the_plan_does_not_wholly_cover_is_written_as_dcp_writes(tmp_path: Path) -> None:
+    """An image with a record no planned tensor is (DCP gave it to another rank): the file is the
+    one DCP's own writer writes for the state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    model, _ = trained()
+    tensors = {name: p.detach() for name, p in model.named_parameters()} | {"elsewhere": torch.randn(5)}
+    hosts, _ = host_copies(tensors)
+    assert hosts.image is not None
+    del hosts["elsewhere"]
+    dcp.save(dict(hosts), storage_writer=DurableWriter(tmp_path / "ours", image=hosts.image), no_dist=True)
+    with records_without_checksums():
+        dcp.save(dict(hosts), storage_writer=FileSystemWriter(tmp_path / "dcp", sync_files=True), no_dist=True)
+    assert (tmp_path / "ours" / "__0_0.distcp").read_bytes() == (tmp_path / "dcp" / "__0_0.distcp").read_bytes()
+    assert records(tmp_path / "ours") == records(tmp_path / "dcp")
+
+
+def test_staged_copies_reuse_their_image_until_a_layout_changes() -> None:
+    model, _ = trained()
+    tensors = {name: p.detach() for name, p in model.named_parameters()}
+    first, _ = host_copies(tensors)
+    again, _ = host_copies(tensors, staging=first)
+    assert again.image is first.image and first.image is not None
+    assert all(again[k].data_ptr() == first[k].data_ptr() for k in tensors)
+    assert all(torch.equal(again[k], v) for k, v in tensors.items())
+    grown = dict(tensors, **{"norm.bias": torch.zeros(65)})
+    changed, _ = host_copies(grown, staging=again)
+    assert changed.image is not again.image
+    assert torch.equal(changed["norm.bias"], torch.zeros(65)) and torch.equal(
+        changed["embed.weight"], tensors["embed.weight"]
+    )
+
+
+def test_image_tensors_own_exactly_their_slots() -> None:
+    image = ShardImage(
+        [(torch.Size([3, 5]), torch.float32), (torch.Size([0]), torch.float32), (torch.Size([7]), torch.bfloat16)]
+    )
+    full, empty, half = image.tensors
+    assert empty is None and full is not None and half is not None
+    for t in (full, half):
+        assert t.untyped_storage().nbytes() == t.nbytes and t.is_contiguous()
+    full.copy_(torch.arange(15.0).reshape(3, 5))
+    half.copy_(torch.ones(7))
+    raw = bytes(image.records())
+    slots = [s for s in image.slots if s is not None]
+    assert raw[slots[0].start : slots[0].end] == saved(full)
+    assert raw[slots[1].start : slots[1].end] == saved(half)
