@@ -302,12 +302,12 @@ import gc, sys, weakref
 import torch, torch.distributed as dist
 from torch import nn
 
-out, order, ports = sys.argv[1], sys.argv[2], sys.argv[3:]
+out, order, rank, ports = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
 if order == "tiekit-first":
     import tiekit
 alive = []
 for round, port in enumerate(ports):  # a second default group, as a second fit under one launcher makes
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     import tiekit  # the first import here when order is "group-first"
     model = nn.Sequential(nn.Embedding(30, 8), nn.Linear(8, 30, bias=False))
     model[1].weight = model[0].weight
@@ -322,11 +322,15 @@ print(alive)
 
 def groups_alive_after_destroy(tmp_path: Path, order: str) -> list[list[int]]:
     """[groups made, groups still alive after destroy_process_group] for two rounds of
-    init, background sharded save, destroy in one fresh process."""
+    init, background sharded save, destroy in two fresh processes (rank 0's count; with one rank
+    a save needs no group of its own: DCP coordinates nothing)."""
     ports = [str(free_port()), str(free_port())]
-    command = [sys.executable, "-c", GROUPS_AFTER_DESTROY, str(tmp_path / order), order, *ports]
-    [run] = run_ok([command], env=base_env(), cwd=tmp_path)
-    alive: list[list[int]] = json.loads(run.output.strip().splitlines()[-1])
+    commands = [
+        [sys.executable, "-c", GROUPS_AFTER_DESTROY, str(tmp_path / order), order, str(r), *ports] for r in (0, 1)
+    ]
+    runs = run_ok(commands, env=base_env(), cwd=tmp_path)
+    alive: list[list[int]] = json.loads(runs[0].output.strip().splitlines()[-1])
+    assert json.loads(runs[1].output.strip().splitlines()[-1]) == alive
     return alive
 
 

@@ -99,7 +99,9 @@ def save_sharded_staged(
     before = committed_save_id(root) if writes_marker else None  # what the commit may replace
     save_id, state = _prepare(inner, root, optimizer, extra)
     folder = root / f"{SAVE_PREFIX}{save_id}"
-    distributed = _distributed()
+    # DCP coordinates through the process group only where there are ranks to coordinate: with
+    # one, its gathers and scatters would only pickle the plans and hand them to gloo and back.
+    distributed = _distributed() and _world() > 1
     spmd = xla_spmd(state.tensors.values())
     planner = _spmd_planner() if spmd else None
     if blocking:
