@@ -1,8 +1,9 @@
 """Tensor records as ``torch.save`` writes them, from one template per tensor layout.
 
-DCP stores each tensor of a shard file as a ``torch.save`` record (a small zip archive). With
-record checksums off (`tiekit.dcp.writer`), a record's bytes depend on the tensor's dtype, shape
-and strides, never on its values: a fixed prefix, the tensor's bytes, a fixed suffix (the tests
+DCP stores each tensor of a shard file as a ``torch.save`` record (a small zip archive).
+Checksums are off while shard files are written (`records_without_checksums`; ``torch.load``
+never checks them), and without them a record's bytes depend on the tensor's dtype, shape and
+strides, never on its values: a fixed prefix, the tensor's bytes, a fixed suffix (the tests
 compare them with ``torch.save``'s own, record by record). ``torch.save`` pickles the tensor and
 hands its zip headers over in about 40 writes per record: 60-80 µs of Python, which a background
 save takes from the training thread (it waits for the GIL). From its template a record is three
@@ -23,7 +24,6 @@ from typing import Any
 import numpy as np
 import torch
 
-# (prefix, suffix) by layout; None for a layout whose bytes could not be found in its record.
 _checksums_lock = threading.Lock()
 _writers_without_checksums = 0
 _checksums_before = True
@@ -51,6 +51,7 @@ def records_without_checksums() -> Iterator[None]:
                 torch.serialization.set_crc32_options(_checksums_before)
 
 
+# (prefix, suffix) by layout; None for a layout whose bytes could not be found in its record.
 _templates: dict[tuple[Any, ...], tuple[bytes, bytes] | None] = {}
 _templates_lock = threading.Lock()
 _MAX_TEMPLATES = 4096  # a model has a few hundred layouts; the bound only stops unbounded growth

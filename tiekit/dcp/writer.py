@@ -15,7 +15,9 @@ a process-wide option: ``torch.save`` calls of other threads in that moment also
 checksums; ``torch.load`` reads such files as any other) and set back afterwards. Without them a
 record is a fixed prefix, the tensor's bytes and a fixed suffix, so `DurableWriter` writes each
 from its layout's template (`tiekit.dcp.torch_records`): the bytes DCP's own loop would write,
-in its order, with a few writes instead of ``torch.save``'s forty.
+in its order, with a few writes instead of ``torch.save``'s forty. A background save's copies
+are already laid out as those records (`tiekit.dcp.shard_image`): they go to the file from where
+they are.
 """
 
 from __future__ import annotations
