@@ -165,3 +165,19 @@ def assert_unchanged(model: nn.Module, before: dict[str, tuple[torch.Tensor, tor
     for name, (tensor, values) in before.items():
         assert now[name] is tensor, f"{name} was replaced or re-tied"
         assert torch.equal(now[name], values), f"{name} was modified"
+
+
+def assert_sharded_round_trip(
+    model: nn.Module, optimizer: torch.optim.Optimizer, folder: object, fresh: nn.Module, tie: tuple[str, str]
+) -> None:
+    """``fresh`` (a new model of ``model``'s class) loads the sharded checkpoint ``folder`` with a new
+    AdamW: the tie ``(source, tied)`` (module paths of the two weights) restored, every value and
+    every optimizer moment equal to ``model``'s and ``optimizer``'s."""
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters())
+    tiekit.load_sharded(fresh, folder, optimizer=fresh_optimizer)  # type: ignore[arg-type]
+    assert fresh.get_submodule(tie[1]).weight is fresh.get_submodule(tie[0]).weight
+    for name, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], value), name
+    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(optimizer.state[p][moment], fresh_optimizer.state[q][moment]), moment

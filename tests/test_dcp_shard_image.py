@@ -11,6 +11,7 @@ import pickle
 from pathlib import Path
 
 import torch
+from models import assert_sharded_round_trip
 from torch import nn
 
 import tiekit
@@ -70,14 +71,7 @@ def test_a_background_save_writes_its_records_from_the_image(tmp_path: Path) -> 
     for key, offset, length in imaged:
         if key in state:
             assert raw[offset : offset + length] == saved(state[key]), key
-    fresh = Tied()
-    fresh_optimizer = torch.optim.AdamW(fresh.parameters())
-    tiekit.load_sharded(fresh, tmp_path / "background", optimizer=fresh_optimizer)
-    assert fresh.head.weight is fresh.embed.weight
-    for name, value in model.state_dict().items():
-        assert torch.equal(fresh.state_dict()[name], value), name
-    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
-        assert torch.equal(optimizer.state[p]["exp_avg_sq"], fresh_optimizer.state[q]["exp_avg_sq"])
+    assert_sharded_round_trip(model, optimizer, tmp_path / "background", Tied(), ("embed", "head"))
 
 
 def test_an_image_the_plan_does_not_wholly_cover_is_written_as_dcp_writes(tmp_path: Path) -> None:

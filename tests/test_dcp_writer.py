@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from models import assert_sharded_round_trip
 from torch import nn
 
 import tiekit
@@ -84,15 +85,7 @@ def test_shard_files_are_written_past_the_page_cache(tmp_path: Path) -> None:
     assert len(ours) == 1 and len(plain) == 1
     assert cached_fraction(plain[0]) > 0.9
     assert cached_fraction(ours[0]) < 0.05
-    fresh = TiedLM()
-    fresh_optimizer = torch.optim.AdamW(fresh.parameters())
-    tiekit.load_sharded(fresh, tmp_path / "ours", optimizer=fresh_optimizer)
-    assert fresh.head.weight is fresh.embed.weight
-    for name, value in model.state_dict().items():
-        assert torch.equal(fresh.state_dict()[name], value), name
-    moments = [optimizer.state[p]["exp_avg"] for p in model.parameters()]
-    for p, m in zip(fresh.parameters(), moments, strict=True):
-        assert torch.equal(fresh_optimizer.state[p]["exp_avg"], m)
+    assert_sharded_round_trip(model, optimizer, tmp_path / "ours", TiedLM(), ("embed", "head"))
 
 
 def record_checksums(folder: Path) -> list[int]:
