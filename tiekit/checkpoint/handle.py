@@ -166,9 +166,10 @@ def after_earlier_saves(target: Path, stacklevel: int) -> str:
     return key
 
 
-def report_failed_saves(target: Path, stacklevel: int) -> None:
+def report_failed_saves(target: Path, stacklevel: int) -> str:
     """Local, never waits: warn of the failed background saves of ``target`` nothing waited for
-    (``stacklevel`` as `warnings.warn`'s from the caller); those under way stay registered."""
+    (``stacklevel`` as `warnings.warn`'s from the caller); those under way stay registered.
+    Returns ``target``'s real path (for `register_pending`)."""
     key = os.path.realpath(target)
     with _pending_lock:
         entries = _pending.pop(key, [])
@@ -178,6 +179,7 @@ def report_failed_saves(target: Path, stacklevel: int) -> None:
     for entry in entries:
         if isinstance(entry, int):
             warn_if_unseen(entry, stacklevel + 1)
+    return key
 
 
 def _forget(key: str, handle: SaveHandle) -> None:

@@ -145,7 +145,7 @@ def save_checkpoint_reusing(
         after_earlier_saves(target, stacklevel=3)  # 3: the caller of save_checkpoint
         write_single(target, host_tensors(state), header, durable)
         return SaveHandle(target, "", None), None, None
-    report_failed_saves(target, stacklevel=3)  # the unfinished ones are written before this one
+    key = report_failed_saves(target, stacklevel=3)  # the unfinished ones are written before this one
     deferred = deferrable_storages(model, optimizer) if defer else {}
     image, copies = _background_copies(target, state, header, staging, deferred, adopt and defer)
     lent = copies.lent
@@ -160,7 +160,7 @@ def save_checkpoint_reusing(
 
     future = _background().submit(write)
     handle = SaveHandle(target, "", future)
-    register_pending(target, handle)
+    register_pending(target, handle, key)
     return handle, image if isinstance(image, FileImage) else None, copies
 
 
