@@ -393,7 +393,7 @@ def test_a_lent_image_taken_back_mid_write_still_writes_the_values_it_held(tmp_p
     tensors = state()  # 8.4 + 4.2 MB: the write goes in several chunks
     path = tmp_path / "lent.safetensors"
     image = filled_image(tensors, path)
-    lent = file_image.LentMemory(image)
+    lent = file_image.LentMemory(image.memory.numpy(), image.spare)
     first_chunk_done, go_on = threading.Event(), threading.Event()
     chunk_written = lent.written
 
@@ -425,7 +425,7 @@ def test_a_lent_image_written_before_it_is_taken_back_copies_nothing(tmp_path: P
     tensors = state()
     path = tmp_path / "lent.safetensors"
     image = filled_image(tensors, path)
-    lent = file_image.LentMemory(image)
+    lent = file_image.LentMemory(image.memory.numpy(), image.spare)
     file_image.write_image(image, path, lent=lent)
     lent.close()
     lent.take_back()

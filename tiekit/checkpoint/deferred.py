@@ -12,7 +12,8 @@ optimizer state into the save's file image (``adopt``), so training goes on in t
 the next save into the same image writes them from where they are. That save's `settle` then
 takes the image back from the writer before the optimizer step changes it
 (`tiekit.checkpoint.image.LentMemory`: it waits for the chunk being written, and copies aside
-only what is not yet written).
+only what is not yet written). A sharded save does the same with the optimizer state in its
+shard file's image (`tiekit.dcp.staging`); FSDP2's parameters stay where FSDP2 keeps them.
 
 Every in-place write bumps a tensor's version counter. The counters are read when the save is
 made and again in `settle`: a tensor written in between (a forward pass that changes a parameter
@@ -25,7 +26,7 @@ while the local tensors are copied.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -66,23 +67,34 @@ def deferrable_storages(model: nn.Module, optimizer: torch.optim.Optimizer | Non
     return found
 
 
+def into_image(original: torch.Tensor, view: torch.Tensor) -> Callable[[], None]:
+    """The move of ``original`` (a parameter or state tensor) into ``view`` (its copy in a save's
+    image, equal to it when the move is made): ``original.data = view``."""
+
+    def move() -> None:
+        original.data = view
+
+    return move
+
+
 class DeferredCopies:
     """Copies made by the writing thread (`copy`), checked by the training thread (`settle`)
     before it changes any source. Each entry is ``(name, watched, source, destination)``:
     ``source`` is copied into ``destination``, and ``watched`` (``source`` itself, or the
     DTensor whose local shard it is) must not be written in the meantime; None for a source
     nothing else holds (a host copy made for this save), which needs no settling. A source that is
-    its destination (training state living in the save's `FileImage`) is not copied: ``lent`` is
-    then that image, taken back from the writer by `settle`. ``adopt``: ``(original, view)`` pairs,
-    each state tensor moved into its view of the image by `settle` (``original.data = view``), once
-    its copy is made and checked, so that the next save into that image copies nothing."""
+    its destination (training state living in the save's image) is not copied: ``lent`` is then
+    that image, taken back from the writer by `settle`. ``adopt``: moves (`into_image`,
+    `tiekit.dcp.staging`), each putting a state tensor into its view of the image, made by
+    `settle` once the copy is made and checked, so that the next save into that image copies
+    nothing."""
 
     def __init__(
         self,
         entries: Sequence[tuple[str, torch.Tensor | None, torch.Tensor, torch.Tensor]],
         *,
         lent: LentMemory | None = None,
-        adopt: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+        adopt: Sequence[Callable[[], None]] = (),
     ) -> None:
         # A source that is its destination (state living in the image) needs no copy.
         self._pairs = [(n, s, d) for n, _, s, d in entries if s.data_ptr() != d.data_ptr() or not s.numel()]
@@ -131,8 +143,8 @@ class DeferredCopies:
             self.lent.take_back()  # the step may change the image now: the writer has the rest aside
         if self._problem is None:
             with torch.no_grad():
-                for original, view in self._adopt:  # equal values: the copy is made and nothing wrote them
-                    original.data = view
+                for move in self._adopt:  # equal values: the copy is made and nothing wrote them
+                    move()
         self._adopt = []
         self._settled.set()
 

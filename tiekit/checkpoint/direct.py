@@ -23,7 +23,7 @@ import os
 import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -31,8 +31,13 @@ import torch
 from tiekit.errors import CheckpointError
 from tiekit.header import DTYPES
 
+if TYPE_CHECKING:
+    from tiekit.checkpoint.image import LentMemory
+
 BLOCK = 4096  # O_DIRECT wants buffer, offset and length aligned to the device's block (512 or 4096)
 CHUNK = 8 << 20  # bytes per write
+# Bytes per write from a lent image (`LentMemory`): the training step taking it back waits for one.
+LENT_CHUNK = 2 << 20
 _MAX_WRITE = 1 << 30  # Linux writes at most 2 GiB - 4 KiB per call
 _SMALL_WRITE = 4096  # pieces below this are copied holding the GIL (cheaper per call than numpy)
 
@@ -191,17 +196,33 @@ class DirectFile(io.RawIOBase):
                 self._base, self._filled, self._synced = self._base + CHUNK, 0, 0
         return size
 
-    def write_from(self, memory: memoryview) -> None:
+    def write_from(self, memory: memoryview, lent: LentMemory | None = None) -> None:
         """At the start of the file: ``memory`` (its address a multiple of `BLOCK`, as a mapping's
         is) as the file's first bytes, its whole blocks written from where they are, with no copy
-        into the buffer; its last partial block is copied and later writes follow it."""
+        into the buffer; its last partial block is copied and later writes follow it. ``lent``:
+        ``memory`` is training state lent to this writer (`LentMemory`), asked for chunk by chunk."""
         if self.tell() != 0:
             raise ValueError(f"{self.path}: write_from writes a file's first bytes; {self.tell()} are written")
-        whole = len(memory) // BLOCK * BLOCK
-        for start in range(0, whole, CHUNK):  # in the pieces the buffer would have written
-            write_all(self._fd, memory[start : min(start + CHUNK, whole)], start)
+        size = len(memory)
+        whole = size // BLOCK * BLOCK
+        step = CHUNK if lent is None else LENT_CHUNK  # the buffer's pieces; a lent image's smaller
+        for start in range(0, whole, step):
+            end = min(start + step, whole)
+            if lent is None:
+                write_all(self._fd, memory[start:end], start)
+                continue
+            try:
+                write_all(self._fd, lent.chunk(start, end), start)
+            finally:
+                lent.written(end)
         self._base = whole
-        self.write(memory[whole:])
+        if lent is None:
+            self.write(memory[whole:])
+            return
+        try:
+            self.write(lent.chunk(whole, size))
+        finally:
+            lent.written(size)
 
     def tell(self) -> int:
         return self._base + self._filled

@@ -21,10 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tiekit.checkpoint.direct import aligned, open_new, ordered, round_up, safetensors_header, write_all
+from tiekit.checkpoint.direct import LENT_CHUNK, aligned, open_new, ordered, round_up, safetensors_header, write_all
 
-# Bytes per write from a lent image: the training step taking it back waits for one such write.
-LENT_CHUNK = 2 << 20
 # Room a FileImage leaves its header to grow by between saves (the step's digits, RNG states).
 _HEADER_SLACK = 1024
 
@@ -108,16 +106,18 @@ def write_image(image: FileImage, path: Path, *, direct: bool = True, lent: Lent
 
 
 class LentMemory:
-    """A `FileImage` whose tensors are the training state itself (the parameters and optimizer
-    state live in it, so a background save need not copy them), lent to the thread writing it
-    until the training thread takes it back (`take_back`, before its next optimizer step). The
-    writer asks for each chunk (`chunk`, then `written`); `take_back` waits for the chunk being
-    written, then copies the bytes not yet written aside (aligned as in the image), where the
-    writer takes the rest from: the step waits at most for one chunk's write and that copy."""
+    """An image (a `FileImage`'s ``memory``, a sharded save's `tiekit.dcp.shard_image.ShardImage`)
+    whose tensors are the training state itself (the parameters and optimizer state live in it,
+    so a background save need not copy them), lent to the thread writing it until the training
+    thread takes it back (`take_back`, before its next optimizer step). The writer asks for each
+    chunk (`chunk`, then `written`); `take_back` waits for the chunk being written, then copies the
+    bytes not yet written aside (aligned as in the image), where the writer takes the rest from:
+    the step waits at most for one chunk's write and that copy. ``spare``: the image's list of
+    aside memory from earlier saves (`FileImage.spare`), reused and added to."""
 
-    def __init__(self, image: FileImage) -> None:
-        self._memory = image.memory.numpy()
-        self._spare = image.spare
+    def __init__(self, memory: np.ndarray, spare: list[np.ndarray]) -> None:
+        self._memory = memory
+        self._spare = spare
         self._state = threading.Condition()
         self._done = 0  # bytes of the image written to the file
         self._busy = False  # a chunk of the image itself is being written

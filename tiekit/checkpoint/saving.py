@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -17,7 +17,7 @@ from torch import nn
 from tiekit.backends.torch_distributed import is_dtensor
 from tiekit.checkpoint.codec import Fallback
 from tiekit.checkpoint.contents import encode_training_state, header_metadata, host_tensors, saving_plan, unique_tensors
-from tiekit.checkpoint.deferred import DeferredCopies, deferrable_storages
+from tiekit.checkpoint.deferred import DeferredCopies, deferrable_storages, into_image
 from tiekit.checkpoint.files import write_sharded, write_single
 from tiekit.checkpoint.handle import SaveHandle, after_earlier_saves, register_pending, report_failed_saves
 from tiekit.checkpoint.image import FileImage, LentMemory, image_for
@@ -249,7 +249,7 @@ def _background_copies(
         return {k: h if k in private else h.clone() for k, h in hosts.items()}, DeferredCopies([])
     image = image_for(hosts, target, header, reuse=staging)
     later: list[tuple[str, torch.Tensor | None, torch.Tensor, torch.Tensor]] = []
-    moves: list[tuple[torch.Tensor, torch.Tensor]] = []
+    moves: list[Callable[[], None]] = []
     live = False
     for key, host in hosts.items():
         view = image.tensors[key]
@@ -260,10 +260,10 @@ def _background_copies(
             live = live or host.data_ptr() == view.data_ptr()
             owner = _sole_owner(host, deferred[host.untyped_storage().data_ptr()], staging) if adopt else None
             if owner is not None and host.data_ptr() != view.data_ptr():
-                moves.append((owner, view))
+                moves.append(into_image(owner, view))
         else:
             view.copy_(host)
-    lent = LentMemory(image) if live or moves else None
+    lent = LentMemory(image.memory.numpy(), image.spare) if live or moves else None
     return image, DeferredCopies(later, lent=lent, adopt=moves)
 
 
