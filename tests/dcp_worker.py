@@ -190,23 +190,37 @@ def save_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
             found["torn"] = str(exc)
         dist.barrier()
         found["marker_after_torn"] = json.loads((folder / tiekit.dcp.MARKER_NAME).read_text())["save_id"]
-        saved = full_state(model)
-        handle, _, copies = save_sharded_staged(
-            model, folder, optimizer=optimizer, blocking=False, staging=staging, defer=True
-        )
-        assert copies is not None
-        ids = batch(5).chunk(WORLD)[RANK]
-        F.cross_entropy(model(ids[:, :-1]).reshape(-1, VOCAB), ids[:, 1:].reshape(-1)).backward()
-        copies.settle()  # fit's train_step: before the optimizer step
-        optimizer.step()
-        handle.wait(timeout=120)
-        dist.barrier()  # rank 0 committed
-        found["second"] = handle.save_id
-        found["marker"] = json.loads((folder / tiekit.dcp.MARKER_NAME).read_text())["save_id"]
-        fresh = fsdp_model(seed=1)
-        tiekit.load_sharded(fresh, folder)
-        found["holds_call_values"] = torch.equal(full_state(fresh)["embed.weight"], saved["embed.weight"])
-        found["changed_since"] = not torch.equal(full_state(model)["embed.weight"], saved["embed.weight"])
+        # fit's way from here on (adopt=True): the moments move into this rank's shard image when
+        # the copies settle, and the next save writes them from there.
+        for save in ("second", "third"):
+            saved = full_state(model) | full_optimizer_state(model, optimizer)
+            handle, staging, copies = save_sharded_staged(
+                model, folder, optimizer=optimizer, blocking=False, staging=staging, defer=True, adopt=True
+            )
+            assert copies is not None and staging.image is not None
+            moments = [v for state in optimizer.state.values() for k, v in state.items() if k != "step"]
+            found[f"{save}_lent"] = copies.lent is not None
+            found[f"{save}_moments_in_image_at_call"] = [staging.image.holds(m.to_local()) for m in moments]
+            ids = batch(5).chunk(WORLD)[RANK]
+            F.cross_entropy(model(ids[:, :-1]).reshape(-1, VOCAB), ids[:, 1:].reshape(-1)).backward()
+            copies.settle()  # fit's train_step: before the optimizer step
+            moments = [v for state in optimizer.state.values() for k, v in state.items() if k != "step"]
+            found[f"{save}_moments_in_image"] = [
+                type(m).__name__ == "DTensor" and staging.image.holds(m.to_local()) for m in moments
+            ]
+            optimizer.step()  # changes the moments in the image the writer may still be writing
+            optimizer.zero_grad()
+            handle.wait(timeout=120)
+            dist.barrier()  # rank 0 committed
+            found[save] = handle.save_id
+            found[f"{save}_marker"] = json.loads((folder / tiekit.dcp.MARKER_NAME).read_text())["save_id"]
+            fresh = fsdp_model(seed=1)
+            fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+            tiekit.load_sharded(fresh, folder, optimizer=fresh_optimizer)
+            loaded = full_state(fresh) | full_optimizer_state(fresh, fresh_optimizer)
+            now = full_state(model) | full_optimizer_state(model, optimizer)
+            found[f"{save}_holds_call_values"] = [k for k, v in saved.items() if not torch.equal(loaded[k], v)]
+            found[f"{save}_changed_since"] = all(not torch.equal(now[k], saved[k]) for k in saved if "/" in k)
         return found
 
     def errors() -> dict[str, Any]:

@@ -127,15 +127,22 @@ def test_async_save_commits_when_written_and_training_continues(runs: dict[str, 
 
 def test_a_deferred_copy_torn_on_one_rank_fails_the_save_on_every_rank(runs: dict[str, Any]) -> None:
     """fit's background saves copy parameters and moments beside the next step: rank 1 wrote a
-    parameter before its copies settled, so DCP's planning failed on both ranks (neither hung),
-    the previous save stayed, and the next clean save holds the values of its call."""
+    parameter before its copies settled, so the save failed on both ranks (neither hung), the
+    previous save stayed, and the next clean saves hold the values of their call (moments
+    included), the moments living in the shard image from the first of them on."""
     for found in runs["save"]:
         run = found["deferred"]
         assert run["torn"] is not None and "rank 1: CheckpointError" in run["torn"], run
         assert "'embed.weight' was written in place" in run["torn"] and "rank 0" not in run["torn"], run
         assert run["marker_after_torn"] == run["first"]
-        assert run["marker"] == run["second"] != run["first"]
-        assert run["holds_call_values"] and run["changed_since"]
+        for save in ("second", "third"):
+            assert run[f"{save}_marker"] == run[save] != run["first"]
+            assert run[f"{save}_holds_call_values"] == [] and run[f"{save}_changed_since"], (save, run)
+        # fit's way (adopt=True): the second save's copies took the moments in (its settle moved
+        # them, as DTensors over this rank's image); the third wrote them from there, lent.
+        assert not any(run["second_moments_in_image_at_call"]) and all(run["second_moments_in_image"]), run
+        assert all(run["third_moments_in_image_at_call"]) and all(run["third_moments_in_image"]), run
+        assert run["second_lent"] and run["third_lent"]
 
 
 def test_errors_are_raised_on_every_rank(runs: dict[str, Any]) -> None:

@@ -5,10 +5,14 @@ image the plan does not wholly cover is written record by record, as DCP's own w
 
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
 import pickle
+import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from models import assert_sharded_round_trip
@@ -21,24 +25,29 @@ from tiekit.dcp.writer import DurableWriter, records_without_checksums
 
 
 class Tied(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, vocab: int = 1000) -> None:
         super().__init__()
-        self.embed = nn.Embedding(1000, 64)
+        self.embed = nn.Embedding(vocab, 64)
         self.norm = nn.LayerNorm(64)
-        self.head = nn.Linear(64, 1000, bias=False)
+        self.head = nn.Linear(64, vocab, bias=False)
         self.head.weight = self.embed.weight
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(self.embed(ids)))
 
 
-def trained() -> tuple[Tied, torch.optim.Optimizer]:
+def trained(vocab: int = 1000) -> tuple[Tied, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = Tied()
+    model = Tied(vocab)
     optimizer = torch.optim.AdamW(model.parameters())
+    train_step(model, optimizer)
+    return model, optimizer
+
+
+def train_step(model: Tied, optimizer: torch.optim.Optimizer) -> None:
     model(torch.arange(9)).sum().backward()
     optimizer.step()
-    return model, optimizer
+    optimizer.zero_grad()
 
 
 def records(folder: Path) -> list[tuple[str, int, int]]:
@@ -122,3 +131,96 @@ def test_image_tensors_own_exactly_their_slots() -> None:
     slots = [s for s in image.slots if s is not None]
     assert raw[slots[0].start : slots[0].end] == saved(full)
     assert raw[slots[1].start : slots[1].end] == saved(half)
+
+
+def state_of(model: Tied, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    moments = {f"{n}/{k}": v.clone() for n, p in model.named_parameters() for k, v in optimizer.state[p].items()}
+    return {**{k: v.clone() for k, v in model.state_dict().items()}, **moments}
+
+
+def stored(folder: Path) -> dict[str, torch.Tensor]:
+    fresh = Tied(4000)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters())
+    tiekit.load_sharded(fresh, folder, optimizer=fresh_optimizer)
+    assert fresh.head.weight is fresh.embed.weight
+    return state_of(fresh, fresh_optimizer)
+
+
+def test_fits_background_saves_train_the_optimizer_state_in_the_image_and_write_it_from_there(tmp_path: Path) -> None:
+    """fit's way (``adopt=True``): the first save copies the moments into its image and its
+    ``settle`` moves them there; the next save finds them there (nothing to copy) and writes them
+    from the image lent to its writer. Held after its first chunk, the writer goes on from what
+    ``settle`` took aside for it, while the optimizer step changes the image: each checkpoint
+    holds the values of its call (the live state has moved on, so a write from the image would not)."""
+    from tiekit.checkpoint.direct import LENT_CHUNK
+    from tiekit.dcp.saving import save_sharded_staged
+
+    model, optimizer = trained(4000)  # 1 MB a tensor: the image is written in several chunks
+    staging = None
+    for step in (1, 2):
+        expected = state_of(model, optimizer)
+        with held_writer():  # the writer starts once its first chunk can be held
+            handle, staged, copies = save_sharded_staged(
+                model, tmp_path / "ck", optimizer=optimizer, blocking=False, staging=staging, defer=True, adopt=True
+            )
+            assert copies is not None and copies.lent is not None and staged.image is not None
+            image = staged.image
+            assert (image is getattr(staging, "image", None)) == (step == 2)
+            moments = [v for p in model.parameters() for v in optimizer.state[p].values()]
+            assert [image.holds(m) for m in moments] == [step == 2] * len(moments)
+            first_chunk = pause_after_first_chunk(copies.lent)
+        assert first_chunk.wait(60)
+        copies.settle()  # takes the image back: the rest goes aside
+        assert copies.lent.copied == image.size - LENT_CHUNK
+        moments = [v for p in model.parameters() for v in optimizer.state[p].values()]
+        assert all(image.holds(m) for m in moments) and not image.holds(model.embed.weight)
+        assert all(torch.equal(v, expected[k]) for k, v in state_of(model, optimizer).items())
+        train_step(model, optimizer)  # changes the moments in the image
+        now = state_of(model, optimizer)
+        assert not torch.equal(now["embed.weight/exp_avg"], expected["embed.weight/exp_avg"])
+        resume_writer(copies.lent)
+        handle.wait(60)
+        got = stored(tmp_path / "ck")
+        assert got.keys() == expected.keys()
+        assert [k for k, v in expected.items() if not torch.equal(got[k], v)] == [], step
+        staging = staged
+    assert model.head.weight is model.embed.weight
+
+
+@contextlib.contextmanager
+def held_writer() -> Iterator[None]:
+    """The background writer of sharded saves busy until the block ends."""
+    from tiekit.dcp.saving import _background_writer
+
+    release = threading.Event()
+    _background_writer().submit(release.wait, 60)
+    try:
+        yield
+    finally:
+        release.set()
+
+
+_resume: dict[int, threading.Event] = {}
+
+
+def pause_after_first_chunk(lent: Any) -> threading.Event:
+    """An event set when ``lent``'s writer has written its first chunk; the writer then waits for
+    `resume_writer`."""
+    from tiekit.checkpoint.direct import LENT_CHUNK
+
+    reached, go_on = threading.Event(), threading.Event()
+    _resume[id(lent)] = go_on
+    chunk_written = lent.written
+
+    def written(end: int) -> None:
+        chunk_written(end)
+        if end == LENT_CHUNK:
+            reached.set()
+            go_on.wait(60)
+
+    lent.written = written
+    return reached
+
+
+def resume_writer(lent: Any) -> None:
+    _resume.pop(id(lent)).set()

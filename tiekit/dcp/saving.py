@@ -35,7 +35,7 @@ from tiekit.checkpoint.handle import SaveHandle, after_earlier_saves, register_p
 from tiekit.checkpoint.layout import PathLike
 from tiekit.collective import Ranks, collective_gather, failure_message, ranks
 from tiekit.dcp.layout import SAVE_PREFIX, committed_save_id, new_save_id, remove_stale, write_marker
-from tiekit.dcp.staging import host_copies
+from tiekit.dcp.staging import host_copies, optimizer_entries
 from tiekit.dcp.state import SaveState, dcp_save, running_dcp, save_state, unwrap, xla_spmd
 from tiekit.errors import CheckpointError, TiekitError
 
@@ -77,6 +77,7 @@ def save_sharded_staged(
     blocking: bool = True,
     staging: Mapping[str, torch.Tensor] | None = None,
     defer: bool = False,
+    adopt: bool = False,
 ) -> tuple[SaveHandle, dict[str, torch.Tensor], DeferredCopies | None]:
     """Collective: `save_sharded`, the host copies a background save writes, and the copies it
     left to its writer.
@@ -85,8 +86,11 @@ def save_sharded_staged(
     copied into where a name's layout matches instead of new memory. ``defer``: the copies of the
     parameters and the optimizer state are made by the writing thread, beside training; the
     caller must call the returned `DeferredCopies`' ``settle()`` before anything changes them (its
-    next optimizer step). A tensor written in between fails the save on every rank, in DCP's
-    planning step, before anything is written (`tiekit.checkpoint.deferred`)."""
+    next optimizer step). A tensor written in between fails the save on every rank before it is
+    committed, and its files are removed (`tiekit.checkpoint.deferred`). ``adopt`` (with
+    ``defer``): ``settle()`` also moves the optimizer's state into its copies, in this rank's
+    `ShardImage` (a plain tensor by ``.data``, a DTensor replaced in ``optimizer.state``), so that
+    saves with the returned staging write it from there without a copy."""
     from tiekit.dcp.writer import DurableWriter  # DCP's file system: loaded by the first save, not by import
 
     root = Path(os.path.abspath(os.fspath(path)))
@@ -136,9 +140,17 @@ def save_sharded_staged(
         hosts = spmd_host_copy(state.tensors)  # each device's shard (a copy of the whole would not fit)
     else:
         deferrable = deferrable_storages(inner, optimizer) if defer else None
-        hosts, copies = host_copies(state.tensors, staging, deferrable)
-    ready = None if copies is None else functools.partial(_copy_and_check, copies, folder)
-    writer = DurableWriter(folder, ready, getattr(hosts, "image", None))
+        entries = optimizer_entries(optimizer) if defer and adopt and optimizer is not None else None
+        hosts, copies = host_copies(state.tensors, staging, deferrable, entries)
+    # The copies are made in DCP's planning step, written, then checked against the training
+    # thread's `settle` before this rank reports its write: a torn copy fails the save on every rank.
+    writer = DurableWriter(
+        folder,
+        None if copies is None else copies.copy,
+        getattr(hosts, "image", None),
+        lent=None if copies is None else copies.lent,
+        confirm=None if copies is None else functools.partial(copies.confirmed, folder),
+    )
 
     def write() -> None:
         destroyed = (
@@ -162,19 +174,15 @@ def save_sharded_staged(
             if writes_marker and (conflict := _writer_conflict(root, save_id, before, exc)):
                 raise conflict from exc
             raise
+        finally:
+            if copies is not None and copies.lent is not None:
+                copies.lent.close()  # written or failed: the training thread takes nothing aside
 
     future = _background_writer().submit(write)
     commit = functools.partial(_commit_or_remove, root, save_id, state, before) if writes_marker else None
     handle = SaveHandle(root, save_id, future, commit)
     register_pending(root, handle, key)
     return handle, hosts, copies
-
-
-def _copy_and_check(copies: DeferredCopies, folder: Path) -> None:
-    """In DCP's local planning step (`DurableWriter`'s ``ready``): a failed or torn copy then fails
-    the save on every rank before any of them writes."""
-    copies.copy()
-    copies.confirmed(folder)
 
 
 def _spmd_writable(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:

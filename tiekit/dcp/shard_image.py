@@ -13,6 +13,10 @@ Records start on 64-byte boundaries (so does each tensor's data, torch.save alig
 record): the gaps between records are a few bytes no record names. An image is reused by each
 save of the same layout; a save whose plan leaves out a record of it (DCP gave a replicated
 tensor to another rank) is written record by record instead, as it was before.
+
+The optimizer's state may go on living in the image (`tiekit.fit` moves it there): the next save
+then writes it from where it is, without a copy, the image lent to the writer (`lend`) until the
+next optimizer step takes it back.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tiekit.checkpoint.image import LentMemory
 from tiekit.dcp.torch_records import layout_of, record_template
 
 _RECORD_ALIGNMENT = 64
@@ -73,26 +78,39 @@ class ShardImage:
             count = shape.numel()
             self.tensors.append(torch.frombuffer(self._memory, dtype=dtype, count=count, offset=slot.data).view(shape))
         self._at = {slot.data: i for i, slot in enumerate(self.slots) if slot is not None}
-        self._base = int(np.frombuffer(self._memory, dtype=np.uint8).ctypes.data)
+        self._bytes = np.frombuffer(self._memory, dtype=np.uint8)
+        self._base = int(self._bytes.ctypes.data)
+        self._spare: list[np.ndarray] = []  # `LentMemory`'s aside memory, kept for the next save
+
+    def lend(self) -> LentMemory:
+        """The image as memory training goes on changing once taken back (its tensors hold
+        training state): the writer asks for it chunk by chunk (`LentMemory`)."""
+        return LentMemory(self._bytes[: self.size], self._spare)
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s memory is in this image."""
+        return 0 <= t.data_ptr() - self._base < self.size
 
     def records(self) -> memoryview:
         """The image's bytes: the file its records make (gaps included)."""
         return memoryview(self._memory)[: self.size]
 
-    def placement(self, tensors: Sequence[torch.Tensor]) -> list[Slot | None] | None:
+    def placement(self, tensors: Sequence[torch.Tensor]) -> list[Slot | None]:
         """For each of ``tensors`` (what DCP resolved this rank's planned tensors to), its slot if
-        it is one of this image's tensors, else None; None unless every slot is among them once
-        (then the image, written whole, holds their records and nothing planned for another rank)."""
-        if not self._at:
-            return None
+        it is one of this image's tensors (the first time it is met), else None."""
         found: list[Slot | None] = []
         used: set[int] = set()
         for t in tensors:
             i = self._at.get(t.data_ptr() - self._base)
-            slot = None if i is None else self.slots[i]
-            if slot is not None and (i in used or layout_of(t) != slot.layout):
+            slot = None if i is None or i in used else self.slots[i]
+            if slot is not None and layout_of(t) != slot.layout:
                 slot = None
-            if slot is not None:
-                used.add(self._at[slot.data])
+            if slot is not None and i is not None:
+                used.add(i)
             found.append(slot)
-        return found if len(used) == len(self._at) else None
+        return found
+
+    def covers(self, placed: Sequence[Slot | None]) -> bool:
+        """Whether ``placed`` (a `placement`) holds every slot of the image: the image written
+        whole then holds their records, and nothing planned for another rank."""
+        return bool(self._at) and sum(slot is not None for slot in placed) == len(self._at)

@@ -11,16 +11,21 @@ The copies of the tensors only an optimizer step changes (parameters and optimiz
 the next step's forward and backward passes, as `tiekit.fit`'s single-file saves do.
 
 The copies of the tensors this rank alone writes are made in a `ShardImage`: laid out as the
-shard file's records, which the writer then sends to the file from where they are.
+shard file's records, which the writer then sends to the file from where they are. The optimizer
+state among them may then move into its copies (``adopt``, as `tiekit.fit` does): training goes
+on in the image, and the next save writes that state from where it is, without a copy, the image
+lent to the writer until the next optimizer step takes it back (`LentMemory`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Container, Mapping
+from collections.abc import Callable, Container, Mapping
+from typing import Any
 
 import torch
 
-from tiekit.checkpoint.deferred import DeferredCopies, local_part
+from tiekit.backends.torch_distributed import is_dtensor
+from tiekit.checkpoint.deferred import DeferredCopies, into_image, local_part
 from tiekit.dcp.shard_image import ShardImage
 
 
@@ -35,11 +40,14 @@ def host_copies(
     tensors: Mapping[str, torch.Tensor],
     staging: Mapping[str, torch.Tensor] | None = None,
     defer: Container[int] | None = None,
+    adopt: Mapping[int, tuple[dict[Any, Any], Any]] | None = None,
 ) -> tuple[Staging, DeferredCopies | None]:
     """A host copy of every tensor of ``tensors``, made in ``staging``'s copy of the same name
     where its layout matches (a previous call's result whose write is finished), else in new
     memory (those this rank alone writes in a new `ShardImage`, all of them when one of them is
     new); and the copies not made here: those of host tensors whose storage is in ``defer``.
+    ``adopt`` (`optimizer_entries`): the deferred optimizer state tensors among them that are to
+    move into their copies in the image once those are made and checked (`DeferredCopies.settle`).
     Local."""
     previous = staging or {}
     sources = {name: local_part(value) for name, value in tensors.items()}
@@ -53,6 +61,8 @@ def host_copies(
     hosts = Staging()
     hosts.image = image if imaged else None
     later: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    moves: list[Callable[[], None]] = []
+    live = False  # state living in the image: the writer writes it while training may change it
     for name, value in tensors.items():
         source = sources[name]
         copy = copies[name]
@@ -61,10 +71,44 @@ def host_copies(
         target = local_part(copy)
         if defer is not None and source.device.type == "cpu" and source.untyped_storage().data_ptr() in defer:
             later.append((name, value, source, target))
+            if hosts.image is not None and hosts.image.holds(target):
+                live = live or source.data_ptr() == target.data_ptr()
+                held = None if adopt is None or source.data_ptr() == target.data_ptr() else adopt.get(id(value))
+                if held is not None:
+                    moves.append(_moved_into(held, value, copy))
         else:
             target.copy_(source)
         hosts[name] = copy
-    return hosts, DeferredCopies(later) if later else None
+    if not later:
+        return hosts, None
+    lent = hosts.image.lend() if hosts.image is not None and (live or moves) else None
+    return hosts, DeferredCopies(later, lent=lent, adopt=moves)
+
+
+def optimizer_entries(optimizer: torch.optim.Optimizer) -> dict[int, tuple[dict[Any, Any], Any]]:
+    """Each tensor of ``optimizer``'s per-parameter state (by ``id``), with the state dict and key
+    holding it: where `host_copies` may put its copy instead."""
+    return {
+        id(value): (per_param, key)
+        for per_param in optimizer.state.values()
+        for key, value in per_param.items()
+        if isinstance(value, torch.Tensor)
+    }
+
+
+def _moved_into(held: tuple[dict[Any, Any], Any], value: torch.Tensor, copy: torch.Tensor) -> Callable[[], None]:
+    """The move of optimizer state ``value`` into ``copy``: a plain tensor takes the copy's memory
+    (``.data``, as `into_image`); a DTensor, which ``.data`` does not re-point, is replaced by the
+    copy in its state dict, unless something replaced it there since."""
+    if not is_dtensor(value):
+        return into_image(value, copy)
+    state, key = held
+
+    def move() -> None:
+        if state.get(key) is value:
+            state[key] = copy
+
+    return move
 
 
 def _written_here_alone(value: torch.Tensor, source: torch.Tensor) -> bool:

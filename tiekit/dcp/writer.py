@@ -40,9 +40,11 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from tiekit.checkpoint.direct import DirectFile
-from tiekit.dcp.shard_image import ShardImage
+from tiekit.checkpoint.direct import LENT_CHUNK, DirectFile
+from tiekit.checkpoint.image import LentMemory
+from tiekit.dcp.shard_image import ShardImage, Slot
 from tiekit.dcp.torch_records import records_without_checksums, write_record
+from tiekit.errors import CheckpointError
 
 
 class DirectFileSystem(FileSystem):
@@ -70,14 +72,28 @@ class DurableWriter(FileSystemWriter):
 
     ``ready`` (optional) runs in DCP's local planning step, before this rank's plan is sent: it
     may wait (for the copies a background save makes beside training) or raise, and DCP then
-    fails the save on every rank alike, before any rank writes a byte or waits for this one."""
+    fails the save on every rank alike, before any rank writes a byte or waits for this one.
+    ``confirm`` (optional) runs once this rank's shard file is written and synced: it may wait (for
+    the training thread to check the copies written) or raise, failing the save on every rank
+    before any of them writes the metadata."""
 
-    def __init__(self, folder: Path, ready: Callable[[], None] | None = None, image: ShardImage | None = None) -> None:
-        """``image``: the `ShardImage` holding the host copies being written, if any."""
+    def __init__(
+        self,
+        folder: Path,
+        ready: Callable[[], None] | None = None,
+        image: ShardImage | None = None,
+        *,
+        lent: LentMemory | None = None,
+        confirm: Callable[[], None] | None = None,
+    ) -> None:
+        """``image``: the `ShardImage` holding the host copies being written, if any; ``lent``: that
+        image lent by training (`ShardImage.lend`), asked for chunk by chunk."""
         super().__init__(folder, sync_files=True)
         self.fs = DirectFileSystem()
         self._ready = ready
         self._image = image
+        self._lent = lent
+        self._confirm = confirm
 
     def prepare_local_plan(self, plan: Any) -> Any:
         if self._ready is not None:
@@ -95,7 +111,12 @@ class DurableWriter(FileSystemWriter):
             and getattr(self, "serialization_format", SerializationFormat.TORCH_SAVE) == SerializationFormat.TORCH_SAVE
             and not getattr(getattr(self, "transforms", None), "extensions", ())
         ):
-            return super().write_data(plan, planner)
+            if self._lent is not None:  # DCP's loop would write the tensors training changes meanwhile
+                raise CheckpointError(f"{self.path}: a lent image is written by DurableWriter's own loop only")
+            theirs = super().write_data(plan, planner)
+            if self._confirm is not None:
+                self._confirm()
+            return theirs
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
         results = []
 
@@ -106,35 +127,61 @@ class DurableWriter(FileSystemWriter):
         with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
             byte_items = [item for item in plan.items if item.type == WriteItemType.BYTE_IO]
             tensor_items = [item for item in plan.items if item.type != WriteItemType.BYTE_IO]
-            values: list[torch.Tensor | None] = [None] * len(tensor_items)
-            if self._image is not None:
-                resolved = [_host_tensor(planner.resolve_data(item)) for item in tensor_items]
-                values = list(resolved)
-                placed = self._image.placement(resolved)
-                if placed is not None:
-                    records = self._image.records()
-                    if isinstance(stream, DirectFile):
-                        stream.write_from(records)
-                    else:
-                        stream.write(records)
-                    for item, slot in zip(tensor_items, placed, strict=True):
+            slots: list[Slot | None] = [None] * len(tensor_items)
+            image, lent = self._image, self._lent
+            if image is not None:
+                slots = image.placement([_host_tensor(planner.resolve_data(item)) for item in tensor_items])
+                if image.covers(slots):
+                    _write_image(stream, image, lent)
+                    for item, slot in zip(tensor_items, slots, strict=True):
                         if slot is not None:
                             written(item, slot.start, slot.end - slot.start)
-                    left = [i for i, slot in enumerate(placed) if slot is None]
-                    tensor_items, values = [tensor_items[i] for i in left], [values[i] for i in left]
-            pairs: list[tuple[Any, torch.Tensor | None]] = [(item, None) for item in byte_items]
-            for item, value in pairs + list(zip(tensor_items, values, strict=True)):
-                offset = stream.tell()
-                if item.type == WriteItemType.BYTE_IO:
-                    stream.write(planner.resolve_data(item).getbuffer())
-                else:
-                    write_record(stream, _host_tensor(planner.resolve_data(item)) if value is None else value)
-                written(item, offset, stream.tell() - offset)
+                    kept = [i for i, slot in enumerate(slots) if slot is None]
+                    tensor_items, slots = [tensor_items[i] for i in kept], [None] * len(kept)
+            # What the image does not hold, and the image's records where it is not written whole:
+            # each from the image's memory (the lent memory, until the write is over).
+            records = None
+            if any(slots):
+                assert image is not None
+                records = image.records() if lent is None else lent.chunk(0, image.size)
+            try:
+                pairs: list[tuple[Any, Slot | None]] = [(item, None) for item in byte_items]
+                for item, slot in pairs + list(zip(tensor_items, slots, strict=True)):
+                    offset = stream.tell()
+                    if item.type == WriteItemType.BYTE_IO:
+                        stream.write(planner.resolve_data(item).getbuffer())
+                    elif slot is not None and records is not None:
+                        stream.write(records[slot.start : slot.end])
+                    else:
+                        write_record(stream, _host_tensor(planner.resolve_data(item)))
+                    written(item, offset, stream.tell() - offset)
+            finally:
+                if lent is not None:
+                    lent.close()  # the image is written (or failed): taking it back copies nothing
             if self.sync_files:
                 os.fsync(stream.fileno())
+        if self._confirm is not None:
+            self._confirm()
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
         return done
+
+
+def _write_image(stream: Any, image: ShardImage, lent: LentMemory | None) -> None:
+    """The image's records as the stream's first bytes: from where they are (`DirectFile`), else
+    through the stream, chunk by chunk from the lent memory."""
+    records = image.records()
+    if isinstance(stream, DirectFile):
+        stream.write_from(records, lent)
+    elif lent is None:
+        stream.write(records)
+    else:
+        for start in range(0, image.size, LENT_CHUNK):
+            end = min(start + LENT_CHUNK, image.size)
+            try:
+                stream.write(lent.chunk(start, end))
+            finally:
+                lent.written(end)
 
 
 def _host_tensor(data: torch.Tensor) -> torch.Tensor:

@@ -229,9 +229,10 @@ class Coordinator:
         blocking = not cfg.checkpoint_async
         if backend.sharded_checkpoints:
             sharded = state.sharded_contents(model, optimizer, at, self.training_run(backend), backend.device)
-            # As below: the parameters and optimizer state are copied beside the next step.
+            # As below: the parameters and optimizer state are copied beside the next step, and
+            # the optimizer state then moves into the copy (this rank's shard file image).
             self.pending, self.sharded_staging, self.copying = save_sharded_staged(
-                path=path, blocking=blocking, staging=self.sharded_staging, defer=True, **sharded
+                path=path, blocking=blocking, staging=self.sharded_staging, defer=True, adopt=True, **sharded
             )
         else:
             contents = state.contents(model, optimizer, at, self.training_run(backend), backend.device)
