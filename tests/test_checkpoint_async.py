@@ -13,14 +13,14 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from held_writers import writer_held
 from models import WeightSharingModule, filled
 from safetensors import safe_open
 from torch import nn
@@ -30,19 +30,6 @@ import tiekit
 from tiekit.checkpoint.saving import _background
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
-
-
-@contextmanager
-def writer_held(kind: str = "file") -> Iterator[None]:
-    """The background writer of single-file (or sharded) saves busy until the block ends."""
-    from tiekit.dcp.saving import _background_writer
-
-    release = threading.Event()
-    (_background() if kind == "file" else _background_writer()).submit(release.wait, 60)
-    try:
-        yield
-    finally:
-        release.set()
 
 
 def trained(make: Callable[[], Any] = WeightSharingModule) -> tuple[Any, torch.optim.Optimizer]:

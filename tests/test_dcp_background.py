@@ -6,28 +6,16 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from held_writers import writer_held
 from models import WeightSharingModule, filled
 
 import tiekit
 from tiekit.dcp import MARKER_NAME
 from tiekit.dcp.layout import committed_save_id
 from tiekit.dcp.saving import _background_writer
-
-
-@contextmanager
-def writer_held() -> Iterator[None]:
-    """Background saves made inside stay queued until the block ends."""
-    release = threading.Event()
-    _background_writer().submit(release.wait, 60)
-    try:
-        yield
-    finally:
-        release.set()
 
 
 def test_a_save_through_a_symlink_waits_for_the_pending_save_into_the_same_folder(tmp_path: Path) -> None:
@@ -51,7 +39,7 @@ def test_a_marker_removed_while_a_background_save_writes_does_not_fail_the_save(
     """It failed with "save None was committed into this folder by another writer ... (save None
     stays the checkpoint)" and removed the new save: the folder held no checkpoint at all."""
     tiekit.save_sharded(filled(1.0), tmp_path / "ck")
-    with writer_held():
+    with writer_held("sharded"):
         handle = tiekit.save_sharded(filled(2.0), tmp_path / "ck", blocking=False)
         os.remove(tmp_path / "ck" / MARKER_NAME)  # a cleanup job, a user clearing the old checkpoint
     handle.wait(60)

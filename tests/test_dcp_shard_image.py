@@ -5,16 +5,15 @@ image the plan does not wholly cover is written record by record, as DCP's own w
 
 from __future__ import annotations
 
-import contextlib
 import io
 import itertools
 import pickle
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from held_writers import writer_held
 from models import assert_sharded_round_trip
 from torch import nn
 
@@ -159,7 +158,7 @@ def test_fits_background_saves_train_the_optimizer_state_in_the_image_and_write_
     staging = None
     for step in (1, 2):
         expected = state_of(model, optimizer)
-        with held_writer():  # the writer starts once its first chunk can be held
+        with writer_held("sharded"):  # the writer starts once its first chunk can be held
             handle, staged, copies = save_sharded_staged(
                 model, tmp_path / "ck", optimizer=optimizer, blocking=False, staging=staging, defer=True, adopt=True
             )
@@ -185,19 +184,6 @@ def test_fits_background_saves_train_the_optimizer_state_in_the_image_and_write_
         assert [k for k, v in expected.items() if not torch.equal(got[k], v)] == [], step
         staging = staged
     assert model.head.weight is model.embed.weight
-
-
-@contextlib.contextmanager
-def held_writer() -> Iterator[None]:
-    """The background writer of sharded saves busy until the block ends."""
-    from tiekit.dcp.saving import _background_writer
-
-    release = threading.Event()
-    _background_writer().submit(release.wait, 60)
-    try:
-        yield
-    finally:
-        release.set()
 
 
 _resume: dict[int, threading.Event] = {}
