@@ -100,6 +100,28 @@ def test_an_image_the_plan_does_not_wholly_cover_is_written_as_dcp_writes(tmp_pa
     assert records(tmp_path / "ours") == records(tmp_path / "dcp")
 
 
+def test_a_lent_image_the_plan_does_not_wholly_cover_is_written_from_its_memory(tmp_path: Path) -> None:
+    """As above, the image lent (its tensors are training state): each of its records is written
+    from the lent memory, and the file is still DCP's own; taking the image back afterwards
+    copies nothing (the writer gave it back when done)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    model, _ = trained()
+    tensors = {name: p.detach() for name, p in model.named_parameters()} | {"elsewhere": torch.randn(5)}
+    hosts, _ = host_copies(tensors)
+    assert hosts.image is not None
+    del hosts["elsewhere"]
+    lent = hosts.image.lend()
+    writer = DurableWriter(tmp_path / "ours", image=hosts.image, lent=lent)
+    dcp.save(dict(hosts), storage_writer=writer, no_dist=True)
+    lent.take_back()
+    assert lent.copied == 0
+    with records_without_checksums():
+        dcp.save(dict(hosts), storage_writer=FileSystemWriter(tmp_path / "dcp", sync_files=True), no_dist=True)
+    assert (tmp_path / "ours" / "__0_0.distcp").read_bytes() == (tmp_path / "dcp" / "__0_0.distcp").read_bytes()
+
+
 def test_staged_copies_reuse_their_image_until_a_layout_changes() -> None:
     model, _ = trained()
     tensors = {name: p.detach() for name, p in model.named_parameters()}
