@@ -179,3 +179,25 @@ def test_a_tensor_source_failing_while_it_is_written_is_named_not_the_destinatio
         else:
             stream.write_dcp(tmp_path / "out", specs, read)
     assert not (tmp_path / "out.safetensors").exists()
+
+
+@pytest.mark.parametrize("destination", ["safetensors", "dcp"])
+def test_an_io_error_reading_the_source_that_names_no_file_names_the_source(tmp_path: Path, destination: str) -> None:
+    """An I/O error with no file name (EIO reading a mapped file; injected here at the source's
+    read) said "the source: cannot read the tensor to write", naming nothing."""
+    import errno
+
+    source_path = tmp_path / "src"
+    specs = [("a", (2,), torch.float32)]
+
+    def failing(keys: list[str]) -> dict[str, torch.Tensor]:
+        raise OSError(errno.EIO, "Input/output error")
+
+    source = converting._Reader(str(source_path), specs, None, failing)
+    said = f"^{re.escape(str(source_path))}: cannot read the tensor to write: Input/output error"
+    with pytest.raises(tiekit.CheckpointError, match=said):
+        if destination == "safetensors":
+            converting._to_safetensors(source, specs, None, {}, tmp_path / "out.safetensors", None)
+        else:
+            converting._to_dcp(source, specs, None, {}, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

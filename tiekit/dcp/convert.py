@@ -94,8 +94,18 @@ class _Reader:
         self.where = where
         self.specs = specs
         self.plan = plan
-        self.read = read
+        self._read = read
         self.left_out = left_out
+
+    def read(self, keys: list[str]) -> dict:
+        """The tensors of ``keys``. An `OSError` that names no file (an I/O error reading a mapped
+        or open file) is raised naming the source, so that the error says what could not be read."""
+        try:
+            return self._read(keys)
+        except OSError as exc:
+            if exc.filename is not None:
+                raise
+            raise OSError(exc.errno, exc.strerror or str(exc), self.where) from exc
 
 
 def convert(
