@@ -137,7 +137,8 @@ class DeferredCopies:
             self._problem = (
                 f"{changed[0]!r}{more} was written in place after the save was made and before the next "
                 "optimizer step (by the forward or backward pass?), so its copy may mix old and new values; "
-                "nothing was written. Save with the copy made in the step (fit: checkpoint_async=False)"
+                "the save is not committed (what it wrote is removed). Save with the copy made in the step "
+                "(fit: checkpoint_async=False)"
             )
         if self.lent is not None and not then_wait:
             self.lent.take_back()  # the step may change the image now: the writer has the rest aside
