@@ -173,7 +173,7 @@ def test_fits_background_saves_train_the_optimizer_state_in_the_image_and_write_
     from the image lent to its writer. Held after its first chunk, the writer goes on from what
     ``settle`` took aside for it, while the optimizer step changes the image: each checkpoint
     holds the values of its call (the live state has moved on, so a write from the image would not)."""
-    from tiekit.checkpoint.direct import LENT_CHUNK
+    from tiekit.checkpoint.image import LENT_CHUNK
     from tiekit.dcp.saving import save_sharded_staged
 
     model, optimizer = trained(4000)  # 1 MB a tensor: the image is written in several chunks
@@ -214,7 +214,7 @@ _resume: dict[int, threading.Event] = {}
 def pause_after_first_chunk(lent: Any) -> threading.Event:
     """An event set when ``lent``'s writer has written its first chunk; the writer then waits for
     `resume_writer`."""
-    from tiekit.checkpoint.direct import LENT_CHUNK
+    from tiekit.checkpoint.image import LENT_CHUNK
 
     reached, go_on = threading.Event(), threading.Event()
     _resume[id(lent)] = go_on

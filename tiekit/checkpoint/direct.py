@@ -36,8 +36,6 @@ if TYPE_CHECKING:
 
 BLOCK = 4096  # O_DIRECT wants buffer, offset and length aligned to the device's block (512 or 4096)
 CHUNK = 8 << 20  # bytes per write
-# Bytes per write from a lent image (`LentMemory`): the training step taking it back waits for one.
-LENT_CHUNK = 2 << 20
 _MAX_WRITE = 1 << 30  # Linux writes at most 2 GiB - 4 KiB per call
 _SMALL_WRITE = 4096  # pieces below this are copied holding the GIL (cheaper per call than numpy)
 
@@ -205,24 +203,15 @@ class DirectFile(io.RawIOBase):
             raise ValueError(f"{self.path}: write_from writes a file's first bytes; {self.tell()} are written")
         size = len(memory)
         whole = size // BLOCK * BLOCK
-        step = CHUNK if lent is None else LENT_CHUNK  # the buffer's pieces; a lent image's smaller
-        for start in range(0, whole, step):
-            end = min(start + step, whole)
-            if lent is None:
-                write_all(self._fd, memory[start:end], start)
-                continue
-            try:
-                write_all(self._fd, lent.chunk(start, end), start)
-            finally:
-                lent.written(end)
-        self._base = whole
         if lent is None:
+            for start in range(0, whole, CHUNK):  # in the pieces the buffer would have written
+                write_all(self._fd, memory[start : min(start + CHUNK, whole)], start)
+            self._base = whole
             self.write(memory[whole:])
             return
-        try:
-            self.write(lent.chunk(whole, size))
-        finally:
-            lent.written(size)
+        lent.write_to(lambda piece, at: write_all(self._fd, piece, at), 0, whole)
+        self._base = whole
+        lent.write_to(lambda piece, _: self.write(piece), whole, size)  # the last partial block
 
     def tell(self) -> int:
         return self._base + self._filled

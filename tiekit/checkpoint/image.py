@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from tiekit.checkpoint.direct import LENT_CHUNK, aligned, open_new, ordered, round_up, safetensors_header, write_all
+from tiekit.checkpoint.direct import aligned, open_new, ordered, round_up, safetensors_header, write_all
 
+# Bytes per write from a lent image: the training step taking it back waits for one such write.
+LENT_CHUNK = 2 << 20
 # Room a FileImage leaves its header to grow by between saves (the step's digits, RNG states).
 _HEADER_SLACK = 1024
 
@@ -93,12 +95,7 @@ def write_image(image: FileImage, path: Path, *, direct: bool = True, lent: Lent
         if lent is None:
             write_all(fd, memory.data[:length], 0)
         else:
-            for start in range(0, length, LENT_CHUNK):
-                end = min(start + LENT_CHUNK, length)
-                try:
-                    write_all(fd, lent.chunk(start, end), start)
-                finally:
-                    lent.written(end)
+            lent.write_to(lambda piece, at: write_all(fd, piece, at), 0, length)
         if length != size:
             os.ftruncate(fd, size)  # the last block's padding is not part of the file
     finally:
@@ -137,6 +134,16 @@ class LentMemory:
                 self._busy = True
                 return self._memory.data[start:end]
             return self._aside.data[start - self._moved : end - self._moved]
+
+    def write_to(self, write: Callable[[memoryview, int], object], start: int, end: int) -> None:
+        """Writing thread: bytes ``start:end`` of the image through ``write(piece, offset)``, in
+        pieces of `LENT_CHUNK`, each asked for (`chunk`) and given back (`written`) in turn."""
+        for at in range(start, end, LENT_CHUNK):
+            stop = min(at + LENT_CHUNK, end)
+            try:
+                write(self.chunk(at, stop), at)
+            finally:
+                self.written(stop)
 
     def written(self, end: int) -> None:
         """Writing thread: the chunk asked for is written (or failed); the image's bytes up to ``end``

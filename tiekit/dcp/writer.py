@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from tiekit.checkpoint.direct import LENT_CHUNK, DirectFile
+from tiekit.checkpoint.direct import DirectFile
 from tiekit.checkpoint.image import LentMemory
 from tiekit.dcp.shard_image import ShardImage, Slot
 from tiekit.dcp.torch_records import records_without_checksums, write_record
@@ -128,16 +128,19 @@ class DurableWriter(FileSystemWriter):
             byte_items = [item for item in plan.items if item.type == WriteItemType.BYTE_IO]
             tensor_items = [item for item in plan.items if item.type != WriteItemType.BYTE_IO]
             slots: list[Slot | None] = [None] * len(tensor_items)
+            values: list[torch.Tensor | None] = [None] * len(tensor_items)
             image, lent = self._image, self._lent
             if image is not None:
-                slots = image.placement([_host_tensor(planner.resolve_data(item)) for item in tensor_items])
+                resolved = [_host_tensor(planner.resolve_data(item)) for item in tensor_items]
+                values, slots = list(resolved), image.placement(resolved)
                 if image.covers(slots):
                     _write_image(stream, image, lent)
                     for item, slot in zip(tensor_items, slots, strict=True):
                         if slot is not None:
                             written(item, slot.start, slot.end - slot.start)
                     kept = [i for i, slot in enumerate(slots) if slot is None]
-                    tensor_items, slots = [tensor_items[i] for i in kept], [None] * len(kept)
+                    tensor_items, values = [tensor_items[i] for i in kept], [values[i] for i in kept]
+                    slots = [None] * len(kept)
             # What the image does not hold, and the image's records where it is not written whole:
             # each from the image's memory (the lent memory, until the write is over).
             records = None
@@ -145,15 +148,16 @@ class DurableWriter(FileSystemWriter):
                 assert image is not None
                 records = image.records() if lent is None else lent.chunk(0, image.size)
             try:
-                pairs: list[tuple[Any, Slot | None]] = [(item, None) for item in byte_items]
-                for item, slot in pairs + list(zip(tensor_items, slots, strict=True)):
+                for item in byte_items:
                     offset = stream.tell()
-                    if item.type == WriteItemType.BYTE_IO:
-                        stream.write(planner.resolve_data(item).getbuffer())
-                    elif slot is not None and records is not None:
+                    stream.write(planner.resolve_data(item).getbuffer())
+                    written(item, offset, stream.tell() - offset)
+                for item, slot, value in zip(tensor_items, slots, values, strict=True):
+                    offset = stream.tell()
+                    if slot is not None and records is not None:
                         stream.write(records[slot.start : slot.end])
                     else:
-                        write_record(stream, _host_tensor(planner.resolve_data(item)))
+                        write_record(stream, _host_tensor(planner.resolve_data(item)) if value is None else value)
                     written(item, offset, stream.tell() - offset)
             finally:
                 if lent is not None:
@@ -176,12 +180,7 @@ def _write_image(stream: Any, image: ShardImage, lent: LentMemory | None) -> Non
     elif lent is None:
         stream.write(records)
     else:
-        for start in range(0, image.size, LENT_CHUNK):
-            end = min(start + LENT_CHUNK, image.size)
-            try:
-                stream.write(lent.chunk(start, end))
-            finally:
-                lent.written(end)
+        lent.write_to(lambda piece, _: stream.write(piece), 0, image.size)
 
 
 def _host_tensor(data: torch.Tensor) -> torch.Tensor:
