@@ -506,7 +506,47 @@ def load_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
         found["reloaded_difference"] = compare(full_state(fresh), saved)
         return found
 
+    def damaged() -> dict[str, Any]:
+        """A copy of the 2-rank checkpoint whose last model record in rank 1's shard file is damaged
+        in place: only the rank reading it finds it, and every rank refuses the load, naming the
+        file and key, its weights as they were (DCP would have loaded the records before it)."""
+        import shutil
+
+        folder = OUT / "damaged"
+        if RANK == 0:
+            shutil.copytree(OUT / "fsdp", folder)
+            (save,) = folder.glob("save-*")
+            storage = FileSystemReader(save).read_metadata().storage_data
+            records = [
+                (where.offset, where.length, index.fqn)
+                for index, where in storage.items()
+                if where.relative_path == "__1_0.distcp" and not index.fqn.startswith(("optimizer/", "extra/"))
+            ]
+            offset, length, key = max(records)
+            shard = save / "__1_0.distcp"
+            data = bytearray(shard.read_bytes())
+            data[offset + length - 80 : offset + length - 16] = bytes(64)  # inside its zip directory
+            shard.write_bytes(bytes(data))
+            (OUT / "damaged-key").write_text(key)
+        dist.barrier()
+        model = fsdp_model(seed=7)
+        before = full_state(model)
+        try:
+            tiekit.load_sharded(model, folder)
+            refused = None
+        except tiekit.CheckpointError as exc:
+            refused = str(exc)
+        after = full_state(model)
+        return {
+            "refused": refused,
+            "key": (OUT / "damaged-key").read_text(),
+            "changed": [k for k, v in before.items() if not torch.equal(v, after[k])],
+            "tied": model.head.weight is model.embed.weight,
+        }
+
     scenarios = [("fsdp", fsdp), ("ddp", ddp), ("async", asynchronous)]
+    if WORLD == 2:
+        scenarios.append(("damaged", damaged))
     if WORLD == 1:
         scenarios.append(("meta", meta))
     if WORLD == 4:

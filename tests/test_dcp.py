@@ -60,6 +60,18 @@ def test_one_copy_per_tie_group_on_disk_and_plain_dcp_writes_both_names(runs: di
 # -- resharding: saved by 2 ranks, loaded on 1, 2, 4 -------------------------------------------------
 
 
+def test_a_record_damaged_in_one_ranks_part_refuses_the_load_on_every_rank_untouched(runs: dict[str, Any]) -> None:
+    """Loading on 2 ranks, only rank 1 reads the damaged record (the last of the model's in its
+    shard file): its check finds it before DCP reads anything into the model, and every rank
+    raises, naming the file and the key; no rank's weights changed (the FSDP2 shards gathered)."""
+    for rank, found in enumerate(runs["load-2"]):
+        run = found["damaged"]
+        assert run["refused"] is not None, run
+        assert "__1_0.distcp: key " + repr(run["key"]) in run["refused"], run
+        assert "is damaged" in run["refused"] and "the model is untouched" in run["refused"], run
+        assert run["changed"] == [] and run["tied"], (rank, run)
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_two_rank_checkpoint_loads_on_any_world_size(runs: dict[str, Any], world: int) -> None:
     for found in runs[f"load-{world}"]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import json
 import re
 import resource
@@ -90,6 +91,32 @@ def test_a_shard_whose_records_are_corrupt_is_named_in_a_checkpoint_error(saved:
     refused(saved, r"__0_0\.distcp: key 'optimizer/state/embed\.weight/step' \(bytes 9\d+ to \d+\) is damaged")
 
 
+def record_of(path: Path, key: str) -> tuple[Path, int, int]:
+    """The shard file holding ``key``'s one record, its offset and length."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    folder = save_folder(path)
+    storage = FileSystemReader(folder).read_metadata().storage_data
+    (where,) = [where for index, where in storage.items() if index.fqn == key]
+    return folder / where.relative_path, where.offset, where.length
+
+
+def zero_data_header(path: Path, key: str) -> Path:
+    """Zero the signature of the zip local header in front of ``key``'s tensor bytes in its record
+    (the header ``torch.load`` reads before the bytes), the file's size unchanged; the shard file."""
+    import zipfile
+
+    shard, offset, length = record_of(path, key)
+    data = bytearray(shard.read_bytes())
+    with zipfile.ZipFile(io.BytesIO(bytes(data[offset : offset + length]))) as archive:
+        (entry,) = [info for info in archive.infolist() if "/data/" in info.filename]
+    start = offset + entry.header_offset
+    assert data[start : start + 4] == b"PK\x03\x04"
+    data[start : start + 4] = bytes(4)
+    shard.write_bytes(bytes(data))
+    return shard
+
+
 def zero_inside_record(path: Path, key: str) -> Path:
     """Zero 64 bytes near the end of ``key``'s record (its zip directory) in its shard file, the
     file's size unchanged; the shard file."""
@@ -106,17 +133,76 @@ def zero_inside_record(path: Path, key: str) -> Path:
     return shard
 
 
-@pytest.mark.parametrize("key", ["embed.weight", "optimizer/state/embed.weight/exp_avg"])
-def test_a_damaged_record_is_named_by_its_shard_file_and_key(saved: Path, key: str) -> None:
-    """Bytes zeroed inside one record, the file's size unchanged: DCP's reader fails naming neither
-    (``PytorchStreamReader failed reading zip archive``); tiekit reads each record of the keys
-    being read until one fails, and names its file and key, with DCP's error as the cause."""
+def test_a_damaged_optimizer_record_is_named_by_its_shard_file_and_key(saved: Path) -> None:
+    """Bytes zeroed inside one record of the optimizer's state, the file's size unchanged: DCP's
+    reader (into new tensors) fails naming neither (``PytorchStreamReader failed reading zip
+    archive``); tiekit reads each record of the keys being read until one fails, and names its
+    file and key, with DCP's error as the cause."""
+    key = "optimizer/state/embed.weight/exp_avg"
     shard = zero_inside_record(saved, key)
     refused(saved, rf"{shard.parent.name}/__0_0\.distcp: key {re.escape(repr(key))} \(bytes \d+ to \d+\) is damaged")
     with pytest.raises(tiekit.CheckpointError) as raised:
         model = Tied()
         tiekit.load_sharded(model, saved, optimizer=torch.optim.AdamW(model.parameters()))
     assert "DCP could not read its shard files" in str(raised.value.__cause__)  # DCP's own error, kept
+
+
+@pytest.mark.parametrize("key", ["embed.weight", "mlp.weight", "mlp.bias"])
+@pytest.mark.parametrize("where", ["directory", "data header"])
+def test_a_damaged_model_record_is_found_before_any_weight_is_read(saved: Path, key: str, where: str) -> None:
+    """A record of the model's weights damaged in place (its zip directory, or the local header in
+    front of its tensor's bytes, which ``torch.load`` reads first), whichever record it is: the
+    load names the file and key and leaves every weight as it was. DCP reads record after record
+    into the model's own tensors, so without the check before it a damaged later record left the
+    earlier ones loaded (the test below shows DCP doing so)."""
+    shard = zero_inside_record(saved, key) if where == "directory" else zero_data_header(saved, key)
+    refused(
+        saved,
+        rf"{shard.parent.name}/__0_0\.distcp: key {re.escape(repr(key))} \(bytes \d+ to \d+\) is damaged, its "
+        r"record does not read \(.+\); the model is untouched",
+    )
+
+
+def test_the_record_check_without_skip_data_reads_fake_tensors(saved: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a torch without ``torch.serialization.skip_data`` (before 2.5) the check reads each
+    record under ``FakeTensorMode``: a good checkpoint loads, a damaged record is still refused."""
+    monkeypatch.delattr(torch.serialization, "skip_data")
+    model = Tied()
+    tiekit.load_sharded(model, saved)
+    assert model.head.weight is model.embed.weight
+    zero_data_header(saved, "mlp.weight")
+    refused(saved, r"key 'mlp\.weight' \(bytes \d+ to \d+\) is damaged, its record does not read")
+
+
+def test_an_io_error_in_the_record_check_names_the_file_not_damage(
+    saved: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read that fails in the check (EIO, injected at the shard file's read) is the file's
+    failure, not a damaged record: the error says so, the model untouched."""
+    import errno
+
+    from tiekit.dcp import chunks
+
+    def failing(self: object, buffer: object) -> int:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(chunks.FileSlice, "readinto", failing)
+    refused(saved, r"__0_0\.distcp: unreadable \(Input/output error\) at key '[\w.]+'; the model is untouched")
+
+
+def test_dcp_alone_leaves_the_records_before_a_damaged_one_loaded(saved: Path) -> None:
+    """The control: DCP's own load of the same damage (a later record's zip directory) fails after it
+    copied the earlier records into the model."""
+    from torch.distributed.checkpoint import FileSystemReader, load
+
+    zero_inside_record(saved, "mlp.weight")
+    torch.manual_seed(1)
+    model = Tied()
+    before = model.embed.weight.detach().clone()
+    state = {"embed.weight": model.embed.weight.detach(), "mlp.weight": model.mlp.weight.detach()}
+    with pytest.raises(BaseException, match="zip archive"):  # DCP's CheckpointException is one
+        load(state, storage_reader=FileSystemReader(save_folder(saved)), no_dist=True)
+    assert not torch.equal(model.embed.weight, before)  # the record before the damaged one: loaded
 
 
 def test_a_shard_file_gone_after_the_checks_is_named_gone_not_damaged(saved: Path) -> None:

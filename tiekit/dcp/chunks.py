@@ -62,7 +62,7 @@ def row_chunks(metadata: Any) -> Rows:
     return out
 
 
-class _Slice(io.RawIOBase):
+class FileSlice(io.RawIOBase):
     """Bytes ``[offset, offset + length)`` of an open file, as a seekable file of its own."""
 
     def __init__(self, file: io.BufferedReader, offset: int, length: int) -> None:
@@ -124,7 +124,9 @@ def _load_record(
     if name not in files:
         files[name] = _open_shard(path, key)
     try:
-        tensor = torch.load(cast(IO[bytes], _Slice(files[name], offset, length)), map_location="cpu", weights_only=True)
+        tensor = torch.load(
+            cast(IO[bytes], FileSlice(files[name], offset, length)), map_location="cpu", weights_only=True
+        )
     except Exception as exc:
         raise CheckpointError(f"{path}: key {key!r} at byte {offset}: unreadable ({exc})") from exc
     if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape or tensor.dtype != dtype:

@@ -31,6 +31,7 @@ from tiekit.checkpoint.staging import Staged, stage
 from tiekit.checkpoint.streaming import STAGING_BYTES, RowPart, stream_rows_in_place
 from tiekit.collective import collective_gather, ranks
 from tiekit.dcp.chunks import Located, locate_rows, row_chunks
+from tiekit.dcp.damage import Region, damaged_structure
 from tiekit.dcp.layout import Marker, committed_save_id, read_marker
 from tiekit.dcp.records import as_source, dcp_load, save_metadata
 from tiekit.dcp.saving import _distributed, _raise_anywhere, process_group_needed, refuse_different_folders
@@ -82,8 +83,9 @@ def load_sharded(
     Any number of ranks can load what any number saved (DCP reshards: a DTensor gets this rank's
     rows, a plain tensor the whole value), and a single process needs no process group. Ties are
     restored from the checkpoint's plan; the optimizer gets its state back by parameter name.
-    Everything is validated before the model changes: a missing or truncated shard file, DCP
-    metadata of another save, keys, shapes or a plan that does not fit the model raise
+    Everything is validated before the model changes: a missing or truncated shard file, a record
+    damaged in place (its zip directory, pickle or data header), DCP metadata of another save,
+    keys, shapes or a plan that does not fit the model raise
     `CheckpointError` naming the file and key, on every rank, with the model untouched (an I/O
     error in the middle of reading into the model's own memory is the one exception).
 
@@ -193,6 +195,13 @@ def _read(inner: nn.Module, root: Path, optimizer: torch.optim.Optimizer | None,
         targets, fresh = _model_destinations(inner, staged, source)
         spmd = xla_spmd(targets.values())
         streamed, identities = ({}, {}) if spmd else _device_rows(targets, marker.folder, metadata)
+        # DCP reads record after record into the model's own tensors: a damaged one must be found
+        # before the first, or the records before it would stay loaded.
+        new = {id(tensor) for tensor in fresh.values()}
+        in_place = {key: _read_regions(t) for key, t in targets.items() if key not in streamed and id(t) not in new}
+        damaged = damaged_structure(marker.folder, metadata, in_place)
+        if damaged is not None:
+            raise damaged
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         error = exc
     _raise_anywhere(error, f"{root}: load")
@@ -211,6 +220,14 @@ def _read(inner: nn.Module, root: Path, optimizer: torch.optim.Optimizer | None,
         error = exc
     _raise_anywhere(error, f"{root}: load")  # what one rank streams, others may not: all learn of a failure
     return _Read(marker, staged, fresh, extra, restore)
+
+
+def _read_regions(tensor: torch.Tensor) -> list[Region] | None:
+    """The regions of ``tensor`` this rank reads: a DTensor's local shard (DCP's chunk protocol,
+    ``__create_chunk_list__``), else the whole tensor (None)."""
+    if type(tensor).__name__ != "DTensor":
+        return None
+    return [(tuple(c.offsets), tuple(c.sizes)) for c in tensor.__create_chunk_list__()]  # type: ignore[attr-defined]
 
 
 def _collective_replaced(root: Path, reading: list[str | None]) -> bool:
