@@ -109,26 +109,6 @@ class DeferredCopies:
         if not self._watched and lent is None and not self._adopt:
             self._settled.set()
         self._problem: str | None = None
-        self._released = threading.Event()
-        self._released.set()  # not held unless `hold` says so
-
-    def hold(self) -> None:
-        """Training thread, before the writer starts: keep the writer from starting (`held`) until
-        `release`, `settle`, or the end of this thread."""
-        self._released.clear()
-
-    def release(self) -> None:
-        """Training thread: the writer may start (fit: as the next backward pass begins, which runs
-        in torch's engine with the GIL free, so the writer's Python does not take turns with the
-        forward pass's)."""
-        self._released.set()
-
-    def held(self) -> None:
-        """Writing thread: return once `release`d (at once if never held), or once the thread that
-        made the save has ended without releasing it."""
-        while not self._released.wait(_OWNER_POLL_SECONDS):
-            if not self._owner.is_alive():
-                return
 
     def copy(self) -> None:
         """Writing thread: copy every source into its destination (torch's copy releases the GIL)."""
@@ -148,7 +128,6 @@ class DeferredCopies:
         wait until they are copied, and check that none was written since the save was made.
         Returns at once when already settled. ``then_wait``: the caller waits for the write next
         and changes nothing meanwhile, so a lent image stays with the writer (nothing copied aside)."""
-        self.release()  # the copies are needed now: a held writer starts
         if self._settled.is_set():
             return
         self._copied.wait()

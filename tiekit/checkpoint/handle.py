@@ -37,18 +37,11 @@ class SaveHandle:
     """
 
     def __init__(
-        self,
-        path: Path,
-        save_id: str,
-        future: Future[Any] | None,
-        then: Callable[[], None] | None = None,
-        release: Callable[[], None] | None = None,
+        self, path: Path, save_id: str, future: Future[Any] | None, then: Callable[[], None] | None = None
     ) -> None:
         """``then`` runs on the writing thread once ``future`` succeeded (the commit); a failure of
-        either is kept for `wait`. Without ``future`` the save is finished. ``release``: lets a
-        write held back start (`DeferredCopies.release`); `join` and `wait` call it first."""
+        either is kept for `wait`. Without ``future`` the save is finished."""
         self.path = path
-        self._release = release
         self.save_id = save_id
         self._finished = threading.Event()
         self._error: BaseException | None = None
@@ -75,7 +68,6 @@ class SaveHandle:
                 _unseen[self._serial] = str(self._failure())
         finally:
             self._then = None  # it may hold the staged copies, which may be large: drop them once written
-            self._release = None
             with self._watchers_lock:  # each watcher runs once: here, or in `_when_finished`
                 self._finished.set()
                 watchers, self._watchers = self._watchers, []
@@ -97,15 +89,11 @@ class SaveHandle:
     def join(self) -> None:
         """Block until the save finished, successfully or not; its failure stays for `wait` to
         raise. Local."""
-        if self._release is not None:
-            self._release()
         self._finished.wait()
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the save finished; `CheckpointError` if it failed or ``timeout`` seconds passed.
         Local: waits for this rank's own writing (and rank 0's commit on rank 0)."""
-        if self._release is not None:
-            self._release()
         if not self._finished.wait(timeout):
             raise CheckpointError(f"{self.path}: {self._what} not finished within {timeout} s")
         if self._error is not None:

@@ -121,7 +121,6 @@ def save_checkpoint_reusing(
     staging: FileImage | None = None,
     defer: bool = False,
     adopt: bool = False,
-    hold: bool = False,
 ) -> tuple[SaveHandle, FileImage | None, DeferredCopies | None]:
     """`save_checkpoint`, the `FileImage` a background save copied the state into (None when it
     did not need one), and the copies it left to its writer. With ``blocking=False``, ``staging``
@@ -140,10 +139,7 @@ def save_checkpoint_reusing(
     written from where they live, not copied: that save's ``settle()`` waits for the chunk being
     written and copies only the bytes not yet written aside. The model's parameters then live
     in the returned image until moved again. A later blocking save of the same file waits for
-    this one, whose writer waits for ``settle()``: settle before it. ``hold``: the writing
-    thread starts only at the copies' ``release()`` (or ``settle()``, the handle's
-    ``wait()``/``join()``, or the end of the calling thread); fit releases it as the next backward
-    pass begins. Local."""
+    this one, whose writer waits for ``settle()``: settle before it. Local."""
     target, state, header = stage_training_checkpoint(path, model=model, optimizer=optimizer, step=step, extra=extra)
     if blocking:
         after_earlier_saves(target, stacklevel=3)  # 3: the caller of save_checkpoint
@@ -153,12 +149,9 @@ def save_checkpoint_reusing(
     deferred = deferrable_storages(model, optimizer) if defer else {}
     image, copies = _background_copies(target, state, header, staging, deferred, adopt and defer)
     lent = copies.lent
-    if hold:
-        copies.hold()
 
     def write() -> None:
         try:
-            copies.held()
             copies.copy()
             write_single(target, image, header, durable, functools.partial(copies.confirmed, target), lent)
         finally:
@@ -166,7 +159,7 @@ def save_checkpoint_reusing(
                 lent.close()
 
     future = _background().submit(write)
-    handle = SaveHandle(target, "", future, release=copies.release)
+    handle = SaveHandle(target, "", future)
     register_pending(target, handle, key)
     return handle, image if isinstance(image, FileImage) else None, copies
 

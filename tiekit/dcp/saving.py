@@ -78,7 +78,6 @@ def save_sharded_staged(
     staging: Mapping[str, torch.Tensor] | None = None,
     defer: bool = False,
     adopt: bool = False,
-    hold: bool = False,
 ) -> tuple[SaveHandle, dict[str, torch.Tensor], DeferredCopies | None]:
     """Collective: `save_sharded`, the host copies a background save writes, and the copies it
     left to its writer.
@@ -91,10 +90,7 @@ def save_sharded_staged(
     committed, and its files are removed (`tiekit.checkpoint.deferred`). ``adopt`` (with
     ``defer``): ``settle()`` also moves the optimizer's state into its copies, in this rank's
     `ShardImage` (a plain tensor by ``.data``, a DTensor replaced in ``optimizer.state``), so that
-    saves with the returned staging write it from there without a copy. ``hold`` (with ``defer``):
-    the writing thread starts only at the copies' ``release()`` (or ``settle()``, or the handle's
-    ``wait()``/``join()``, or the end of the calling thread): fit releases it as the next
-    backward pass begins."""
+    saves with the returned staging write it from there without a copy."""
     from tiekit.dcp.writer import DurableWriter  # DCP's file system: loaded by the first save, not by import
 
     root = Path(os.path.abspath(os.fspath(path)))
@@ -156,12 +152,7 @@ def save_sharded_staged(
         confirm=None if copies is None else functools.partial(copies.confirmed, folder),
     )
 
-    if hold and copies is not None:
-        copies.hold()
-
     def write() -> None:
-        if copies is not None:
-            copies.held()  # until the training thread lets it start (a `hold`), if it held it
         destroyed = (
             f"{folder}: the process group was destroyed while this background save was under way; wait for "
             "its handle (handle.wait()) before destroy_process_group() (a load takes the last save the "
@@ -189,7 +180,7 @@ def save_sharded_staged(
 
     future = _background_writer().submit(write)
     commit = functools.partial(_commit_or_remove, root, save_id, state, before) if writes_marker else None
-    handle = SaveHandle(root, save_id, future, commit, None if copies is None else copies.release)
+    handle = SaveHandle(root, save_id, future, commit)
     register_pending(root, handle, key)
     return handle, hosts, copies
 

@@ -231,9 +231,8 @@ class Coordinator:
             sharded = state.sharded_contents(model, optimizer, at, self.training_run(backend), backend.device)
             # As below: the parameters and optimizer state are copied beside the next step, and
             # the optimizer state then moves into the copy (this rank's shard file image).
-            # Its writer starts as the next backward pass begins (`backward_begins`), as below.
             self.pending, self.sharded_staging, self.copying = save_sharded_staged(
-                path=path, blocking=blocking, staging=self.sharded_staging, defer=True, adopt=True, hold=True, **sharded
+                path=path, blocking=blocking, staging=self.sharded_staging, defer=True, adopt=True, **sharded
             )
         else:
             contents = state.contents(model, optimizer, at, self.training_run(backend), backend.device)
@@ -242,9 +241,8 @@ class Coordinator:
                     # The parameters and optimizer state are copied beside the next step's forward and
                     # backward passes (they change only in its optimizer step): see `weights_copied`.
                     # Then they move into the file image, so later saves write them without a copy.
-                    # The writer starts as the next backward pass begins (`backward_begins`).
                     self.pending, self.staging, self.copying = save_checkpoint_reusing(
-                        path, blocking=False, staging=self.staging, defer=True, adopt=True, hold=True, **contents
+                        path, blocking=False, staging=self.staging, defer=True, adopt=True, **contents
                     )
             elif self.ranks.world > 1:
                 collective_save_checkpoint(path, **contents)
@@ -273,15 +271,6 @@ class Coordinator:
             f"writing its checkpoint ({last}). Resume from an earlier checkpoint with a lower learning rate, "
             "gradient clipping or other data"
         )
-
-    def backward_begins(self) -> None:
-        """Local: a background save held back (`save`) may start writing. The training loop calls
-        it as each backward pass begins: torch's engine runs it with the GIL free, where the
-        forward pass runs Python (modules, hooks) that would take turns with the writer's (DCP's
-        planning, the write loop, the commit). Measured with one FSDP2 rank and a core free: the
-        step time a save costs fell from about 11 to 7.5 ms started here rather than at once."""
-        if self.copying is not None:
-            self.copying.release()
 
     def weights_copied(self, *, then_wait: bool = False) -> None:
         """Local: return once a background save's copy of the parameters and optimizer state is

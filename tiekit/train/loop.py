@@ -46,14 +46,11 @@ def train_step(
     precision: Precision,
     loss_fn: LossFn | None,
     before_update: Callable[[], None] = lambda: None,
-    before_backward: Callable[[], None] = lambda: None,
 ) -> torch.Tensor:
     """One optimisation step, from a batch on the device to updated weights; returns the loss.
-    ``before_backward`` runs just before the backward pass, ``before_update`` just before the
-    optimizer changes the weights."""
+    ``before_update`` runs just before the optimizer changes the weights."""
     with precision.autocast(backend.device, cache=backend.autocast_cache):
         loss = compute_loss(model, precision.cast_batch(batch), loss_fn)
-    before_backward()  # fit: a background checkpoint's writer starts
     loss.backward()  # type: ignore[no-untyped-call]
     before_update()  # fit: a background checkpoint's copy of the weights is made by now
     backend.optimizer_step(optimizer)  # "xla": gradients averaged over the replicas, in the graph
@@ -189,14 +186,7 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
                 # resume's), so a state carried from step to step would differ after a resume.
                 backend.seed(derived_seed(cfg.seed, step))
                 loss = train_step(
-                    step_model,
-                    optimizer,
-                    batch,
-                    backend,
-                    precision,
-                    cfg.loss_fn,
-                    coordinator.weights_copied,
-                    coordinator.backward_begins,
+                    step_model, optimizer, batch, backend, precision, cfg.loss_fn, coordinator.weights_copied
                 )
                 after = backend.host_transfers() if watch_transfers else 0
                 step, done = step + 1, done + 1
