@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from tiekit import devices
+from tiekit.backends.torch_distributed import is_dtensor
 from tiekit.checkpoint.codec import decode
 from tiekit.checkpoint.layout import PathLike, name_list
 from tiekit.checkpoint.loading import LoadResult
@@ -225,7 +226,7 @@ def _read(inner: nn.Module, root: Path, optimizer: torch.optim.Optimizer | None,
 def _read_regions(tensor: torch.Tensor) -> list[Region] | None:
     """The regions of ``tensor`` this rank reads: a DTensor's local shard (DCP's chunk protocol,
     ``__create_chunk_list__``), else the whole tensor (None)."""
-    if type(tensor).__name__ != "DTensor":
+    if not is_dtensor(tensor):
         return None
     return [(tuple(c.offsets), tuple(c.sizes)) for c in tensor.__create_chunk_list__()]  # type: ignore[attr-defined]
 
