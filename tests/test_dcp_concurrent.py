@@ -217,7 +217,7 @@ def test_ranks_that_find_different_saves_committed_all_read_the_newer_one(tmp_pa
 def test_a_folder_saved_over_while_it_is_converted_is_converted_from_the_new_save(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    converting = importlib.import_module("tiekit.dcp.convert")  # the module (the package exports the function)
+    converting = importlib.import_module("tiekit.dcp.convert_source")  # what convert reads through
     folder = tmp_path / "ck"
     commit_here(folder, 1.0)
     real = converting.read_rows

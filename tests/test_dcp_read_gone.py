@@ -21,12 +21,12 @@ from tiekit.dcp import layout, stream
 from tiekit.dcp.layout import committed_save_id
 from tiekit.inspection import inspect_file
 
-# The module (the package exports the function `convert` under the same name).
-converting = importlib.import_module("tiekit.dcp.convert")
+# What convert reads through (inspect too).
+converting = importlib.import_module("tiekit.dcp.convert_source")
 
 #: The reader's steps another process may act just before: the marker's check of DCP's metadata,
 #: DCP's metadata read, the shard files read.
-READ_STEPS = ["layout.file_sha256", "_dcp_read", "read_rows"]
+READ_STEPS = ["layout.file_sha256", "dcp_read", "read_rows"]
 
 
 def tied(seed: int) -> nn.Module:
@@ -45,7 +45,7 @@ def folder(tmp_path: Path) -> Path:
 
 def before_first(monkeypatch: pytest.MonkeyPatch, step: str, act: Callable[[], None]) -> None:
     """``act()`` (what another process does) runs once, just before the reader's first call of
-    ``step`` (a function of `tiekit.dcp.convert`, which inspect uses too; ``layout.<name>``: of
+    ``step`` (a function of `tiekit.dcp.convert_source`, which inspect uses too; ``layout.<name>``: of
     `tiekit.dcp.layout`)."""
     module, name = (layout, step.removeprefix("layout.")) if step.startswith("layout.") else (converting, step)
     real = getattr(module, name)
@@ -95,7 +95,7 @@ def remove(folder: Path, pattern: str) -> Callable[[], None]:
 
 GONE = [
     ("layout.file_sha256", ".metadata", r"save-\w+/\.metadata: cannot be read \(the DCP metadata of save '\w+'\)"),
-    ("_dcp_read", ".metadata", r"save-\w+/\.metadata: missing \(the DCP metadata of "),
+    ("dcp_read", ".metadata", r"save-\w+/\.metadata: missing \(the DCP metadata of "),
     ("read_rows", "*.distcp", r"save-\w+/__\d+_\d+\.distcp: missing shard file, holding key '"),
 ]
 
@@ -125,7 +125,7 @@ def test_convert_names_a_source_file_removed_after_the_first_batch(
     folder: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One tensor per batch; the shard files go after the first was written into the destination."""
-    real = converting._dcp_read
+    real = converting.dcp_read
 
     def dcp_read(save: Path) -> Callable[[list[str]], dict]:
         read = real(save)
@@ -139,8 +139,8 @@ def test_convert_names_a_source_file_removed_after_the_first_batch(
 
         return batch
 
-    monkeypatch.setattr(converting, "_dcp_read", dcp_read)
-    monkeypatch.setattr(converting, "READ_BATCH_BYTES", 1)
+    monkeypatch.setattr(converting, "dcp_read", dcp_read)
+    monkeypatch.setattr(importlib.import_module("tiekit.dcp.convert"), "READ_BATCH_BYTES", 1)
     with pytest.raises(tiekit.CheckpointError) as raised:
         tiekit.convert(folder, folder.parent / "out.safetensors")
     assert re.match(re.escape(str(folder)) + r"/save-\w+/__\d+_\d+\.distcp: missing shard file", str(raised.value))
@@ -193,11 +193,12 @@ def test_an_io_error_reading_the_source_that_names_no_file_names_the_source(tmp_
     def failing(keys: list[str]) -> dict[str, torch.Tensor]:
         raise OSError(errno.EIO, "Input/output error")
 
-    source = converting._Reader(str(source_path), specs, None, failing)
+    source = converting.ConvertSource(str(source_path), specs, None, failing)
+    writing = importlib.import_module("tiekit.dcp.convert")
     said = f"^{re.escape(str(source_path))}: cannot read the tensor to write: Input/output error"
     with pytest.raises(tiekit.CheckpointError, match=said):
         if destination == "safetensors":
-            converting._to_safetensors(source, specs, None, {}, tmp_path / "out.safetensors", None)
+            writing._to_safetensors(source, specs, None, {}, tmp_path / "out.safetensors", None)
         else:
-            converting._to_dcp(source, specs, None, {}, tmp_path / "out")
+            writing._to_dcp(source, specs, None, {}, tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == []

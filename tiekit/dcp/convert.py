@@ -14,12 +14,11 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import stat
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,10 +26,8 @@ from torch import nn
 from tiekit.analyze import dtype_name
 from tiekit.checkpoint.files import removed_on_failure
 from tiekit.checkpoint.layout import INDEX_SUFFIX, WEIGHTS_NAME, PathLike, parse_size
-from tiekit.checkpoint.reads import read_tensors
-from tiekit.checkpoint.source import open_source, training_record
-from tiekit.dcp.chunks import read_rows, row_chunks
 from tiekit.dcp.convert_plan import recorded_plan
+from tiekit.dcp.convert_source import ConvertSource, open_convert_source
 from tiekit.dcp.destinations import (
     refuse_existing_files,
     refuse_for_sharded_folder,
@@ -39,27 +36,18 @@ from tiekit.dcp.destinations import (
     refuse_unwritable,
 )
 from tiekit.dcp.layout import (
-    DCP_METADATA,
     MARKER_NAME,
     SAVE_PREFIX,
-    file_ends,
     is_plain_dcp_folder,
     is_sharded_checkpoint,
-    lost_its_marker,
     new_save_id,
-    read_marker,
     reading_committed,
     remove_stale,
     write_marker,
 )
-from tiekit.dcp.records import dcp_metadata, save_metadata
-from tiekit.dcp.state import running_dcp
 from tiekit.dcp.stream import Spec, Value, nbytes, write_dcp, write_safetensors
 from tiekit.errors import CheckpointError
 from tiekit.plan import TiePlan
-
-if TYPE_CHECKING:
-    from torch.distributed.checkpoint.metadata import Metadata
 
 #: Bytes read from a DCP folder per read call (or the largest tensor, if larger): DCP plans each
 #: call, so one call per tensor costs more than the reading for models of many small tensors.
@@ -77,35 +65,6 @@ class ConvertResult:
     merged: tuple[str, ...]
     bytes: int
     left_out: tuple[str, ...] = ()
-
-
-class _Reader:
-    """A source: its tensors' specs, its plan, reading tensors by key, and what it holds beside
-    the model's tensors (`ConvertResult.left_out`)."""
-
-    def __init__(
-        self,
-        where: str,
-        specs: list[Spec],
-        plan: TiePlan | None,
-        read: Callable[[list[str]], dict],
-        left_out: tuple[str, ...] = (),
-    ):
-        self.where = where
-        self.specs = specs
-        self.plan = plan
-        self._read = read
-        self.left_out = left_out
-
-    def read(self, keys: list[str]) -> dict:
-        """The tensors of ``keys``. An `OSError` that names no file (an I/O error reading a mapped
-        or open file) is raised naming the source, so that the error says what could not be read."""
-        try:
-            return self._read(keys)
-        except OSError as exc:
-            if exc.filename is not None:
-                raise
-            raise OSError(exc.errno, exc.strerror or str(exc), self.where) from exc
 
 
 def convert(
@@ -160,7 +119,7 @@ def convert_silently(
 
 def _convert(src: Path, dst: Path, plan: TiePlan | nn.Module | None, max_shard_size: int | str | None) -> ConvertResult:
     refuse_overlap(src, dst)
-    source = _open(src)
+    source = open_convert_source(src)
     tie_plan = recorded_plan(plan, source.plan, source.where, {spec[0] for spec in source.specs})
     specs, merged, checks = _layout(source, tie_plan)
     if source.where.endswith((".safetensors", INDEX_SUFFIX)) or not _is_dcp(src):
@@ -177,116 +136,7 @@ def _is_dcp(path: Path) -> bool:
     return is_sharded_checkpoint(path) or is_plain_dcp_folder(path)
 
 
-def _open(path: Path) -> _Reader:
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such file or folder")
-    if (path / MARKER_NAME).is_file() or lost_its_marker(path):
-        marker = read_marker(path)  # without a marker: "no tiekit-dcp.json", as load_sharded says
-        metadata = save_metadata(marker)
-        stored = metadata.state_dict_metadata
-        specs = [(k, marker.tensors[k][0], stored[k].properties.dtype) for k in marker.model_keys()]
-        return _Reader(marker.where, specs, marker.plan, _dcp_read(marker.folder), _training_state(marker.record))
-    if (path / DCP_METADATA).is_file():  # a plain DCP folder: torch's reader unpickles its metadata
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-        metadata = plain_dcp_metadata(path)
-        specs = [
-            (k, tuple(v.size), v.properties.dtype)
-            for k, v in metadata.state_dict_metadata.items()
-            if isinstance(v, TensorStorageMetadata)
-        ]
-        others = [k for k, v in metadata.state_dict_metadata.items() if not isinstance(v, TensorStorageMetadata)]
-        left_out: tuple[str, ...] = (f"non-tensor entries {', '.join(map(repr, others))}",) if others else ()
-        return _Reader(os.fspath(path), specs, None, _dcp_read(path), left_out)
-    opened = open_source(path, (WEIGHTS_NAME, WEIGHTS_NAME + INDEX_SUFFIX))
-    specs = [(k, e.shape, e.dtype) for k, (_, e) in opened.entries.items()]
-
-    def read(keys: list[str]) -> dict[str, torch.Tensor]:
-        return read_tensors({k: opened.entries[k] for k in keys}, opened.files)
-
-    try:
-        left_out = _training_state(training_record(opened))
-    except CheckpointError:  # the model's tensors still convert, as load_model still reads them
-        left_out = ("a training record it cannot read",)
-    return _Reader(opened.where, specs, opened.plan, read, left_out)
-
-
-def plain_dcp_metadata(folder: Path) -> Metadata:
-    """DCP's metadata of a plain folder (``dcp.save``, no tiekit marker); `CheckpointError`
-    naming the file when torch's reader cannot unpickle it. Local."""
-    metadata = dcp_metadata(folder)
-    _check_plain_files(folder, metadata)
-    return metadata
-
-
-def _check_plain_files(folder: Path, metadata: Metadata) -> None:
-    """Every chunk DCP's ``metadata`` lists lies inside an existing file of ``folder``: else a
-    `CheckpointError` naming the file and a key it holds. A plain folder has no marker recording
-    its files' sizes (`load_sharded` checks a `save_sharded` folder against its marker), so the
-    chunks' ends are the sizes to check: one stat per file, no data read. Without it a truncated
-    or missing shard file was inspected as whole and failed only once its bytes were read, as
-    torch's error or, for convert, as an error naming the destination."""
-    for name, chunks in sorted(file_ends(metadata).items()):
-        file = folder / name
-        key, end = max(chunks, key=lambda chunk: chunk[1])
-        keys = sorted({k for k, _ in chunks})
-        held = f"holding {', '.join(map(repr, keys[:4]))}{' and more' if len(keys) > 4 else ''}"
-        try:
-            info = file.stat()
-        except OSError as exc:
-            state = "missing" if isinstance(exc, FileNotFoundError) else f"unreadable ({exc.strerror or exc})"
-            raise CheckpointError(f"{file}: {state} shard file of the DCP checkpoint {folder} ({held})") from exc
-        if not stat.S_ISREG(info.st_mode):
-            raise CheckpointError(f"{file}: not a file, but DCP's metadata stores {held} in it")
-        if info.st_size < end:
-            raise CheckpointError(
-                f"{file}: {info.st_size} bytes, but DCP's metadata has key {key!r} reach byte {end} "
-                f"(truncated or replaced; {held})"
-            )
-
-
-def _training_state(record: Any) -> tuple[str, ...]:
-    """What a training checkpoint's record (a `save_sharded` marker's, a `save_checkpoint`
-    file's) holds beside the model: convert leaves it out."""
-    held = {"optimizer": "optimizer state", "extra": "extra", "step": "step"}
-    return tuple(said for key, said in held.items() if record.get(key) is not None)
-
-
-def _dcp_read(folder: Path) -> Callable[[list[str]], dict]:
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    from torch.distributed.checkpoint.state_dict_loader import load
-
-    metadata = dcp_metadata(folder)
-    rows = row_chunks(metadata)
-
-    def read(keys: list[str]) -> dict[str, Value]:
-        specs = {}
-        for k in keys:
-            info = metadata.state_dict_metadata[k]
-            assert isinstance(info, TensorStorageMetadata)
-            specs[k] = (tuple(info.size), info.properties.dtype)
-        direct = read_rows(folder, {k: rows[k] for k in keys if k in rows}, {k: specs[k][1] for k in keys})
-        got: dict[str, Value] = {k: v[0] if len(v) == 1 else v for k, v in direct.items()}
-        out = {k: torch.empty(specs[k][0], dtype=specs[k][1]) for k in keys if k not in got}
-        if out:
-            # The keys are flat, so DCP's flattening (whose helpers leave reference cycles
-            # holding the tensors) is off; the planner's own dicts are emptied after the read.
-            # Then only `out` holds the tensors, each freed once written, with no gc.collect()
-            # (a full pass took 0.3 s per batch in a process holding GPT-2 small and transformers).
-            planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-            with running_dcp(folder, reading=True):
-                load(dict(out), storage_reader=FileSystemReader(folder), planner=planner, no_dist=True)
-            planner.state_dict.clear()
-            planner.original_state_dict.clear()
-        got.update(out)
-        return {k: got.pop(k) for k in keys}
-
-    return read
-
-
-def _layout(source: _Reader, plan: TiePlan | None) -> tuple[list[Spec], tuple[str, ...], dict[str, str]]:
+def _layout(source: ConvertSource, plan: TiePlan | None) -> tuple[list[Spec], tuple[str, ...], dict[str, str]]:
     """The specs to write (tied names dropped), the dropped names, and {dropped: source} to compare."""
     stored = {s[0]: s for s in source.specs}
     checks: dict[str, str] = {}
@@ -312,7 +162,7 @@ def _layout(source: _Reader, plan: TiePlan | None) -> tuple[list[Spec], tuple[st
     return specs, tuple(checks), checks
 
 
-def _batches(source: _Reader, specs: list[Spec], checks: dict[str, str]) -> Iterator[tuple[str, Value]]:
+def _batches(source: ConvertSource, specs: list[Spec], checks: dict[str, str]) -> Iterator[tuple[str, Value]]:
     """Every spec's tensor in order, read in batches of about `READ_BATCH_BYTES` (or the largest
     tensor), each checked by `_check_tied`."""
     limit = max([READ_BATCH_BYTES, *(nbytes(s) for s in specs)])
@@ -338,7 +188,7 @@ def _resolved(value: Value) -> Value:
     return value.resolve_conj().resolve_neg()
 
 
-def _check_tied(source: _Reader, checks: dict[str, str], key: str, value: Value) -> None:
+def _check_tied(source: ConvertSource, checks: dict[str, str], key: str, value: Value) -> None:
     """Every tied name the source also stores for ``key`` holds ``value``: else merging loses data."""
     for other, src in checks.items():
         if src != key:
@@ -357,7 +207,7 @@ def whole(value: Value) -> torch.Tensor:
 
 
 def _to_safetensors(
-    source: _Reader,
+    source: ConvertSource,
     specs: list[Spec],
     plan: TiePlan | None,
     checks: dict[str, str],
@@ -387,7 +237,9 @@ def _destination_errors(dst: Path) -> Iterator[None]:
         raise CheckpointError(f"{dst}: cannot be written: {exc.strerror or exc}") from exc
 
 
-def _to_dcp(source: _Reader, specs: list[Spec], plan: TiePlan | None, checks: dict[str, str], root: Path) -> list[Path]:
+def _to_dcp(
+    source: ConvertSource, specs: list[Spec], plan: TiePlan | None, checks: dict[str, str], root: Path
+) -> list[Path]:
     with _destination_errors(root):
         refuse_unwritable(root, root)
         refuse_held_checkpoint(root)

@@ -76,7 +76,7 @@ def inspect_plain_dcp(path: PathLike, *, check_values: bool = False) -> FileRepo
     naming it and a key it holds (checked by size, before any read). Local."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from tiekit.dcp.convert import plain_dcp_metadata
+    from tiekit.dcp.convert_source import plain_dcp_metadata
 
     folder = Path(path)
     metadata = plain_dcp_metadata(folder)
@@ -121,12 +121,13 @@ def _all_files(metadata: Metadata, folder: Path) -> set[str]:
 
 def _identical(folder: Path, tensors: list[StoredTensor]) -> tuple[tuple[str, ...], ...]:
     """Groups of stored tensors with the same bytes (constant tensors left out): ties stored twice."""
-    from tiekit.dcp.convert import _dcp_read, whole
+    from tiekit.dcp.convert import whole
+    from tiekit.dcp.convert_source import dcp_read
 
     by_kind: dict[tuple[str, tuple[int, ...]], list[str]] = {}
     for t in tensors:
         by_kind.setdefault((t.dtype, t.shape), []).append(t.name)
-    read = _dcp_read(folder)
+    read = dcp_read(folder)
     groups: list[tuple[str, ...]] = []
     for names in by_kind.values():
         if len(names) < 2:
