@@ -543,6 +543,28 @@ def test_a_loss_fn_returning_a_non_scalar_is_named() -> None:
         tiekit.fit(nn.Linear(8, 8), data(), loss_fn=nn.MSELoss(reduction="none"), batch_size=4, **CPU)
 
 
+def test_resume_naming_a_folder_that_is_no_checkpoint_says_what_it_is(tmp_path: Path) -> None:
+    """A folder without a checkpoint's marker was "no checkpoint at <folder> (FileNotFoundError:
+    No such file or directory)", for a folder that exists."""
+    kw: dict[str, Any] = {"batch_size": 4, "progress": False, **CPU}
+    tiekit.fit(nn.Linear(8, 8), data(), loss_fn=nn.MSELoss(), max_steps=1, checkpoint_dir=tmp_path / "run", **kw)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "save-0123").mkdir()
+    cases = {
+        "run": "a checkpoint_dir holding 1 checkpoint(s), the newest step-00000001.safetensors; pass resume= one of",
+        "empty": "the folder is empty",
+        "half": "no tiekit-dcp.json in it, so no save into it was committed",
+    }
+    for name, said in cases.items():
+        model = nn.Linear(8, 8)
+        before = weights(model)
+        with pytest.raises(tiekit.TiekitError) as raised:
+            tiekit.fit(model, data(), loss_fn=nn.MSELoss(), max_steps=2, resume=tmp_path / name, **kw)
+        assert f"resume: {tmp_path / name} is a folder, not a checkpoint: {said}" in str(raised.value)
+        assert same(weights(model), before)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -204,6 +204,28 @@ def test_an_fsdp_checkpoint_loads_into_a_plain_model_with_its_tie(tmp_path: Path
     assert same(weights(plain), weights(result.model))
 
 
+def test_resume_naming_a_folder_that_is_no_checkpoint_says_what_it_is_on_every_rank(tmp_path: Path) -> None:
+    """Found by a probe: on 2 ranks, resume= naming the checkpoint_dir or a save folder inside a
+    checkpoint (folders every rank sees) was blamed on node-local storage ("so the ranks would
+    resume at different steps ... put checkpoint_dir on storage every node shares"), with a
+    FileNotFoundError for a path that exists."""
+    kw: dict[str, Any] = {"strategy": "fsdp", "devices": 2, "batch_size": 4, "optimizer": ADAMW, "progress": False}
+    saved = tiekit.fit(DropoutNet, data(), max_steps=2, checkpoint_dir=tmp_path / "run", **kw)
+    assert saved.checkpoint is not None
+    save = next(saved.checkpoint.glob("save-*"))
+    cases = [
+        (tmp_path / "run", "a checkpoint_dir holding 1 checkpoint(s), the newest step-00000002; pass resume= one of"),
+        (save, f"one save inside the sharded checkpoint {saved.checkpoint}; pass that folder"),
+    ]
+    for path, said in cases:
+        with pytest.raises(tiekit.TiekitError) as raised:
+            tiekit.fit(DropoutNet, data(), max_steps=4, resume=path, **kw)
+        message = str(raised.value)
+        assert f"resume: {path} is a folder, not a checkpoint: {said}" in message, message
+        assert "node" not in message and "FileNotFoundError" not in message
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step-00000002"]  # nothing written
+
+
 def test_a_sharded_run_refuses_to_resume_from_a_single_file(tmp_path: Path) -> None:
     kw: dict[str, Any] = {"batch_size": 4, "optimizer": ADAMW, "progress": False}
     saved = tiekit.fit(DropoutNet, data(), max_steps=2, devices="cpu", checkpoint_dir=tmp_path, **kw)

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from tiekit.dcp import MARKER_NAME
+from tiekit.dcp.layout import SAVE_PREFIX
 from tiekit.train import state
 from tiekit.train.config import FitConfig
 
@@ -44,6 +45,8 @@ def only_elsewhere(cfg: FitConfig, elsewhere: list[tuple[int, str]], world: int)
 def cannot_open(path: Path) -> str | None:
     """Why this rank cannot read ``path`` (None: it can); a sharded checkpoint's marker for a folder."""
     try:
+        if path.is_dir() and not (path / MARKER_NAME).exists():
+            return f"{NOT_A_CHECKPOINT}: {_folder_without_marker(path)}"
         with (path / MARKER_NAME if path.is_dir() else path).open("rb") as f:
             f.read(8)
     except OSError as exc:
@@ -51,9 +54,34 @@ def cannot_open(path: Path) -> str | None:
     return None
 
 
+#: How `cannot_open` begins the reason of a folder this rank sees that holds no checkpoint.
+NOT_A_CHECKPOINT = "a folder, not a checkpoint"
+
+
+def _folder_without_marker(path: Path) -> str:
+    """What the folder ``path`` (no sharded checkpoint's marker in it) is instead, and what to pass."""
+    held = state.checkpoints_in(path)
+    if held:
+        return (
+            f"a checkpoint_dir holding {len(held)} checkpoint(s), the newest {held[-1].name}; pass resume= one of "
+            f'them (resume="{held[-1]}"), or resume="last" with checkpoint_dir="{path}"'
+        )
+    if path.name.startswith(SAVE_PREFIX) and (path.parent / MARKER_NAME).exists():
+        return f'one save inside the sharded checkpoint {path.parent}; pass that folder (resume="{path.parent}")'
+    if not any(path.iterdir()):
+        return "the folder is empty"
+    return f"no {MARKER_NAME} in it, so no save into it was committed (a save killed half way?)"
+
+
 def unreadable(path: Path, failed: list[tuple[int, str]], cfg: FitConfig, world: int) -> str:
-    if world == 1:
-        return f"resume: no checkpoint at {path} ({failed[0][1]})"
+    """The error when the ranks of ``failed`` (rank, `cannot_open`'s reason) cannot read ``path``:
+    the path itself when no rank can (rank 0's reason); else the ranks that cannot, whose view
+    of the folder differs from the others'."""
+    if len(failed) == world:
+        reason = failed[0][1]
+        if reason.startswith(NOT_A_CHECKPOINT):
+            return f"resume: {path} is {reason}"
+        return f"resume: no checkpoint at {path} ({reason})"
     ranks = ", ".join(str(rank) for rank, _ in failed)
     detail = "; ".join(f"rank {rank}: {problem}" for rank, problem in failed)
     chosen = "the newest in rank 0's checkpoint_dir" if cfg.resume == "last" else "the resume= path"
