@@ -138,6 +138,26 @@ def test_a_resume_with_another_batch_size_says_the_position_is_taken_in_the_new_
         tiekit.fit(DropoutNet, data(), max_steps=7, batch_size=8, resume="last", **kw)
 
 
+def test_a_resume_trains_with_the_options_the_optimizer_was_given(tmp_path: Path) -> None:
+    """Found by a probe: loading the checkpoint put back the saving run's learning rate over the
+    factory's, so fit's own advice after a divergence (resume from an earlier checkpoint with a
+    lower learning rate) changed nothing: with lr=0.0 the weights still moved."""
+    kw: dict[str, Any] = {**CPU, "batch_size": 4, "seed": 1}
+    first = tiekit.fit(DropoutNet, data(), max_steps=3, checkpoint_dir=tmp_path / "a", **kw)  # lr 1e-2
+    assert first.checkpoint is not None
+    standing = functools.partial(torch.optim.AdamW, lr=0.0)
+    with pytest.warns(
+        UserWarning, match=r"with the options the optimizer was built with: lr=0\.0 \(the checkpoint's: 0\.01\)"
+    ):
+        still = tiekit.fit(DropoutNet, data(), max_steps=6, resume=first.checkpoint, **{**kw, "optimizer": standing})
+    assert still.steps == 6 and len(still.losses) == 3
+    assert same(weights(still.model), weights(first.model))  # lr 0: nothing moved
+    assert still.model.c.weight is still.model.a.weight
+    # The control: resumed with the saving run's own factory, the same three steps move the weights.
+    on = tiekit.fit(DropoutNet, data(), max_steps=6, resume=first.checkpoint, **kw)
+    assert not same(weights(on.model), weights(first.model))
+
+
 def test_a_resume_with_another_seed_or_shuffle_says_the_position_is_taken_in_another_order(tmp_path: Path) -> None:
     kw: dict[str, Any] = {**CPU, "checkpoint_dir": tmp_path, "batch_size": 4}
     tiekit.fit(DropoutNet, data(), max_steps=3, seed=1, **kw)  # 3 of 10 batches of seed 1's permutation

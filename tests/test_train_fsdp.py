@@ -226,6 +226,18 @@ def test_resume_naming_a_folder_that_is_no_checkpoint_says_what_it_is_on_every_r
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step-00000002"]  # nothing written
 
 
+def test_an_fsdp_resume_trains_with_the_options_the_optimizer_was_given(tmp_path: Path) -> None:
+    """As on one process (test_train): the factory's lr=0.0 holds after the sharded load, where the
+    checkpoint's lr replaced it before (the weights moved on both ranks)."""
+    kw: dict[str, Any] = {"strategy": "fsdp", "devices": 2, "batch_size": 4, "progress": False}
+    first = tiekit.fit(DropoutNet, data(), max_steps=2, optimizer=ADAMW, checkpoint_dir=tmp_path, **kw)
+    assert first.checkpoint is not None
+    standing = functools.partial(torch.optim.AdamW, lr=0.0)
+    still = tiekit.fit(DropoutNet, data(), max_steps=4, optimizer=standing, resume=first.checkpoint, **kw)
+    assert still.steps == 4 and same(weights(still.model), weights(first.model))
+    assert still.model.c.weight is still.model.a.weight
+
+
 def test_a_sharded_run_refuses_to_resume_from_a_single_file(tmp_path: Path) -> None:
     kw: dict[str, Any] = {"batch_size": 4, "optimizer": ADAMW, "progress": False}
     saved = tiekit.fit(DropoutNet, data(), max_steps=2, devices="cpu", checkpoint_dir=tmp_path, **kw)

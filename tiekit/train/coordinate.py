@@ -268,8 +268,9 @@ class Coordinator:
         last = "none was written before" if self.last_saved is None else f"the last one written: {self.last_saved}"
         raise TiekitError(
             f"training diverged: the loss of step {bad_step} was {value}{who}. fit stopped at step {step} without "
-            f"writing its checkpoint ({last}). Resume from an earlier checkpoint with a lower learning rate, "
-            "gradient clipping or other data"
+            f"writing its checkpoint ({last}). Resume from an earlier checkpoint with a lower learning rate "
+            "(an optimizer factory with a lower lr: a resumed run keeps the factory's options), gradient clipping "
+            "or other data"
         )
 
     def weights_copied(self, *, then_wait: bool = False) -> None:

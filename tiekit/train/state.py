@@ -152,8 +152,10 @@ def resume(
     """Load ``path`` (a file, or a sharded folder: then collective, as `tiekit.load_sharded`) into
     ``model`` and ``optimizer`` of ``run``, restore the RNG states; the saved `Position` (a
     `UserWarning` when it counts in other replicas or batches than ``run``'s, or in an order of
-    another ``seed`` or ``shuffle``)."""
+    another ``seed`` or ``shuffle``). The optimizer keeps the options it was built with (a
+    `UserWarning` for each the checkpoint held otherwise); its state is the checkpoint's."""
     world_size, batch_size = run.world_size, run.batch_size
+    given = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     if is_sharded_checkpoint(path):
         extra = load_sharded(model, path, optimizer=optimizer).extra
         record = {"extra": extra, "step": extra.get("step") if isinstance(extra, dict) else None}
@@ -191,11 +193,41 @@ def resume(
             stacklevel=3,
         )
     _warn_if_reordered(path, extra, run)
+    _keep_given_options(path, optimizer, given)
     _set_rng_states(extra["rng"], device)
     writer = extra.get("run")
     return Position(
         int(extra["epoch"]), int(extra["batches"]), int(record["step"]), writer if isinstance(writer, str) else None
     )
+
+
+def _keep_given_options(path: Path, optimizer: torch.optim.Optimizer, given: list[dict[str, Any]]) -> None:
+    """Put back the options (learning rate, weight decay, betas...) the optimizer factory gave
+    each param group, which loading the checkpoint replaced by the saving run's: a resumed run
+    trains with what it was given (a run that diverged resumes with a lower learning rate), the
+    optimizer's state (moments, step counts) the checkpoint's. A `UserWarning` names each option
+    the checkpoint held otherwise."""
+    changed = []
+    for i, (group, options) in enumerate(zip(optimizer.param_groups, given, strict=True)):
+        where = f" in param group {i}" if len(given) > 1 else ""
+        for key, value in options.items():
+            if key in group and _differs(group[key], value):
+                changed.append(f"{key}={value!r}{where} (the checkpoint's: {group[key]!r})")
+            group[key] = value
+    if changed:
+        warnings.warn(
+            f"resuming {path} with the options the optimizer was built with: {', '.join(changed)}; its state "
+            "(moments, step counts) is the checkpoint's",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _differs(saved: Any, given: Any) -> bool:
+    if isinstance(saved, torch.Tensor) or isinstance(given, torch.Tensor):
+        both = isinstance(saved, torch.Tensor) and isinstance(given, torch.Tensor)
+        return not (both and saved.shape == given.shape and bool(torch.equal(saved.cpu(), given.cpu())))
+    return bool(saved != given)
 
 
 def _warn_if_reordered(path: Path, extra: dict[str, Any], run: TrainingRun) -> None:
