@@ -330,6 +330,24 @@ def test_inspect_example_factory_from_the_repository_root(
     assert [m["name"] for m in report["plan"]["groups"][0]["members"]] == ["embed.weight", "head.weight"]
 
 
+def test_inspect_of_a_folder_of_sharded_checkpoints_names_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A checkpoint_dir of fit's sharded strategies (a step-<step>/ folder per checkpoint) said
+    only "no safetensors file or index in this folder" (found by a probe)."""
+    for step in (1, 2):
+        tiekit.save_sharded(gpt2(), tmp_path / f"step-{step:08d}")
+    (tmp_path / "step-00000003").mkdir()  # a save killed before its commit: not a checkpoint
+    code, _, err = run(capsys, "inspect", str(tmp_path))
+    said = (
+        f"{tmp_path}: no safetensors file or index in this folder; it holds 2 sharded checkpoint folder(s) "
+        f"(step-00000001, step-00000002): name one of them, such as {tmp_path / 'step-00000002'}"
+    )
+    assert code == 1 and err.startswith(f"tiekit: error: {said}"), err
+    code, out, _ = run(capsys, "inspect", str(tmp_path / "step-00000002"))
+    assert code == 0 and "transformer.wte.weight" in out, out
+
+
 def test_a_sharded_folder_without_its_marker_is_named_so_by_inspect_convert_and_verify(
     factories: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -88,6 +88,13 @@ def _sharded_hint(folder: Path) -> str:
         return "; it is a sharded checkpoint (tiekit.save_sharded): load it with tiekit.load_sharded"
     if is_plain_dcp_folder(folder):
         return f"; {PLAIN_DCP_HINT}"
+    held = sorted(p.name for p in folder.iterdir() if p.is_dir() and is_sharded_checkpoint(p))
+    if held:  # a checkpoint_dir of fit's sharded strategies: a step-<step>/ folder per checkpoint
+        shown = ", ".join([*held[:3], "...", *held[-2:]] if len(held) > 5 else held)
+        return (
+            f"; it holds {len(held)} sharded checkpoint folder(s) ({shown}): name one of them, "
+            f"such as {folder / held[-1]}"
+        )
     return ""
 
 
