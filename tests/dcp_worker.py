@@ -233,6 +233,7 @@ def save_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
             out["different_paths"] = str(exc)
         for name in ("paths-a", "paths-b"):
             tiekit.save_sharded(model, OUT / name)
+        out["linked"] = linked(model)
         try:  # two checkpoints, each whole: a rank-dependent path must not read as a save replaced
             tiekit.load_sharded(fsdp_model(seed=1), OUT / ("paths-a" if RANK == 0 else "paths-b"))
         except tiekit.CheckpointError as exc:
@@ -247,6 +248,23 @@ def save_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
         out["disagreeing"] = disagreeing()
         out["same_model"] = same_model()
         return out
+
+    def linked(model: nn.Module) -> str:
+        """One folder, which rank 1 names through a symbolic link: the same folder, saved and loaded
+        (it was refused as "needs the same folder on every rank")."""
+        if RANK == 0:
+            (OUT / "linked").mkdir()
+            (OUT / "link").symlink_to(OUT / "linked")
+        torch.distributed.barrier()
+        try:
+            tiekit.save_sharded(model, OUT / ("linked" if RANK == 0 else "link"))
+            fresh = fsdp_model(seed=1)
+            tiekit.load_sharded(fresh, OUT / ("link" if RANK == 0 else "linked"))
+        except tiekit.CheckpointError as exc:
+            return str(exc)
+        loaded, saved = full_state(fresh), full_state(model)
+        same = loaded.keys() == saved.keys() and all(torch.equal(loaded[k], v) for k, v in saved.items())
+        return "saved and loaded" if same else "loaded other values"
 
     def same_model() -> dict[str, Any]:
         """`tiekit.collective_check_same_model`, the check to make before `tiekit.shard`: silent

@@ -166,6 +166,7 @@ def test_errors_are_raised_on_every_rank(runs: dict[str, Any]) -> None:
         assert (
             "/paths-a; rank 1: " in errors["load_different_paths"] and "replaced" not in errors["load_different_paths"]
         )
+        assert errors["linked"] == "saved and loaded"
         assert "/fsdp/save-" in errors["another_model"]  # the save folder read
         assert (
             "does not match FSDPSequential: missing '0.weight', '0.bias'; unexpected 'embed.weight'"

@@ -35,7 +35,13 @@ from tiekit.dcp.chunks import Located, locate_rows, row_chunks
 from tiekit.dcp.damage import Region, damaged_structure
 from tiekit.dcp.layout import Marker, committed_save_id, read_marker
 from tiekit.dcp.records import as_source, dcp_load, save_metadata
-from tiekit.dcp.saving import _distributed, _raise_anywhere, process_group_needed, refuse_different_folders
+from tiekit.dcp.saving import (
+    _distributed,
+    _raise_anywhere,
+    folder_names,
+    process_group_needed,
+    refuse_different_folders,
+)
 from tiekit.dcp.state import destination, parameters_by_name, unwrap, xla_spmd
 from tiekit.errors import CheckpointError
 from tiekit.header import FileIdentity
@@ -176,7 +182,7 @@ def _read(inner: nn.Module, root: Path, optimizer: torch.optim.Optimizer | None,
         side = _side_destinations(inner, marker, with_optimizer=optimizer is not None)
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         error = exc
-    share = (os.fspath(root), reading[0] if reading else None, optimizer is not None)
+    share = (folder_names(root), reading[0] if reading else None, optimizer is not None)
     shared = _raise_anywhere(error, f"{root}: load", share=share)
     refuse_different_folders([p for p, _, _ in shared], "load_sharded")
     _refuse_some_optimizers(root, [o for _, _, o in shared])

@@ -213,7 +213,7 @@ def _prepare(model: nn.Module, root: Path, optimizer: Any, extra: Any) -> tuple[
     """Collective: agree on the folder and the save id; build this rank's state; fail everywhere
     if any rank failed."""
     # One gather for both (each costs a round trip of every rank): the folders, and rank 0's id.
-    found = collective_gather((os.fspath(root), new_save_id() if _rank() == 0 else None))
+    found = collective_gather((folder_names(root), new_save_id() if _rank() == 0 else None))
     refuse_different_folders([p for p, _ in found], "save_sharded")
     save_id = str(found[0][1])
     state: SaveState | None = None
@@ -322,11 +322,18 @@ def _raise_anywhere(
     raise CheckpointError(failure_message(what, errors)) from error
 
 
-def refuse_different_folders(paths: list[str], what: str) -> None:
-    """`CheckpointError` unless every rank's folder (``paths``, in rank order, as gathered) is the
-    same. Local."""
-    if len(set(paths)) > 1:
-        shown = "; ".join(f"rank {r}: {p}" for r, p in enumerate(paths))
+def folder_names(root: Path) -> tuple[str, str]:
+    """``root`` (absolute) as this rank names it and with its symbolic links resolved: what the
+    ranks compare (`refuse_different_folders`). Local."""
+    return os.fspath(root), os.path.realpath(root)
+
+
+def refuse_different_folders(paths: list[tuple[str, str]], what: str) -> None:
+    """`CheckpointError` unless every rank's folder (``paths``: each rank's `folder_names`, in rank
+    order, as gathered) is the same: the same absolute path on every rank, or the same folder
+    once symbolic links are resolved (one rank reaching it through a link). Local."""
+    if len({named for named, _ in paths}) > 1 and len({real for _, real in paths}) > 1:
+        shown = "; ".join(f"rank {r}: {p}" for r, (p, _) in enumerate(paths))
         raise CheckpointError(f"{what} needs the same folder on every rank ({shown})")
 
 
