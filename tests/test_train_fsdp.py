@@ -228,12 +228,16 @@ def test_resume_naming_a_folder_that_is_no_checkpoint_says_what_it_is_on_every_r
 
 def test_an_fsdp_resume_trains_with_the_options_the_optimizer_was_given(tmp_path: Path) -> None:
     """As on one process (test_train): the factory's lr=0.0 holds after the sharded load, where the
-    checkpoint's lr replaced it before (the weights moved on both ranks)."""
+    checkpoint's lr replaced it before (the weights moved on both ranks). The replicas' warning
+    reaches the caller, once (a spawned replica's warnings went to its stderr only)."""
     kw: dict[str, Any] = {"strategy": "fsdp", "devices": 2, "batch_size": 4, "progress": False}
     first = tiekit.fit(DropoutNet, data(), max_steps=2, optimizer=ADAMW, checkpoint_dir=tmp_path, **kw)
     assert first.checkpoint is not None
     standing = functools.partial(torch.optim.AdamW, lr=0.0)
-    still = tiekit.fit(DropoutNet, data(), max_steps=4, optimizer=standing, resume=first.checkpoint, **kw)
+    said = r"with the options the optimizer was built with: lr=0\.0 \(the checkpoint's: 0\.01\)"
+    with pytest.warns(UserWarning, match=said) as given:
+        still = tiekit.fit(DropoutNet, data(), max_steps=4, optimizer=standing, resume=first.checkpoint, **kw)
+    assert len([w for w in given if "the options the optimizer was built with" in str(w.message)]) == 1
     assert still.steps == 4 and same(weights(still.model), weights(first.model))
     assert still.model.c.weight is still.model.a.weight
 

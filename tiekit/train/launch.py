@@ -12,13 +12,15 @@
 
 The runtimes themselves live in `tiekit.backends`; this module only starts them.
 
-Spawned replicas report through files in a private folder: each writes its `Outcome` as JSON,
-and one replica per host writes the trained weights, which the caller's model then loads with
+Spawned replicas report through files in a private folder: each writes its `Outcome` as JSON
+and the warnings it gave (which the caller then gives, `tiekit.train.relayed_warnings`), and one
+replica per host writes the trained weights, which the caller's model then loads with
 `tiekit.load_model` (ties included).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -54,7 +56,7 @@ from tiekit.backends.xla_spmd import SpmdBackend
 from tiekit.collective import collective_gather
 from tiekit.errors import CheckpointError, TieError, TiekitError
 from tiekit.tracebacks import drop_library_locals
-from tiekit.train import state
+from tiekit.train import relayed_warnings, state
 from tiekit.train.config import Job, Outcome
 from tiekit.train.loop import run_replica
 
@@ -211,6 +213,8 @@ def _processes(job: Job, requested: int | str) -> tuple[list[Outcome], nn.Module
                 start_processes(_process_entry, args=(spawned, world, free_port()), nprocs=world, start_method="spawn")
         except ProcessException as exc:  # torch stopped the other processes when this one failed
             if not _died_after_reporting(spawned, world, exc):
+                with contextlib.suppress(Warning):  # a warning made an error (-W error) must not hide the failure
+                    relayed_warnings.relay(Path(folder))
                 raise _failure(spawned, exc) from exc
             warnings.warn(
                 f"replica {exc.error_index} was killed by signal {getattr(exc, 'signal_name', '?')} while exiting, "
@@ -219,6 +223,7 @@ def _processes(job: Job, requested: int | str) -> tuple[list[Outcome], nn.Module
                 RuntimeWarning,
                 stacklevel=4,
             )
+        relayed_warnings.relay(Path(folder))
         return _collect(spawned)
 
 
@@ -238,6 +243,12 @@ def refuse_a_replica_importing_main() -> None:
 
 
 def _process_entry(rank: int, job: Job, world: int, port: int) -> None:
+    assert job.result_dir is not None
+    with relayed_warnings.recorded(job.result_dir / f"warnings-{rank}.json"):  # the caller shows them
+        _process_replica(rank, job, world, port)
+
+
+def _process_replica(rank: int, job: Job, world: int, port: int) -> None:
     backend = _process_backend(job.strategy, rank, world, port)
     try:
         outcome, model = run_replica(job, backend)
