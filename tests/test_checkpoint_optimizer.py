@@ -113,6 +113,12 @@ def test_mismatched_optimizer_raises_before_anything_changes(tmp_path: Path) -> 
     ]
     partial = torch.optim.AdamW(list(target.transformer.h.parameters()))
     cases.append((partial, "optimizer param group 0: the checkpoint has state for"))
+    # Built from another module's parameters (as an optimizer built before a wrapping that replaced them).
+    stray = torch.optim.AdamW(model(2).parameters())
+    said = (
+        f"{tmp_path / 'ckpt.safetensors'}: optimizer param group 0 holds a tensor that is not a parameter of the model"
+    )
+    cases.append((stray, said))
     for optimizer, message in cases:
         with pytest.raises(CheckpointError, match=re.escape(message)):
             load_checkpoint(tmp_path / "ckpt.safetensors", model=target, optimizer=optimizer)

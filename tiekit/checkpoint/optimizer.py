@@ -87,7 +87,11 @@ def stage_optimizer(
     for i, (live, saved) in enumerate(zip(optimizer.param_groups, saved_groups, strict=True)):
         anchors = list(dict.fromkeys(names.get(id(p), "") for p in live["params"]))
         if "" in anchors:
-            raise CheckpointError(f"optimizer param group {i} holds a tensor that is not a parameter of the model")
+            raise CheckpointError(
+                f"{where}: optimizer param group {i} holds a tensor that is not a parameter of the model (an "
+                "optimizer built before the model was wrapped, by tiekit.shard or fully_shard, holds the "
+                "parameters the wrapping replaced: build it from model.parameters() after wrapping)"
+            )
         saved_params = saved.get("params") if isinstance(saved, dict) else None
         if not isinstance(saved_params, list) or not all(isinstance(n, str) for n in saved_params):
             raise CheckpointError(f"{where}: corrupted optimizer param group {i} (its 'params' must be names)")
