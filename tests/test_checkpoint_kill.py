@@ -103,3 +103,56 @@ def test_sigkill_during_saves_never_loses_the_previous_checkpoint(tmp_path: Path
     assert not [p for p in [*tmp_path.iterdir(), *sharded.iterdir()] if p.name.startswith(".")]
     assert loaded_version(single) == loaded_version(sharded) == 0
     assert os.path.getsize(single) < 6_000_000
+
+
+#: A child that saves a sharded copy into a new folder and SIGKILLs itself as the second shard is
+#: moved into place (the audit event comes before the move): one shard there, no index (the
+#: save's commit) yet.
+KILLED_AFTER_FIRST_SHARD = """
+import os, signal, sys
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+import tiekit
+from test_checkpoint_kill import SHARD, KillModel
+
+moves = []
+
+def hook(event, args):
+    if event in ("os.rename", "os.replace", "os.link") and len(args) > 1:
+        moved = Path(os.fsdecode(args[1]))
+        if moved.parent == Path({folder!r}) and "-of-" in moved.name:
+            moves.append(moved)
+            if len(moves) == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+sys.addaudithook(hook)
+tiekit.save_model(KillModel(), {folder!r}, max_shard_size=SHARD)
+"""
+
+
+def test_a_sharded_save_killed_before_its_index_leaves_no_checkpoint_a_loader_takes(tmp_path: Path) -> None:
+    """Found by a probe: a shard moved into place before the index (the commit) was taken by the
+    loaders for a single-file checkpoint: strict, a misleading "does not match" listing every
+    missing weight; strict=False, 2 of 50 weights loaded and the rest left as they were."""
+    import signal
+    import subprocess
+    import sys
+
+    import tiekit
+
+    folder = tmp_path / "sharded"
+    script = KILLED_AFTER_FIRST_SHARD.format(tests=str(Path(__file__).parent), folder=str(folder))
+    child = subprocess.run([sys.executable, "-c", script], timeout=120, capture_output=True, text=True)
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    visible = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
+    assert visible == ["model-00001-of-00002.safetensors"], visible  # a shard, no index
+    said = r"shard files \(model-00001-of-00002\.safetensors\) without the index that commits them"
+    for strict in (True, False):
+        model = KillModel()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(tiekit.CheckpointError, match=said):
+            load_model(model, folder, strict=strict)
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    # Named on its own, the shard still loads as the file it is.
+    part = load_model(KillModel(), folder / visible[0], strict=False)
+    assert part is not None

@@ -66,10 +66,18 @@ def shard_name(target: Path, number: int, count: int) -> str:
     return f"{target.name.removesuffix('.safetensors')}-{number:05d}-of-{count:05d}.safetensors"
 
 
+_SHARD = r"-\d{5,}-of-\d{5,}\.safetensors"
+
+
+def is_shard_name(name: str) -> bool:
+    """Whether ``name`` is named as a shard of some sharded safetensors file (`shard_name`)."""
+    return re.fullmatch(r".+" + _SHARD, name) is not None
+
+
 def shards_beside(target: Path) -> list[Path]:
     """The files beside ``target`` named as shards of it (`shard_name`), of any count. Local."""
     stem = re.escape(target.name.removesuffix(".safetensors"))
-    pattern = re.compile(stem + r"-\d{5,}-of-\d{5,}\.safetensors")
+    pattern = re.compile(stem + _SHARD)
     if not target.parent.is_dir():
         return []
     return sorted(p for p in target.parent.iterdir() if pattern.fullmatch(p.name))

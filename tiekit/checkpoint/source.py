@@ -25,6 +25,7 @@ from tiekit.checkpoint.layout import (
     STATE_VERSION,
     WEIGHTS_NAME,
     PathLike,
+    is_shard_name,
 )
 from tiekit.errors import CheckpointError, TieError
 from tiekit.header import FileIdentity, Header, TensorEntry, read_header, read_json
@@ -70,11 +71,22 @@ def _pick_in_folder(folder: Path, preferred: tuple[str, ...]) -> Path:
     for name in preferred:
         if (folder / name).is_file():
             return folder / name
-    candidates = sorted(p.name for p in folder.glob("*.safetensors.index.json")) or sorted(
-        p.name for p in folder.glob("*.safetensors") if not p.name.startswith(".")
-    )
+    files = sorted(p.name for p in folder.glob("*.safetensors") if not p.name.startswith("."))
+    # Shard files are part of the sharded checkpoint their index commits: without an index they are
+    # the leftovers of a sharded save killed before its index was written, never a checkpoint.
+    shards = [name for name in files if is_shard_name(name)]
+    candidates = sorted(p.name for p in folder.glob("*.safetensors.index.json")) or [
+        name for name in files if name not in shards
+    ]
     if len(candidates) == 1:
         return folder / candidates[0]
+    if not candidates and shards:
+        shown = ", ".join(shards[:3]) + (" and more" if len(shards) > 3 else "")
+        raise CheckpointError(
+            f"{folder}: shard files ({shown}) without the index that commits them (a sharded save killed "
+            "before it wrote its .safetensors.index.json, or the index removed): no checkpoint to load here. "
+            "Load a shard on its own by naming its file"
+        )
     if not candidates:
         raise CheckpointError(f"{folder}: no safetensors file or index in this folder{_sharded_hint(folder)}")
     raise CheckpointError(f"{folder}: several checkpoints in this folder ({', '.join(candidates)}); name one")
