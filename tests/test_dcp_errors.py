@@ -271,6 +271,33 @@ def test_a_save_whose_planner_left_a_tensor_out_is_not_committed(
     assert sorted(p.name for p in saved.iterdir()) == [before["folder"], MARKER_NAME]  # its own folder gone
 
 
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_shard_file_removed_during_the_save_is_named_removed_not_unshared(
+    saved: Path, monkeypatch: pytest.MonkeyPatch, blocking: bool
+) -> None:
+    """Found by a probe: a save folder deleted by another process while a save ran was refused as
+    if the ranks did not share storage ("every rank must save into one folder all of them see"),
+    though the file missing is one the committing rank wrote itself."""
+    from tiekit.dcp import saving
+
+    before = json.loads((saved / MARKER_NAME).read_text())
+    committing = saving.write_marker
+
+    def after_a_removal(root: Path, folder: Path, *args: object) -> None:
+        (folder / "__0_0.distcp").unlink()  # another process deleting in the folder
+        committing(root, folder, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(saving, "write_marker", after_a_removal)
+    said = (
+        r"__0_0\.distcp \(missing; written by rank 0, .*; files this rank wrote are gone, so something removed "
+        r"them while the save was under way .*Nothing was committed"
+    )
+    with pytest.raises(tiekit.CheckpointError, match=said) as raised:
+        tiekit.save_sharded(Tied(), saved, blocking=blocking).wait(timeout=60)
+    assert "shared filesystem" not in str(raised.value)
+    assert json.loads((saved / MARKER_NAME).read_text()) == before
+
+
 @contextlib.contextmanager
 def files_limited_to(size: int) -> Iterator[None]:
     """This process may write no file past ``size`` bytes (RLIMIT_FSIZE: the kernel refuses the

@@ -148,9 +148,17 @@ def write_marker(root: Path, folder: Path, save_id: str, plan: TiePlan | None, r
     metadata = FileSystemReader(folder).read_metadata()
     absent = _not_here(files, file_ends(metadata))
     if absent:
+        # This rank (rank 0, the committing one) wrote its own files into this folder and saw them
+        # written: gone now, something removed them, whatever the other ranks see.
+        removed = any("written by rank 0," in a for a in absent)
+        why = (
+            "files this rank wrote are gone, so something removed them while the save was under way (another "
+            "process deleting in this folder?)"
+            if removed
+            else "every rank must save into one folder all of them see (on several hosts: a shared filesystem)"
+        )
         raise CheckpointError(
-            f"{folder}: the ranks' shard files are not all here: {'; '.join(absent)}. Every rank must "
-            "save into one folder all of them see (on several hosts: a shared filesystem). Nothing was "
+            f"{folder}: the ranks' shard files are not all here: {'; '.join(absent)}; {why}. Nothing was "
             "committed: the previous checkpoint stays the one loaded."
         )
     unwritten = _not_stored(metadata, record.get("tensors", {}))
