@@ -150,7 +150,7 @@ def write_marker(root: Path, folder: Path, save_id: str, plan: TiePlan | None, r
     if absent:
         # This rank (rank 0, the committing one) wrote its own files into this folder and saw them
         # written: gone now, something removed them, whatever the other ranks see.
-        removed = any("written by rank 0," in a for a in absent)
+        removed = any(writer == 0 for writer, _ in absent)
         why = (
             "files this rank wrote are gone, so something removed them while the save was under way (another "
             "process deleting in this folder?)"
@@ -158,8 +158,8 @@ def write_marker(root: Path, folder: Path, save_id: str, plan: TiePlan | None, r
             else "every rank must save into one folder all of them see (on several hosts: a shared filesystem)"
         )
         raise CheckpointError(
-            f"{folder}: the ranks' shard files are not all here: {'; '.join(absent)}; {why}. Nothing was "
-            "committed: the previous checkpoint stays the one loaded."
+            f"{folder}: the ranks' shard files are not all here: {'; '.join(said for _, said in absent)}; {why}. "
+            "Nothing was committed: the previous checkpoint stays the one loaded."
         )
     unwritten = _not_stored(metadata, record.get("tensors", {}))
     if unwritten:
@@ -190,20 +190,21 @@ def file_ends(metadata: Any) -> dict[str, list[tuple[str, int]]]:
     return ends
 
 
-def _not_here(files: Mapping[str, int], ends: Mapping[str, list[tuple[str, int]]]) -> list[str]:
-    """The files DCP's metadata names that the folder lacks (or holds short), with their writer and keys."""
-    found = []
+def _not_here(files: Mapping[str, int], ends: Mapping[str, list[tuple[str, int]]]) -> list[tuple[int | None, str]]:
+    """The files DCP's metadata names that the folder lacks (or holds short): each one's writing
+    rank (None: a name not DCP's ``__<rank>_<n>.distcp``) and its description, with its keys."""
+    found: list[tuple[int | None, str]] = []
     for name, chunks in sorted(ends.items()):
         size = files.get(name)
         if size is not None and size >= max(end for _, end in chunks):
             continue
         writer = re.match(r"__(\d+)_", name)  # FileSystemWriter's __<rank>_<n>.distcp
-        by = f"written by rank {writer.group(1)}, " if writer else ""
+        rank = int(writer.group(1)) if writer else None
+        by = f"written by rank {rank}, " if rank is not None else ""
         keys = sorted({key for key, _ in chunks})
         state = "missing" if size is None else f"{size} bytes, short"
-        found.append(
-            f"{name} ({state}; {by}holding {', '.join(repr(k) for k in keys[:4])}{' ...' if len(keys) > 4 else ''})"
-        )
+        held = f"{', '.join(repr(k) for k in keys[:4])}{' ...' if len(keys) > 4 else ''}"
+        found.append((rank, f"{name} ({state}; {by}holding {held})"))
     return found
 
 
