@@ -90,6 +90,15 @@ def disk_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def metadata_summary(folder: Path) -> list[str]:
+    """Every item DCP's ``.metadata`` in ``folder`` describes (its storage, its tensor metadata),
+    its storage meta and version left out (they name the save), sorted, as text."""
+    metadata = FileSystemReader(folder).read_metadata()
+    stored = [f"{index} -> {info}" for index, info in metadata.storage_data.items()]
+    described = [f"{name}: {meta}" for name, meta in metadata.state_dict_metadata.items()]
+    return sorted(stored) + sorted(described) + [repr(metadata.planner_data)]
+
+
 def fsdp_model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return tiekit.shard(tied_lm()) if WORLD > 1 else tied_lm()
@@ -213,6 +222,10 @@ def save_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
             handle.wait(timeout=120)
             dist.barrier()  # rank 0 committed
             found[save] = handle.save_id
+            # The third save's layout is the second's: it is written as DCP planned the second
+            # (tiekit.dcp.replay), into the same files at the same offsets, with the same metadata.
+            found[f"{save}_recipe"] = None if staging.recipe is None else id(staging.recipe)
+            found[f"{save}_metadata"] = metadata_summary(folder / f"save-{handle.save_id}")
             found[f"{save}_marker"] = json.loads((folder / tiekit.dcp.MARKER_NAME).read_text())["save_id"]
             fresh = fsdp_model(seed=1)
             fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
@@ -221,6 +234,24 @@ def save_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
             now = full_state(model) | full_optimizer_state(model, optimizer)
             found[f"{save}_holds_call_values"] = [k for k, v in saved.items() if not torch.equal(loaded[k], v)]
             found[f"{save}_changed_since"] = all(not torch.equal(now[k], saved[k]) for k in saved if "/" in k)
+        # A replayed save torn on rank 1 fails on both ranks (DCP's second phase carries the
+        # failure), and the third save stays.
+        handle, staging, copies = save_sharded_staged(
+            model, folder, optimizer=optimizer, blocking=False, staging=staging, defer=True, adopt=True
+        )
+        assert copies is not None
+        if RANK == 1:
+            with torch.no_grad():
+                model.embed.weight.mul_(2.0)
+        copies.settle()
+        try:
+            handle.wait(timeout=120)
+            found["replay_torn"] = None
+        except tiekit.CheckpointError as exc:
+            found["replay_torn"] = str(exc)
+        dist.barrier()
+        found["replay_torn_recipe"] = staging.recipe is not None
+        found["marker_after_replay_torn"] = json.loads((folder / tiekit.dcp.MARKER_NAME).read_text())["save_id"]
         return found
 
     def errors() -> dict[str, Any]:

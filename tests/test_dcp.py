@@ -155,6 +155,15 @@ def test_a_deferred_copy_torn_on_one_rank_fails_the_save_on_every_rank(runs: dic
         assert not any(run["second_moments_in_image_at_call"]) and all(run["second_moments_in_image"]), run
         assert all(run["third_moments_in_image_at_call"]) and all(run["third_moments_in_image"]), run
         assert run["second_lent"] and run["third_lent"]
+        # The third save, of the second's layout, wrote its files as DCP planned the second, without
+        # planning again: the same items at the same places, the same metadata (its load above holds
+        # the third call's values).
+        assert run["second_recipe"] is not None and run["third_recipe"] == run["second_recipe"], run
+        assert run["third_metadata"] == run["second_metadata"] and len(run["third_metadata"]) > 10
+        # A replayed save torn on rank 1 fails on both ranks as a planned one does.
+        assert run["replay_torn"] is not None and "rank 1: CheckpointError" in run["replay_torn"], run
+        assert "'embed.weight' was written in place" in run["replay_torn"], run
+        assert run["marker_after_replay_torn"] == run["third"] and not run["replay_torn_recipe"]
 
 
 def test_errors_are_raised_on_every_rank(runs: dict[str, Any]) -> None:

@@ -35,6 +35,7 @@ from tiekit.checkpoint.handle import SaveHandle, after_earlier_saves, register_p
 from tiekit.checkpoint.layout import PathLike
 from tiekit.collective import Ranks, collective_gather, failure_message, ranks
 from tiekit.dcp.layout import SAVE_PREFIX, committed_save_id, new_save_id, remove_stale, write_marker
+from tiekit.dcp.replay import recipe_for, write_copies
 from tiekit.dcp.staging import host_copies, optimizer_entries
 from tiekit.dcp.state import SaveState, dcp_save, running_dcp, save_state, unwrap, xla_spmd
 from tiekit.errors import CheckpointError, TiekitError
@@ -144,6 +145,7 @@ def save_sharded_staged(
         hosts, copies = host_copies(state.tensors, staging, deferrable, entries)
     # The copies are made in DCP's planning step, written, then checked against the training
     # thread's `settle` before this rank reports its write: a torn copy fails the save on every rank.
+    recipe = None if spmd else recipe_for(hosts, getattr(staging, "recipe", None), _world())
     writer = DurableWriter(
         folder,
         None if copies is None else copies.copy,
@@ -164,7 +166,7 @@ def save_sharded_staged(
             raise CheckpointError(destroyed)
         try:
             with running_dcp(folder, reading=False):
-                dcp_save(hosts, storage_writer=writer, planner=planner, process_group=group, no_dist=not distributed)
+                write_copies(hosts, writer, recipe, planner, group, distributed)
         except Exception as exc:
             # DCP raised on every rank (it hands each rank every rank's failure), after all of them
             # stopped writing: each removes its own part of the folder.

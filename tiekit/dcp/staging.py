@@ -20,7 +20,7 @@ lent to the writer until the next optimizer step takes it back (`LentMemory`).
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,12 +28,17 @@ from tiekit.backends.torch_distributed import is_dtensor
 from tiekit.checkpoint.deferred import DeferredCopies, into_image, local_part
 from tiekit.dcp.shard_image import ShardImage
 
+if TYPE_CHECKING:
+    from tiekit.dcp.replay import Recipe
+
 
 class Staging(dict[str, torch.Tensor]):
-    """Host copies by name, and the `ShardImage` holding those this rank alone writes (None
-    when there is none)."""
+    """Host copies by name, the `ShardImage` holding those this rank alone writes (None when there
+    is none), and, once their save is written, how to write the next save of the same image
+    (`tiekit.dcp.replay`)."""
 
     image: ShardImage | None = None
+    recipe: Recipe | None = None
 
 
 def host_copies(

@@ -22,8 +22,9 @@ they are.
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from torch.distributed.checkpoint.filesystem import (
     SerializationFormat,
     _StorageInfo,
 )
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
@@ -94,11 +96,51 @@ class DurableWriter(FileSystemWriter):
         self._image = image
         self._lent = lent
         self._confirm = confirm
+        self.coordinator = False
+        # What `tiekit.dcp.replay` needs to write the next save of the same image without DCP's
+        # planning: when this rank's file was the image whole followed by tensor items only, its
+        # name, the image's write results and those items; and the global metadata DCP planned.
+        self.image_file: tuple[str, list[WriteResult], list[Any]] | None = None
+        self.planned_metadata: Metadata | None = None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.coordinator = is_coordinator
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
 
     def prepare_local_plan(self, plan: Any) -> Any:
         if self._ready is not None:
             self._ready()
         return super().prepare_local_plan(plan)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        # A copy: DCP's finish sets the storage data, version and storage meta of what it is given.
+        self.planned_metadata = dataclasses.replace(metadata)
+        super().finish(metadata, results)
+
+    def write_image_file(self, image: ShardImage, name: str, extras: Sequence[tuple[Any, torch.Tensor]]) -> list[Any]:
+        """This rank's shard file ``name``, synced: ``image`` whole, then the record of each of
+        ``extras`` (a write item and its host tensor), as `write_data` writes a plan of the image's
+        records and those items (`tiekit.dcp.replay`), after ``ready`` and before ``confirm`` as
+        there. The extras' write results."""
+        if self._ready is not None:
+            self._ready()
+        self.fs.mkdir(self.path)
+        results = []
+        with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
+            try:
+                _write_image(stream, image, self._lent)
+            finally:
+                if self._lent is not None:
+                    self._lent.close()
+            for item, value in extras:
+                offset = stream.tell()
+                write_record(stream, _host_tensor(value))
+                results.append(_stored(item, name, offset, stream.tell() - offset))
+            if self.sync_files:
+                os.fsync(stream.fileno())
+        if self._confirm is not None:
+            self._confirm()
+        return results
 
     def write_data(self, plan: Any, planner: Any) -> Future[list[WriteResult]]:
         """DCP's one shard file of this rank, with the records DCP's own single-thread loop writes
@@ -121,8 +163,7 @@ class DurableWriter(FileSystemWriter):
         results = []
 
         def written(item: Any, offset: int, length: int) -> None:
-            stored = _StorageInfo(name, offset, length)
-            results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=stored))
+            results.append(_stored(item, name, offset, length))
 
         with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
             byte_items = [item for item in plan.items if item.type == WriteItemType.BYTE_IO]
@@ -141,6 +182,8 @@ class DurableWriter(FileSystemWriter):
                     kept = [i for i, slot in enumerate(slots) if slot is None]
                     tensor_items, values = [tensor_items[i] for i in kept], [values[i] for i in kept]
                     slots = [None] * len(kept)
+                    if not byte_items:
+                        self.image_file = (name, list(results), list(tensor_items))
             # What the image does not hold, and the image's records where it is not written whole:
             # each from the image's memory (the lent memory, until the write is over).
             records = None
@@ -181,6 +224,11 @@ def _write_image(stream: Any, image: ShardImage, lent: LentMemory | None) -> Non
         stream.write(records)
     else:
         lent.write_to(lambda piece, _: stream.write(piece), 0, image.size)
+
+
+def _stored(item: Any, name: str, offset: int, length: int) -> WriteResult:
+    """DCP's write result for ``item``, stored at ``offset`` in the file ``name``."""
+    return WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
 
 
 def _host_tensor(data: torch.Tensor) -> torch.Tensor:
