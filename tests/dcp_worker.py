@@ -234,8 +234,28 @@ def save_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
             now = full_state(model) | full_optimizer_state(model, optimizer)
             found[f"{save}_holds_call_values"] = [k for k, v in saved.items() if not torch.equal(loaded[k], v)]
             found[f"{save}_changed_since"] = all(not torch.equal(now[k], saved[k]) for k in saved if "/" in k)
+        # Rank 1 without the recipe (as after a save whose plan it could not replay): both ranks
+        # have DCP plan this save, not rank 0 alone replaying; both record the new plan.
+        third_recipe = staging.recipe
+        if RANK == 1:
+            staging.recipe = None
+        saved = full_state(model) | full_optimizer_state(model, optimizer)
+        handle, staging, copies = save_sharded_staged(
+            model, folder, optimizer=optimizer, blocking=False, staging=staging, defer=True, adopt=True
+        )
+        assert copies is not None
+        copies.settle()
+        handle.wait(timeout=120)
+        dist.barrier()
+        found["mixed_planned_again"] = staging.recipe is not None and staging.recipe is not third_recipe
+        fresh = fsdp_model(seed=1)
+        fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        tiekit.load_sharded(fresh, folder, optimizer=fresh_optimizer)
+        loaded = full_state(fresh) | full_optimizer_state(fresh, fresh_optimizer)
+        found["mixed_holds_call_values"] = [k for k, v in saved.items() if not torch.equal(loaded[k], v)]
+        found["mixed"] = handle.save_id
         # A replayed save torn on rank 1 fails on both ranks (DCP's second phase carries the
-        # failure), and the third save stays.
+        # failure), and the save before it stays.
         handle, staging, copies = save_sharded_staged(
             model, folder, optimizer=optimizer, blocking=False, staging=staging, defer=True, adopt=True
         )

@@ -160,10 +160,12 @@ def test_a_deferred_copy_torn_on_one_rank_fails_the_save_on_every_rank(runs: dic
         # the third call's values).
         assert run["second_recipe"] is not None and run["third_recipe"] == run["second_recipe"], run
         assert run["third_metadata"] == run["second_metadata"] and len(run["third_metadata"]) > 10
+        # One rank without the recipe: DCP planned the save on both, which holds its call's values.
+        assert run["mixed_planned_again"] and run["mixed_holds_call_values"] == [], run
         # A replayed save torn on rank 1 fails on both ranks as a planned one does.
         assert run["replay_torn"] is not None and "rank 1: CheckpointError" in run["replay_torn"], run
         assert "'embed.weight' was written in place" in run["replay_torn"], run
-        assert run["marker_after_replay_torn"] == run["third"] and not run["replay_torn_recipe"]
+        assert run["marker_after_replay_torn"] == run["mixed"] and not run["replay_torn_recipe"]
 
 
 def test_errors_are_raised_on_every_rank(runs: dict[str, Any]) -> None:

@@ -21,6 +21,7 @@ DCP, and so then does every rank.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -38,8 +39,9 @@ class Recipe:
     then the records of ``extras`` (write items of whole plain tensors: the replicated ones DCP
     gave this rank, such as optimizer step counts): the state's names in order, the file's name,
     the image's write results and (rank 0) the global metadata without storage data, in a world
-    of ``world`` ranks."""
+    of ``world`` ranks; ``origin``, the id of the save DCP planned (the same on every rank)."""
 
+    origin: str
     image: ShardImage
     names: tuple[str, ...]
     file: str
@@ -58,9 +60,15 @@ def recipe_for(hosts: Mapping[str, Any], previous: Recipe | None, world: int) ->
 
 
 def write_copies(
-    hosts: Mapping[str, Any], writer: Any, recipe: Recipe | None, planner: Any, group: Any, distributed: bool
+    save_id: str,
+    hosts: Mapping[str, Any],
+    writer: Any,
+    recipe: Recipe | None,
+    planner: Any,
+    group: Any,
+    distributed: bool,
 ) -> None:
-    """Collective over ``group`` when ``distributed``: a background save's host copies written by
+    """Collective over ``group`` when ``distributed``: save ``save_id``'s host copies written by
     DCP (`dcp_save`), or as DCP planned the last save of the same image when every rank can
     (`replay`); either way, what the next save of this image can replay kept in ``hosts``."""
     if agreed(recipe, distributed, group):
@@ -70,24 +78,28 @@ def write_copies(
         return
     dcp_save(hosts, storage_writer=writer, planner=planner, process_group=group, no_dist=not distributed)
     if isinstance(hosts, Staging):
-        hosts.recipe = recorded(writer, hosts, torch.distributed.get_world_size() if distributed else 1)
+        hosts.recipe = recorded(save_id, writer, hosts, torch.distributed.get_world_size() if distributed else 1)
 
 
 def agreed(recipe: Recipe | None, distributed: bool, group: Any) -> bool:
-    """Collective over ``group`` when ``distributed``: whether every rank holds a recipe."""
+    """Collective over ``group`` when ``distributed``: whether every rank holds a recipe, all of
+    them of the same planned save."""
     if not distributed:
         return recipe is not None
-    held = torch.tensor([int(recipe is not None)])
-    torch.distributed.all_reduce(held, op=torch.distributed.ReduceOp.MIN, group=group)
-    return bool(held.item())
+    # One gather of a number per rank: 0 for none, else one naming the recipe's planned save.
+    named = 0 if recipe is None else 1 + int.from_bytes(hashlib.blake2b(recipe.origin.encode(), digest_size=7).digest())
+    mine = torch.tensor([named])
+    every = [torch.zeros_like(mine) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(every, mine, group=group)
+    return bool(mine.item()) and all(torch.equal(other, mine) for other in every)
 
 
 def replay(recipe: Recipe, hosts: Mapping[str, Any], writer: Any, distributed: bool, group: Any) -> None:
     """Collective over ``group`` when ``distributed`` (every rank replaying): write ``recipe``'s
     image and its extras (their values from ``hosts``) to its file with ``writer`` (a
-    `DurableWriter`), then DCP's second phase: rank 0
-    writes the ``.metadata`` once every rank's file is written, and a failure anywhere is DCP's
-    ``CheckpointException`` on every rank, as from DCP's own save."""
+    `DurableWriter`), then DCP's second phase: rank 0 writes the ``.metadata`` once every rank's
+    file is written, and a failure anywhere is DCP's ``CheckpointException`` on every rank, as
+    from DCP's own save."""
     from torch.distributed.checkpoint.utils import _DistWrapper
 
     ranks = _DistWrapper(group, distributed, 0)
@@ -104,16 +116,18 @@ def replay(recipe: Recipe, hosts: Mapping[str, Any], writer: Any, distributed: b
     ranks.all_reduce("write", write, finish)
 
 
-def recorded(writer: Any, hosts: Staging, world: int) -> Recipe | None:
-    """The recipe of the save ``writer`` (a `DurableWriter`) just completed for ``hosts``, if this
-    rank's shard file was the image whole, then whole plain tensors only (and, on rank 0, the
-    metadata was written). Local."""
+def recorded(save_id: str, writer: Any, hosts: Staging, world: int) -> Recipe | None:
+    """The recipe of save ``save_id``, which ``writer`` (a `DurableWriter`) just completed for
+    ``hosts``, if this rank's shard file was the image whole, then whole plain tensors only (and,
+    on rank 0, the metadata was written). Local."""
     if writer.image_file is None or hosts.image is None or (writer.coordinator and writer.planned_metadata is None):
         return None
     file, results, extras = writer.image_file
     if not all(_whole(item, hosts.get(item.index.fqn)) for item in extras):
         return None
-    return Recipe(hosts.image, tuple(hosts), file, tuple(results), tuple(extras), writer.planned_metadata, world)
+    return Recipe(
+        save_id, hosts.image, tuple(hosts), file, tuple(results), tuple(extras), writer.planned_metadata, world
+    )
 
 
 def _whole(item: Any, value: Any) -> bool:

@@ -166,7 +166,7 @@ def save_sharded_staged(
             raise CheckpointError(destroyed)
         try:
             with running_dcp(folder, reading=False):
-                write_copies(hosts, writer, recipe, planner, group, distributed)
+                write_copies(save_id, hosts, writer, recipe, planner, group, distributed)
         except Exception as exc:
             # DCP raised on every rank (it hands each rank every rank's failure), after all of them
             # stopped writing: each removes its own part of the folder.
