@@ -174,6 +174,22 @@ def save_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
             "folders": sorted(p.name for p in (OUT / "async").glob("save-*")),
         }
 
+    def torn_on_rank_1(model: nn.Module, handle: Any, copies: Any) -> str | None:
+        """A deferred save whose copy rank 1 tears (a forward pass writing its own sharded
+        parameter before the copies settle): its error on this rank, or None if it succeeded."""
+        assert copies is not None
+        if RANK == 1:
+            with torch.no_grad():
+                model.embed.weight.mul_(2.0)
+        copies.settle()
+        try:
+            handle.wait(timeout=120)
+            torn = None
+        except tiekit.CheckpointError as exc:
+            torn = str(exc)
+        dist.barrier()
+        return torn
+
     def deferred() -> dict[str, Any]:
         """fit's background saves (``defer=True``: parameters and moments copied by the writer,
         beside the next step). A parameter rank 1 writes before its copies settle fails the save on
@@ -187,17 +203,7 @@ def save_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
         folder = OUT / "deferred"
         found: dict[str, Any] = {"first": tiekit.save_sharded(model, folder, optimizer=optimizer).save_id}
         handle, staging, copies = save_sharded_staged(model, folder, optimizer=optimizer, blocking=False, defer=True)
-        assert copies is not None
-        if RANK == 1:
-            with torch.no_grad():
-                model.embed.weight.mul_(2.0)  # a forward pass writing its own (sharded) parameter
-        copies.settle()
-        try:
-            handle.wait(timeout=120)
-            found["torn"] = None
-        except tiekit.CheckpointError as exc:
-            found["torn"] = str(exc)
-        dist.barrier()
+        found["torn"] = torn_on_rank_1(model, handle, copies)
         found["marker_after_torn"] = json.loads((folder / tiekit.dcp.MARKER_NAME).read_text())["save_id"]
         # fit's way from here on (adopt=True): the moments move into this rank's shard image when
         # the copies settle, and the next save writes them from there.
@@ -259,17 +265,7 @@ def save_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
         handle, staging, copies = save_sharded_staged(
             model, folder, optimizer=optimizer, blocking=False, staging=staging, defer=True, adopt=True
         )
-        assert copies is not None
-        if RANK == 1:
-            with torch.no_grad():
-                model.embed.weight.mul_(2.0)
-        copies.settle()
-        try:
-            handle.wait(timeout=120)
-            found["replay_torn"] = None
-        except tiekit.CheckpointError as exc:
-            found["replay_torn"] = str(exc)
-        dist.barrier()
+        found["replay_torn"] = torn_on_rank_1(model, handle, copies)
         found["replay_torn_recipe"] = staging.recipe is not None
         found["marker_after_replay_torn"] = json.loads((folder / tiekit.dcp.MARKER_NAME).read_text())["save_id"]
         return found
