@@ -4,18 +4,22 @@ A loop that saves every N steps saves the same names, shapes and shardings each 
 each save anew all the same (every rank's local plan, their gather to rank 0, its global plan and
 metadata, their scatter back), a few milliseconds of Python in the writing thread that training
 waits for whenever it wants the GIL back (docs/benchmarks.md, "what the 9-12 ms per save are
-made of"). When the last background save's shard file on every rank was its `ShardImage` whole,
-its plan says nothing the next save of the same image would not repeat: which bytes of the image
-each item is, and rank 0's global metadata. So the next save writes the image to the same file
-name, and DCP's own second phase (`_DistWrapper.all_reduce`: every rank's write results, or its
-failure, to rank 0, which writes ``.metadata`` with the writer's ``finish``; the outcome to every
-rank) completes it: the same files DCP would write, in the same format, without planning again.
+made of"). When the last background save's shard file on every rank was its `ShardImage` whole
+(then, at most, whole replicated tensors DCP gave the rank, such as optimizer step counts), its
+plan says nothing the next save of the same image would not repeat: which bytes of the image
+each item is, which tensors follow it, and rank 0's global metadata. So the next save writes
+the image and those tensors to the same file name, and DCP's own second phase
+(`_DistWrapper.all_reduce`: every rank's write results, or its failure, to rank 0, which writes
+``.metadata`` with the writer's ``finish``; the outcome to every rank) completes it: the same
+files DCP would write, in the same format, without planning again.
 DCP's ``DefaultSavePlanner(enable_plan_caching=True)`` skips re-planning in the same spirit, but
-still runs both phases' collectives and its local planning.
+still runs both phases' collectives and its local planning, and a coordinator whose cache is
+empty (a restarted process) takes the other ranks' "unchanged" empty plans for their plans.
 
-Every rank replays or none does (`agreed`): a rank whose image was made anew (a layout changed)
-or whose last plan held anything else (DCP gave it a replicated tensor, or it failed) plans with
-DCP, and so then does every rank.
+Every rank replays, all from the same planned save, or none does (`agreed`): a rank whose image
+was made anew (a layout changed), whose last plan held anything else (a part of a DTensor that is
+not sharded on every mesh dimension, a byte item) or whose last save failed plans with DCP, and
+so then does every rank.
 """
 
 from __future__ import annotations
