@@ -270,6 +270,33 @@ def save_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
         found["marker_after_replay_torn"] = json.loads((folder / tiekit.dcp.MARKER_NAME).read_text())["save_id"]
         return found
 
+    def replicated_extras() -> dict[str, Any]:
+        """fit-style background saves whose replicated ``extra`` tensor (one rank writes it) grows,
+        changes dtype, then stays: each save is planned again while it changes (a replay would
+        write the previous save's metadata for it) and replayed once it stays; each loads."""
+        from tiekit.dcp.saving import save_sharded_staged
+
+        model = fsdp_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        step(model, optimizer, 0, RANK, WORLD)
+        folder = OUT / "replicated-extras"
+        staging = None
+        found: dict[str, Any] = {"loaded": [], "replayed": []}
+        values = [torch.arange(3.0), torch.arange(4.0), torch.arange(4.0, dtype=torch.float64)]
+        for value in [*values, values[-1] + 1, values[-1] + 2]:
+            previous = None if staging is None else staging.recipe
+            handle, staging, copies = save_sharded_staged(
+                model, folder, optimizer=optimizer, extra={"t": value}, blocking=False, staging=staging, defer=True
+            )
+            assert copies is not None
+            copies.settle()
+            handle.wait(timeout=120)
+            dist.barrier()  # rank 0 committed
+            found["replayed"].append(previous is not None and staging.recipe is previous)
+            loaded = tiekit.load_sharded(fsdp_model(seed=1), folder).extra["t"]
+            found["loaded"].append(loaded.dtype == value.dtype and torch.equal(loaded, value))
+        return found
+
     def errors() -> dict[str, Any]:
         """Failures raised on every rank, none left waiting."""
         out: dict[str, Any] = {}
@@ -482,7 +509,14 @@ def save_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
         found["loads"] = tiekit.load_sharded(fresh, folder).save_id == first
         return found
 
-    return [("fsdp", fsdp), ("ddp", ddp), ("async", asynchronous), ("deferred", deferred), ("errors", errors)]
+    return [
+        ("fsdp", fsdp),
+        ("ddp", ddp),
+        ("async", asynchronous),
+        ("deferred", deferred),
+        ("replicated_extras", replicated_extras),
+        ("errors", errors),
+    ]
 
 
 def load_scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:

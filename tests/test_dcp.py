@@ -168,6 +168,16 @@ def test_a_deferred_copy_torn_on_one_rank_fails_the_save_on_every_rank(runs: dic
         assert run["marker_after_replay_torn"] == run["mixed"] and not run["replay_torn_recipe"]
 
 
+def test_a_replicated_tensor_changing_between_background_saves_is_planned_again(runs: dict[str, Any]) -> None:
+    """2 ranks, an ``extra`` tensor one rank writes: grown, then of another dtype, then unchanged
+    twice. The saves that change it are planned by DCP again, the unchanged ones replayed; each
+    loads with its value (a replay of a changed one would not)."""
+    for found in runs["save"]:
+        run = found["replicated_extras"]
+        assert run["loaded"] == [True] * 5, run
+        assert run["replayed"] == [False, False, False, True, True], run
+
+
 def test_errors_are_raised_on_every_rank(runs: dict[str, Any]) -> None:
     for found in runs["save"]:
         errors = found["errors"]

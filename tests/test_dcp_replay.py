@@ -176,3 +176,33 @@ def test_a_replayed_save_that_fails_leaves_the_previous_checkpoint(tmp_path: Pat
     assert [p.name for p in root.glob("save-*")] == [save_folder(root).name]
     values = loaded(root)
     assert all(torch.equal(values[k], v) for k, v in committed.items())
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        (torch.arange(5.0), torch.zeros(0)),  # leaves the image, which is kept for the others
+        (torch.zeros(0), torch.zeros(0, 3, dtype=torch.int64)),  # never in the image
+        (torch.arange(3.0), torch.arange(4.0)),  # grows: a new image
+    ],
+    ids=["emptied", "empty-reshaped", "grown"],
+)
+def test_a_tensor_whose_shape_or_dtype_changes_outside_the_image_is_planned_again(
+    tmp_path: Path, values: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    """An ``extra`` tensor changing shape or dtype between two saves into one folder: the second
+    save is planned by DCP (a replay would write the first save's metadata for it, and its commit
+    would remove the folder's only loadable checkpoint), and it loads with the new value."""
+    model, optimizer = trained()
+    staging = None
+    for value in values:
+        handle, staging, copies = save_sharded_staged(
+            model, tmp_path, optimizer=optimizer, extra={"t": value}, blocking=False, staging=staging, defer=True
+        )
+        assert copies is not None
+        copies.settle()
+        handle.wait(timeout=60)
+        fresh, fresh_optimizer = trained(seed=1)
+        found = tiekit.load_sharded(fresh, tmp_path, optimizer=fresh_optimizer).extra["t"]
+        assert found.dtype == value.dtype and torch.equal(found, value)
+    assert staging is not None and staging.recipe is not None  # the second save recorded its own plan

@@ -43,9 +43,11 @@ class Recipe:
     then the records of ``extras`` (write items of whole plain tensors: the replicated ones DCP
     gave this rank, such as optimizer step counts): the state's names in order, the file's name,
     the image's write results and (rank 0) the global metadata without storage data, in a world
-    of ``world`` ranks; ``origin``, the id of the save DCP planned (the same on every rank)."""
+    of ``world`` ranks; ``origin``, the id of the save DCP planned (the same on every rank), and
+    ``layout``, the digest of its state's description (every name's shape and dtype, the plan)."""
 
     origin: str
+    layout: str
     image: ShardImage
     names: tuple[str, ...]
     file: str
@@ -55,16 +57,20 @@ class Recipe:
     world: int
 
 
-def recipe_for(hosts: Mapping[str, Any], previous: Recipe | None, world: int) -> Recipe | None:
+def recipe_for(hosts: Mapping[str, Any], previous: Recipe | None, layout: str, world: int) -> Recipe | None:
     """``previous`` when it describes a save of ``hosts`` (a `Staging` of the same image, the same
-    names in the same order, the same world), else None. Local."""
-    if previous is None or getattr(hosts, "image", None) is not previous.image or previous.world != world:
+    names in the same order, each of the same shape and dtype: the same ``layout`` digest, in the
+    same world), else None. The image alone does not say it: a tensor outside it (a replicated
+    one, an empty one, one that left it) may change while the image is kept. Local."""
+    if previous is None or getattr(hosts, "image", None) is not previous.image:
+        return None
+    if previous.world != world or previous.layout != layout:
         return None
     return previous if tuple(hosts) == previous.names else None
 
 
 def write_copies(
-    save_id: str,
+    save: tuple[str, str],
     hosts: Mapping[str, Any],
     writer: Any,
     recipe: Recipe | None,
@@ -72,8 +78,8 @@ def write_copies(
     group: Any,
     distributed: bool,
 ) -> None:
-    """Collective over ``group`` when ``distributed``: save ``save_id``'s host copies written by
-    DCP (`dcp_save`), or as DCP planned the last save of the same image when every rank can
+    """Collective over ``group`` when ``distributed``: the host copies of ``save`` (its id and its
+    layout digest) written by DCP (`dcp_save`), or as DCP planned the last save of the same image when every rank can
     (`replay`); either way, what the next save of this image can replay kept in ``hosts``."""
     if agreed(recipe, distributed, group):
         assert recipe is not None and isinstance(hosts, Staging)  # a recipe is found for a Staging only
@@ -82,7 +88,7 @@ def write_copies(
         return
     dcp_save(hosts, storage_writer=writer, planner=planner, process_group=group, no_dist=not distributed)
     if isinstance(hosts, Staging):
-        hosts.recipe = recorded(save_id, writer, hosts, torch.distributed.get_world_size() if distributed else 1)
+        hosts.recipe = recorded(save, writer, hosts, torch.distributed.get_world_size() if distributed else 1)
 
 
 def agreed(recipe: Recipe | None, distributed: bool, group: Any) -> bool:
@@ -120,8 +126,8 @@ def replay(recipe: Recipe, hosts: Mapping[str, Any], writer: Any, distributed: b
     ranks.all_reduce("write", write, finish)
 
 
-def recorded(save_id: str, writer: Any, hosts: Staging, world: int) -> Recipe | None:
-    """The recipe of save ``save_id``, which ``writer`` (a `DurableWriter`) just completed for
+def recorded(save: tuple[str, str], writer: Any, hosts: Staging, world: int) -> Recipe | None:
+    """The recipe of ``save`` (its id and layout digest), which ``writer`` (a `DurableWriter`) just completed for
     ``hosts``, if this rank's shard file was the image whole, then whole plain tensors only (and,
     on rank 0, the metadata was written). Local."""
     if writer.image_file is None or hosts.image is None or (writer.coordinator and writer.planned_metadata is None):
@@ -129,8 +135,9 @@ def recorded(save_id: str, writer: Any, hosts: Staging, world: int) -> Recipe | 
     file, results, extras = writer.image_file
     if not all(_whole(item, hosts.get(item.index.fqn)) for item in extras):
         return None
+    save_id, layout = save
     return Recipe(
-        save_id, hosts.image, tuple(hosts), file, tuple(results), tuple(extras), writer.planned_metadata, world
+        save_id, layout, hosts.image, tuple(hosts), file, tuple(results), tuple(extras), writer.planned_metadata, world
     )
 
 

@@ -102,7 +102,7 @@ def save_sharded_staged(
     inner = unwrap(model)
     writes_marker = _rank() == 0
     before = committed_save_id(root) if writes_marker else None  # what the commit may replace
-    save_id, state = _prepare(inner, root, optimizer, extra)
+    save_id, state, layout = _prepare(inner, root, optimizer, extra)
     folder = root / f"{SAVE_PREFIX}{save_id}"
     # DCP coordinates through the process group only where there are ranks to coordinate: with
     # one, its gathers and scatters would only pickle the plans and hand them to gloo and back.
@@ -145,7 +145,7 @@ def save_sharded_staged(
         hosts, copies = host_copies(state.tensors, staging, deferrable, entries)
     # The copies are made in DCP's planning step, written, then checked against the training
     # thread's `settle` before this rank reports its write: a torn copy fails the save on every rank.
-    recipe = None if spmd else recipe_for(hosts, getattr(staging, "recipe", None), _world())
+    recipe = None if spmd else recipe_for(hosts, getattr(staging, "recipe", None), layout, _world())
     writer = DurableWriter(
         folder,
         None if copies is None else copies.copy,
@@ -166,7 +166,7 @@ def save_sharded_staged(
             raise CheckpointError(destroyed)
         try:
             with running_dcp(folder, reading=False):
-                write_copies(save_id, hosts, writer, recipe, planner, group, distributed)
+                write_copies((save_id, layout), hosts, writer, recipe, planner, group, distributed)
         except Exception as exc:
             # DCP raised on every rank (it hands each rank every rank's failure), after all of them
             # stopped writing: each removes its own part of the folder.
@@ -211,9 +211,10 @@ def _background_writer() -> ThreadPoolExecutor:
     return _writer
 
 
-def _prepare(model: nn.Module, root: Path, optimizer: Any, extra: Any) -> tuple[str, SaveState]:
+def _prepare(model: nn.Module, root: Path, optimizer: Any, extra: Any) -> tuple[str, SaveState, str]:
     """Collective: agree on the folder and the save id; build this rank's state; fail everywhere
-    if any rank failed."""
+    if any rank failed. The save id, the state, and the digest of its description (every name's
+    shape and dtype, the plan: the same on every rank)."""
     # One gather for both (each costs a round trip of every rank): the folders, and rank 0's id.
     found = collective_gather((folder_names(root), new_save_id() if _rank() == 0 else None))
     refuse_different_folders([p for p, _ in found], "save_sharded")
@@ -245,7 +246,7 @@ def _prepare(model: nn.Module, root: Path, optimizer: Any, extra: Any) -> tuple[
             "so no checkpoint describes them all: "
             f"{differences}. Nothing was written; the previous checkpoint stays the one loaded."
         )
-    return save_id, state
+    return save_id, state, digests[0]
 
 
 def _commit(root: Path, save_id: str, state: SaveState | None, before: str | None) -> None:

@@ -59,7 +59,9 @@ def host_copies(
     copies = {name: _reusable(previous.get(name), value, sources[name]) for name, value in tensors.items()}
     imaged = [name for name, value in tensors.items() if _written_here_alone(value, sources[name])]
     image = getattr(staging, "image", None)
-    if imaged and (image is None or any(copies[name] is None for name in imaged)):
+    # A new image when a copy is new, or when a name left the image (emptied, or no longer this
+    # rank's alone): a kept image's stale slot would make every later write record by record.
+    if imaged and (image is None or len(image.tensors) != len(imaged) or any(copies[name] is None for name in imaged)):
         image = ShardImage([(sources[name].shape, sources[name].dtype) for name in imaged])
         for name, local in zip(imaged, image.tensors, strict=True):
             copies[name] = None if local is None else _on(tensors[name], sources[name], local)
