@@ -16,10 +16,10 @@ DCP's ``DefaultSavePlanner(enable_plan_caching=True)`` skips re-planning in the 
 still runs both phases' collectives and its local planning, and a coordinator whose cache is
 empty (a restarted process) takes the other ranks' "unchanged" empty plans for their plans.
 
-Every rank replays, all from the same planned save, or none does (`agreed`): a rank whose image
-was made anew (a layout changed), whose last plan held anything else (a part of a DTensor that is
-not sharded on every mesh dimension, a byte item) or whose last save failed plans with DCP, and
-so then does every rank.
+Every rank replays, all from the same planned save, or none does
+(`collective_agree_to_replay`): a rank whose image was made anew (a layout changed), whose last
+plan held anything else (a part of a DTensor that is not sharded on every mesh dimension, a byte
+item) or whose last save failed plans with DCP, and so then does every rank.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def recipe_for(hosts: Mapping[str, Any], previous: Recipe | None, layout: str, w
     return previous if tuple(hosts) == previous.names else None
 
 
-def write_copies(
+def collective_write_copies(
     save: tuple[str, str],
     hosts: Mapping[str, Any],
     writer: Any,
@@ -79,11 +79,12 @@ def write_copies(
     distributed: bool,
 ) -> None:
     """Collective over ``group`` when ``distributed``: the host copies of ``save`` (its id and its
-    layout digest) written by DCP (`dcp_save`), or as DCP planned the last save of the same image when every rank can
-    (`replay`); either way, what the next save of this image can replay kept in ``hosts``."""
-    if agreed(recipe, distributed, group):
+    layout digest) written by DCP (`dcp_save`), or as DCP planned the last save of the same image
+    when every rank can (`collective_replay`); either way, what the next save of this image can
+    replay kept in ``hosts``."""
+    if collective_agree_to_replay(recipe, distributed, group):
         assert recipe is not None and isinstance(hosts, Staging)  # a recipe is found for a Staging only
-        replay(recipe, hosts, writer, distributed, group)
+        collective_replay(recipe, hosts, writer, distributed, group)
         hosts.recipe = recipe
         return
     dcp_save(hosts, storage_writer=writer, planner=planner, process_group=group, no_dist=not distributed)
@@ -91,7 +92,7 @@ def write_copies(
         hosts.recipe = recorded(save, writer, hosts, torch.distributed.get_world_size() if distributed else 1)
 
 
-def agreed(recipe: Recipe | None, distributed: bool, group: Any) -> bool:
+def collective_agree_to_replay(recipe: Recipe | None, distributed: bool, group: Any) -> bool:
     """Collective over ``group`` when ``distributed``: whether every rank holds a recipe, all of
     them of the same planned save."""
     if not distributed:
@@ -104,7 +105,7 @@ def agreed(recipe: Recipe | None, distributed: bool, group: Any) -> bool:
     return bool(mine.item()) and all(torch.equal(other, mine) for other in every)
 
 
-def replay(recipe: Recipe, hosts: Mapping[str, Any], writer: Any, distributed: bool, group: Any) -> None:
+def collective_replay(recipe: Recipe, hosts: Mapping[str, Any], writer: Any, distributed: bool, group: Any) -> None:
     """Collective over ``group`` when ``distributed`` (every rank replaying): write ``recipe``'s
     image and its extras (their values from ``hosts``) to its file with ``writer`` (a
     `DurableWriter`), then DCP's second phase: rank 0 writes the ``.metadata`` once every rank's
@@ -127,9 +128,9 @@ def replay(recipe: Recipe, hosts: Mapping[str, Any], writer: Any, distributed: b
 
 
 def recorded(save: tuple[str, str], writer: Any, hosts: Staging, world: int) -> Recipe | None:
-    """The recipe of ``save`` (its id and layout digest), which ``writer`` (a `DurableWriter`) just completed for
-    ``hosts``, if this rank's shard file was the image whole, then whole plain tensors only (and,
-    on rank 0, the metadata was written). Local."""
+    """The recipe of ``save`` (its id and layout digest), which ``writer`` (a `DurableWriter`) just
+    completed for ``hosts``, if this rank's shard file was the image whole, then whole plain
+    tensors only (and, on rank 0, the metadata was written). Local."""
     if writer.image_file is None or hosts.image is None or (writer.coordinator and writer.planned_metadata is None):
         return None
     file, results, extras = writer.image_file

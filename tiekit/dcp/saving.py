@@ -35,7 +35,7 @@ from tiekit.checkpoint.handle import SaveHandle, after_earlier_saves, register_p
 from tiekit.checkpoint.layout import PathLike
 from tiekit.collective import Ranks, collective_gather, failure_message, ranks
 from tiekit.dcp.layout import SAVE_PREFIX, committed_save_id, new_save_id, remove_stale, write_marker
-from tiekit.dcp.replay import recipe_for, write_copies
+from tiekit.dcp.replay import collective_write_copies, recipe_for
 from tiekit.dcp.staging import host_copies, optimizer_entries
 from tiekit.dcp.state import SaveState, dcp_save, running_dcp, save_state, unwrap, xla_spmd
 from tiekit.errors import CheckpointError, TiekitError
@@ -166,7 +166,7 @@ def save_sharded_staged(
             raise CheckpointError(destroyed)
         try:
             with running_dcp(folder, reading=False):
-                write_copies((save_id, layout), hosts, writer, recipe, planner, group, distributed)
+                collective_write_copies((save_id, layout), hosts, writer, recipe, planner, group, distributed)
         except Exception as exc:
             # DCP raised on every rank (it hands each rank every rank's failure), after all of them
             # stopped writing: each removes its own part of the folder.
