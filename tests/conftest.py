@@ -1,5 +1,7 @@
 import importlib.util
 import os
+import tempfile
+from collections.abc import Iterator
 
 import pytest
 
@@ -21,6 +23,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "xla" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def temporary_files_in_pytest_basetemp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Send every temporary file of the run into pytest's own folder, which keeps the last 3 runs.
+
+    Test scripts, documentation blocks and launchers (torchrun's error files) make temporary
+    folders in their own processes; under /tmp they would stay after every run.
+    """
+    folder = tmp_path_factory.mktemp("tmp", numbered=False)
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(folder)
+    tempfile.tempdir = None  # tempfile caches the folder it chose first
+    yield
+    if before is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before
+    tempfile.tempdir = None
 
 
 @pytest.fixture
