@@ -55,5 +55,8 @@ def test_killed_save_leaves_the_previous_checkpoint(tmp_path: Path, mode: str, w
 
     with pytest.raises(tiekit.CheckpointError, match="a save folder inside a checkpoint"):
         tiekit.load_sharded(model, killed)  # never taken for a checkpoint, even when named
+    left = sorted(p.name for p in path.glob(f".{tiekit.dcp.MARKER_NAME}.tiekit-tmp-*"))
+    assert len(left) == (when == "marker"), left  # the marker's work folder, killed as it wrote it
     tiekit.save_sharded(model, path)  # the next commit clears the killed save away
     assert len(list(path.glob("save-*"))) == 1
+    assert not list(path.glob(".*")), list(path.glob(".*"))  # and the killed commit's work folder

@@ -187,7 +187,7 @@ def _folder_for(target: Path) -> Iterator[None]:
             target.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise CheckpointError(f"{target}: cannot create the folder: {exc.strerror or exc}") from exc
-        _remove_dead_work_folders(target.parent)
+        remove_dead_work_folders(target.parent)
         yield
 
 
@@ -205,8 +205,9 @@ def removed_on_failure(folder: Path) -> Iterator[None]:
         raise
 
 
-def _remove_dead_work_folders(folder: Path) -> None:
-    # Work folders of saves that were killed (their process is gone) are garbage.
+def remove_dead_work_folders(folder: Path) -> None:
+    """Remove the work folders (and files) in ``folder`` that killed saves of this host left: their
+    process is gone. Those of live processes and of other hosts stay. Local, best effort."""
     for entry in folder.iterdir():
         match = _TEMP_RE.fullmatch(entry.name)
         ours = match is not None and match.group("host") in (None, _host())  # None: named before hosts were

@@ -22,7 +22,7 @@ from pathlib import Path
 from stat import S_ISREG
 from typing import Any, TypeVar
 
-from tiekit.checkpoint.files import _commit_file, _fsync
+from tiekit.checkpoint.files import _commit_file, _fsync, remove_dead_work_folders
 from tiekit.checkpoint.layout import PathLike
 from tiekit.checkpoint.reads import ReplacedWhileReading, reading_again
 from tiekit.errors import CheckpointError, TieError
@@ -229,13 +229,15 @@ def _not_stored(metadata: Any, tensors: Mapping[str, Any]) -> list[str]:
 
 
 def remove_stale(root: Path, keep: str | None) -> None:
-    """Remove save folders other than ``keep`` (older saves, killed saves). Local, best effort.
+    """Remove save folders other than ``keep`` (older saves, killed saves) and the marker's work
+    folders that killed commits left. Local, best effort.
 
     Only folders named ``save-<16 hex digits>`` (`SAVE_FOLDER_PATTERN`, the names tiekit gives
     its saves): the folder may hold anything else of the user's, ``save-best/`` included."""
     for entry in root.iterdir():
         if entry.name != keep and is_save_folder(entry):
             shutil.rmtree(entry, ignore_errors=True)
+    remove_dead_work_folders(root)
     with contextlib.suppress(OSError):
         _fsync(root)
 
