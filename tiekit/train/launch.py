@@ -12,21 +12,17 @@
 
 The runtimes themselves live in `tiekit.backends`; this module only starts them.
 
-Spawned replicas report through files in a private folder: each writes its `Outcome` as JSON
-and the warnings it gave (which the caller then gives, `tiekit.train.relayed_warnings`), and one
-replica per host writes the trained weights, which the caller's model then loads with
-`tiekit.load_model` (ties included).
+Spawned replicas report through files in a private folder (`tiekit.train.reports`) and relay
+the warnings they gave (`tiekit.train.relayed_warnings`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import pickle
 import tempfile
-import time
 import warnings
 from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
@@ -35,12 +31,11 @@ from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch as safetensors_torch
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from tiekit import devices, load_model
+from tiekit import devices
 from tiekit.backends import xla as xla_runtime
 from tiekit.backends.base import Backend
 from tiekit.backends.fsdp import FsdpBackend
@@ -54,9 +49,9 @@ from tiekit.backends.torch_distributed import (
 from tiekit.backends.xla_replicas import XlaReplicaBackend, xla_launch
 from tiekit.backends.xla_spmd import SpmdBackend
 from tiekit.collective import collective_gather
-from tiekit.errors import CheckpointError, TieError, TiekitError
+from tiekit.errors import TiekitError
 from tiekit.tracebacks import drop_library_locals
-from tiekit.train import relayed_warnings, state
+from tiekit.train import relayed_warnings, reports
 from tiekit.train.config import Job, Outcome
 from tiekit.train.loop import run_replica
 
@@ -163,7 +158,7 @@ def _xla(job: Job, requested: int | str) -> tuple[list[Outcome], nn.Module]:
             raise TiekitError(
                 f"the process running the {count or 'XLA'} replicas died before they finished (XLA prints why above)"
             ) from exc
-        return _collect(spawned)
+        return reports.collect(spawned)
 
 
 def _xla_entry(ordinal: int, job: Job) -> None:
@@ -172,7 +167,7 @@ def _xla_entry(ordinal: int, job: Job) -> None:
     if isinstance(wanted, int) and wanted != backend.replica_count:  # a TPU launches on every core
         raise TiekitError(f"devices={wanted}, but torch_xla.launch started {backend.replica_count} replicas")
     outcome, model = run_replica(job, backend)
-    _report(job, outcome, model, host_leader=xla_runtime.xla_local_ordinal() == 0)
+    reports.report(job, outcome, model, host_leader=xla_runtime.xla_local_ordinal() == 0)
 
 
 # -- "ddp" ----------------------------------------------------------------------------------------
@@ -212,10 +207,10 @@ def _processes(job: Job, requested: int | str) -> tuple[list[Outcome], nn.Module
             with _picklable(job.strategy), _generators_sent_by_value():
                 start_processes(_process_entry, args=(spawned, world, free_port()), nprocs=world, start_method="spawn")
         except ProcessException as exc:  # torch stopped the other processes when this one failed
-            if not _died_after_reporting(spawned, world, exc):
+            if not reports.died_after_reporting(spawned, world, exc):
                 with contextlib.suppress(Warning):  # a warning made an error (-W error) must not hide the failure
                     relayed_warnings.relay(Path(folder))
-                raise _failure(spawned, exc) from exc
+                raise reports.failure(spawned, exc) from exc
             warnings.warn(
                 f"replica {exc.error_index} was killed by signal {getattr(exc, 'signal_name', '?')} while exiting, "
                 "after every replica had reported its result: the run is complete. (torch's gloo process groups "
@@ -224,7 +219,7 @@ def _processes(job: Job, requested: int | str) -> tuple[list[Outcome], nn.Module
                 stacklevel=4,
             )
         relayed_warnings.relay(Path(folder))
-        return _collect(spawned)
+        return reports.collect(spawned)
 
 
 def refuse_a_replica_importing_main() -> None:
@@ -252,12 +247,9 @@ def _process_replica(rank: int, job: Job, world: int, port: int) -> None:
     backend = _process_backend(job.strategy, rank, world, port)
     try:
         outcome, model = run_replica(job, backend)
-        _report(job, outcome, model, host_leader=rank == 0)  # spawned here: all on this host
+        reports.report(job, outcome, model, host_leader=rank == 0)  # spawned here: all on this host
     except BaseException as exc:
-        assert job.result_dir is not None
-        error = {"type": type(exc).__name__, "message": str(exc), "time": time.time(), "pid": os.getpid()}
-        # Whole or not there: torch stops this process when a peer dies, maybe in the middle of the write.
-        _write_whole(job.result_dir / f"error-{rank}.json", json.dumps(error))
+        reports.report_error(job, rank, exc)
         drop_library_locals(exc)  # the group goes with the model holding it (see collective_close_process_group)
         clear_dtensor_caches()
         dist.destroy_process_group()  # peers may be gone: no meeting
@@ -314,118 +306,3 @@ def _picklable(strategy: str) -> Iterator[None]:
             "level of an importable file (no lambdas or local functions), and call fit under "
             "if __name__ == '__main__':"
         ) from exc
-
-
-# -- results of spawned replicas --------------------------------------------------------------------
-
-
-def _died_after_reporting(job: Job, world: int, exc: Exception) -> bool:
-    """Whether a replica that died by a signal did so only on its way out: every replica wrote its
-    outcome (each does before the ranks' last meeting, so the one that died had passed it) and
-    none an error."""
-    from torch.multiprocessing.spawn import ProcessExitedException
-
-    assert job.result_dir is not None
-    reported = all((job.result_dir / f"outcome-{rank}.json").is_file() for rank in range(world))
-    failed = any(job.result_dir.glob("error-*.json"))
-    return isinstance(exc, ProcessExitedException) and bool(exc.signal_name) and reported and not failed
-
-
-def _report(job: Job, outcome: Outcome, model: nn.Module, host_leader: bool) -> None:
-    assert job.result_dir is not None
-    if host_leader:
-        # The replicas are identical; one per host writes, because on a pod slice every host's
-        # caller collects from its own folder. safetensors' save_model stores a tie once and
-        # records it; tiekit.load_model reads that record.
-        safetensors_torch.save_model(model, str(job.result_dir / "model.safetensors"))
-    _write_whole(job.result_dir / f"outcome-{outcome.rank}.json", json.dumps(dataclasses.asdict(outcome)))
-
-
-def _write_whole(path: Path, text: str) -> None:
-    """``path`` holding ``text``, whole or not there: written aside, then renamed (its reader in the
-    parent may look at any moment, and this process may be stopped in the middle)."""
-    partial = path.with_name("." + path.name)
-    partial.write_text(text, encoding="utf-8")
-    partial.replace(path)
-
-
-def _collect(job: Job) -> tuple[list[Outcome], nn.Module]:
-    assert job.result_dir is not None
-    files = sorted(job.result_dir.glob("outcome-*.json"), key=lambda p: int(p.stem.split("-")[1]))
-    if not files:
-        # Every replica ended without an outcome, yet without an error exit torch would report
-        # (its spawn wrapper exits 0 on KeyboardInterrupt): their error files say why.
-        errors = _replica_errors(job)
-        if errors:
-            index, pid, kind, how = _first_failure(errors)
-            raise kind(f"replica {index} (process {pid}) {how}")
-        raise TiekitError(f"the {job.strategy!r} replicas exited without reporting (see their output above)")
-    outcomes = []
-    for path in files:
-        fields: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
-        values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
-        outcomes.append(Outcome(**values))
-    if isinstance(job.model, nn.Module):
-        model = job.model
-    else:
-        state.seed_generators(job.config.seed)
-        model = job.model()
-    load_model(model, job.result_dir / "model.safetensors")
-    return outcomes, model
-
-
-def _replica_errors(job: Job) -> dict[int, dict[str, Any]]:
-    """The errors the replicas reported before they raised (their error files), the first first."""
-    assert job.result_dir is not None
-    found = {
-        int(p.stem.split("-")[1]): json.loads(p.read_text(encoding="utf-8"))
-        for p in job.result_dir.glob("error-*.json")  # each whole (see _process_entry)
-    }
-    return dict(sorted(found.items(), key=lambda item: item[1]["time"]))
-
-
-def _first_failure(errors: dict[int, dict[str, Any]]) -> tuple[int, Any, type[TiekitError], str]:
-    """The replica that failed first (`_replica_errors`), its process id, the class to raise (a
-    tiekit error keeps its own) and ``failed: <its error> (then replica ... failed too)``."""
-    index, error = next(iter(errors.items()))
-    later = [str(r) for r in errors if r != index]
-    how = f"failed: {_described(error)}" + (f" (then replica {', '.join(later)} failed too)" if later else "")
-    return index, error["pid"], _TIEKIT_ERRORS.get(error["type"], TiekitError), how
-
-
-def _described(error: dict[str, Any]) -> str:
-    """``Type: message`` of a replica's error file (``Type`` alone for an empty message)."""
-    return f"{error['type']}: {error['message']}" if error["message"] else str(error["type"])
-
-
-def _failure(job: Job, exc: Exception) -> TiekitError:
-    """The error `fit` raises when a spawned replica failed (``exc``: torch's report) and torch
-    stopped the others: which replica, how (its error, the signal that killed it), and the last
-    checkpoint. A tiekit error of the replica keeps its class (`CheckpointError`...).
-
-    The replica named is the first to report an error: once one fails, the others fail in the
-    broken group ("Connection closed by peer"), and torch reports whichever exit it saw first.
-    A replica killed by a signal is named as torch reports it (it could not report)."""
-    from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
-
-    assert isinstance(exc, ProcessException)
-    errors = _replica_errors(job)
-    kind = TiekitError
-    index, pid = exc.error_index, getattr(exc, "error_pid", getattr(exc, "pid", "?"))  # renamed in torch 2.10
-    if isinstance(exc, ProcessExitedException) and exc.signal_name:
-        how = f"was killed by signal {exc.signal_name}"
-        others = [f"replica {r}: {_described(e)}" for r, e in errors.items() if r != index]
-        how += f" (replicas reported errors too: {'; '.join(others)})" if others else ""
-    elif errors:
-        index, pid, kind, how = _first_failure(errors)
-    elif isinstance(exc, ProcessExitedException):
-        how = f"exited with code {exc.exit_code} without reporting an error (its output above says why)"
-    else:  # raised before its replica ran (joining the group)
-        how = "failed: see its traceback above"
-    folder = job.config.checkpoint_dir
-    last = None if folder is None or not folder.is_dir() else state.last_checkpoint(folder)
-    saved = "" if folder is None else f"; the last checkpoint: {last or 'none written'}"
-    return kind(f"replica {index} (process {pid}) {how}; the run stopped its other replicas{saved}")
-
-
-_TIEKIT_ERRORS: dict[str, type[TiekitError]] = {e.__name__: e for e in (TiekitError, CheckpointError, TieError)}
