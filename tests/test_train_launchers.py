@@ -279,6 +279,22 @@ def test_resume_from_a_checkpoint_only_rank_0_has_fails_on_every_rank_under_torc
     assert not (tmp_path / "swap0" / "ckpt").exists()
     assert sorted(os.listdir(tmp_path / "swap1" / "ckpt")) == ["step-00000010.safetensors"]
 
+    # Rank 0's newest older than another rank's: every rank resumed at rank 0's step 5 and trained
+    # steps 5 to 10 again, without a word (probe).
+    seed_checkpoint(tmp_path / "behind0", 5)
+    seed_checkpoint(tmp_path / "behind1", 10)
+    shutil.copy(tmp_path / "behind0" / "ckpt" / "step-00000005.safetensors", tmp_path / "behind1" / "ckpt")
+    records = torchrun_one_node(tmp_path, "behind", {**options, "own_folder": str(tmp_path / "behind{rank}")})
+    for record in records:
+        assert record.get("tiekit"), record
+        assert f"rank 0's newest checkpoint in {LOCAL} is {LOCAL}/step-00000005.safetensors" in record["message"]
+        assert f"find a newer one there (rank 1: {LOCAL}/step-00000010.safetensors)" in record["message"]
+    assert sorted(os.listdir(tmp_path / "behind0" / "ckpt")) == ["step-00000005.safetensors"]
+    assert sorted(os.listdir(tmp_path / "behind1" / "ckpt")) == [
+        "step-00000005.safetensors",
+        "step-00000010.safetensors",
+    ]
+
 
 @pytest.mark.newest_torch_only  # fit's own logic, the same on both stacks: one run keeps CI short
 def test_ranks_holding_different_checkpoints_of_the_same_step_refuse_to_resume(tmp_path: Path) -> None:

@@ -157,17 +157,20 @@ class Coordinator:
             return state.Position()
         choice, continued = resuming.choose(cfg) if self.ranks.rank == 0 else (None, [])
         # resume="last": the others say what their own checkpoint_dir holds, so that rank 0
-        # finding none where they find some (node-local folders, rank 0 on another node this
-        # launch) is an error, not a fresh start that trains every step again.
+        # finding none, or an older one, where they find a newer one (node-local folders, rank 0
+        # on another node this launch) is an error, not a start that trains those steps again.
         seen = resuming.newest_here(cfg) if self.ranks.rank != 0 else None
         gathered = self.gather((choice, seen))
         chosen = gathered[0][0]
+        elsewhere = [(rank, newest) for rank, (_, newest) in enumerate(gathered) if newest is not None]
         if chosen is None:
-            elsewhere = [(rank, newest) for rank, (_, newest) in enumerate(gathered) if newest is not None]
             if elsewhere:
                 raise TiekitError(resuming.only_elsewhere(cfg, elsewhere, self.ranks.world))
             return state.Position()  # resume="last" and nothing saved yet: every rank starts fresh
         path = Path(chosen)
+        newer = [(r, n) for r, n in elsewhere if (state.step_in_name(Path(n)) or 0) > (state.step_in_name(path) or 0)]
+        if newer:
+            raise TiekitError(resuming.newer_elsewhere(cfg, path, newer, self.ranks.world))
         problems = self.gather(resuming.cannot_open(path))
         failed = [(rank, problem) for rank, problem in enumerate(problems) if problem is not None]
         if failed:

@@ -42,6 +42,17 @@ def only_elsewhere(cfg: FitConfig, elsewhere: list[tuple[int, str]], world: int)
     )
 
 
+def newer_elsewhere(cfg: FitConfig, chosen: Path, newer: list[tuple[int, str]], world: int) -> str:
+    shown = "; ".join(f"rank {rank}: {newest}" for rank, newest in newer[:8])
+    return (
+        f'resume="last": rank 0\'s newest checkpoint in {cfg.checkpoint_dir} is {chosen}, but {len(newer)} of the '
+        f"other {world - 1} rank(s) find a newer one there ({shown}): the folder is not one folder for every rank "
+        "(node-local storage?). Resuming from rank 0's would train those steps again. Put checkpoint_dir on "
+        "storage every node shares, copy the newest checkpoint to rank 0's node, or pass resume=<path> on every "
+        "rank to resume from an older one on purpose"
+    )
+
+
 def cannot_open(path: Path) -> str | None:
     """Why this rank cannot read ``path`` (None: it can); a sharded checkpoint's marker for a folder."""
     try:

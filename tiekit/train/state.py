@@ -61,6 +61,12 @@ def checkpoints_in(folder: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def step_in_name(path: Path) -> int | None:
+    """The step a checkpoint fit wrote is named after (``step-<N>``), or None for another name."""
+    match = _STEP_FILE.fullmatch(path.name) or _STEP_FOLDER.fullmatch(path.name)
+    return None if match is None else int(match.group(1))
+
+
 def last_checkpoint(folder: Path) -> Path | None:
     """The checkpoint of ``folder`` with the highest step (see `checkpoints_in`), or None."""
     found = checkpoints_in(folder)
