@@ -76,6 +76,8 @@ options.setdefault("strategy", "ddp")
 options["strategy"] = options.pop("strategies", {}).get(str(rank), options["strategy"])  # {"1": "fsdp"}
 size = options.pop("sizes", {}).get(str(rank), 256)  # {"1": 240}: rank 1's dataset is shorter
 failing = options.pop("failing", {})  # {"rank": 1, "after": 16}: its dataset raises after 16 samples
+if "threads" in options:  # the script's own choice of torch's threads, which fit must keep
+    torch.set_num_threads(options.pop("threads"))
 try:
     if rank in options.pop("validating", []):  # [1]: val_data on rank 1 only
         options.setdefault("val_data", dataset(64))
@@ -90,7 +92,8 @@ except Exception as exc:
     record = dict(error=type(exc).__name__, tiekit=isinstance(exc, tiekit.TiekitError), message=str(exc),
                   notes=getattr(exc, "__notes__", []))
     record.update(gloo_threads_while_failing=gloo_threads())  # the traceback, and its frames, still alive
-record.update(rank=rank, cwd=os.getcwd(), seconds=time.time() - started, gloo_threads=gloo_threads())
+record.update(rank=rank, cwd=os.getcwd(), seconds=time.time() - started, gloo_threads=gloo_threads(),
+              threads=torch.get_num_threads())
 if control:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -254,7 +257,9 @@ def test_resume_from_a_checkpoint_only_rank_0_has_fails_on_every_rank_under_torc
     # step-15 checkpoint is written once, by rank 0, into its own folder.
     (tmp_path / "node1" / "ckpt").mkdir()
     shutil.copy(tmp_path / "node0" / "ckpt" / "step-00000010.safetensors", tmp_path / "node1" / "ckpt")
-    records = torchrun_one_node(tmp_path, "both", options)
+    records = torchrun_one_node(tmp_path, "both", {**options, "threads": 2})
+    # fit kept the script's threads (it set each rank to the host's cores over the local ranks: 1)
+    assert [r["threads"] for r in records] == [2, 2]
     # Every rank's result holds every replica's digest and rank 0's losses (only rank 0 logs them);
     # each used to hold its own digest only (replicas_identical held whatever the replicas did)
     # and rank 1 no losses.

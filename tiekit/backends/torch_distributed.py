@@ -79,14 +79,16 @@ def local_ranks(rank: int, world: int, env: Mapping[str, str]) -> tuple[int, int
 def join_process_group(rank: int, world: int, port: int | None) -> torch.device:
     """Collective: this process's device, after joining the run's process group (under torchrun:
     its store, see `collective_store_of_this_launch`; else ``tcp://127.0.0.1:<port>``) unless one
-    is up already; waits for every process."""
+    is up already; waits for every process. A process spawned here (``port`` given) without
+    ``OMP_NUM_THREADS`` uses its share of the host's cores for torch's threads."""
     local_rank, local_world = local_ranks(rank, world, os.environ)
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     device, group_backend = process_device(local_rank, local_world, cuda_count)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        # As torchrun does: processes sharing a host's cores should not each use all of them.
+    elif port is not None and "OMP_NUM_THREADS" not in os.environ:
+        # Processes fit spawned share this host's cores: each takes its share, not all of them.
+        # Under torchrun the threads stay as torchrun (OMP_NUM_THREADS) or the script set them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // (local_world or 1)))
     if dist.is_initialized():
         return device
