@@ -62,7 +62,7 @@ def gloo_threads():  # this process's gloo worker threads (torch names them): al
 def fit():
     data = FailsAfter(dataset(size), failing["after"]) if failing.get("rank") == rank else dataset(size)
     return tiekit.fit(WeightSharingModule, data, loss_fn=F.mse_loss, batch_size=8,
-                      progress=False, optimizer=functools.partial(torch.optim.AdamW, lr=1e-2), **options)
+                      progress=False, optimizer=functools.partial(torch.optim.AdamW, lr=lr), **options)
 
 
 def own_group(prefix):  # a group made by the script, in torchrun's store under a prefix of its own
@@ -76,6 +76,7 @@ options.setdefault("strategy", "ddp")
 options["strategy"] = options.pop("strategies", {}).get(str(rank), options["strategy"])  # {"1": "fsdp"}
 size = options.pop("sizes", {}).get(str(rank), 256)  # {"1": 240}: rank 1's dataset is shorter
 failing = options.pop("failing", {})  # {"rank": 1, "after": 16}: its dataset raises after 16 samples
+lr = options.pop("lrs", {}).get(str(rank), 1e-2)  # {"1": 0.1}: rank 1's optimizer factory differs
 if "threads" in options:  # the script's own choice of torch's threads, which fit must keep
     torch.set_num_threads(options.pop("threads"))
 try:
@@ -393,6 +394,18 @@ def test_ranks_given_different_strategies_are_refused_at_the_start(tmp_path: Pat
     for record in records:
         assert record.get("tiekit"), record
         assert "passed fit different strategy (rank 0: 'ddp'; rank 1: 'fsdp')" in record["message"], record
+
+
+@pytest.mark.newest_torch_only  # fit's start-up, the same code on both stacks: one torchrun is enough
+def test_ranks_building_different_optimizers_are_refused_at_the_start(tmp_path: Path) -> None:
+    # FSDP2 trained one model with each rank's shard stepped at its own learning rate, without a
+    # word (and DDP's replicas drifted apart, reported only as replicas_identical=False; probe).
+    options = {"strategy": "fsdp", "lrs": {"1": 0.1}, "max_steps": 2}
+    records = torchrun_one_node(tmp_path, "out", options, timeout=60)
+    for record in records:
+        assert record.get("tiekit"), record
+        told = "the ranks of this run built different optimizers: param group 0's lr is rank 0: 0.01; rank 1: 0.1"
+        assert told in record["message"], record
 
 
 @pytest.mark.newest_torch_only  # fit's start-up, the same code on both stacks: one torchrun is enough

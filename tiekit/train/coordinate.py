@@ -112,6 +112,27 @@ class Coordinator:
                 f"{exc}. The model factory must build the same model, with the same ties, on every rank of a run"
             ) from exc
 
+    def agree_on_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Collective: every rank built the same optimizer (its class, and each param group's
+        options and parameter count); else a `TiekitError` on every rank naming the first option
+        that differs and the ranks. Replicas stepping with different options drift apart (DDP)
+        or train one model with a mixture of them (FSDP2), without an error."""
+        if self.ranks.world == 1:
+            return
+        gathered = self.gather(_optimizer_description(optimizer))
+        differ = [r for r, other in enumerate(gathered) if other != gathered[0]]
+        if not differ:
+            return
+        first = differ[0]
+        what = next(
+            k for k in sorted(set(gathered[0]) | set(gathered[first])) if gathered[0].get(k) != gathered[first].get(k)
+        )
+        shown = "; ".join(f"rank {r}: {gathered[r].get(what, 'none')}" for r in [0, *differ[:7]])
+        raise TiekitError(
+            f"the ranks of this run built different optimizers: {what} is {shown}. The optimizer factory must "
+            "build the same optimizer on every rank of a run (a learning rate that depends on the rank?)"
+        )
+
     def agree_on_data(self, shares: dict[str, tuple[int, int]]) -> None:
         """Collective: every rank was given each dataset, and its share of it,
         ``{"train_data": (samples, batches)}`` per epoch, has as many batches; else a `TiekitError`
@@ -389,3 +410,22 @@ def abort(backend: Backend, reason: str) -> None:
 
 def _comparable(value: Any) -> Any:
     return str(value) if isinstance(value, Path) else value
+
+
+def _optimizer_description(optimizer: torch.optim.Optimizer) -> dict[str, str]:
+    """``{"the optimizer": class, "param group 0's lr": "0.01", ...}``: what must be equal on every rank."""
+    found = {
+        "the optimizer": type(optimizer).__qualname__,
+        "the number of param groups": str(len(optimizer.param_groups)),
+    }
+    for i, group in enumerate(optimizer.param_groups):
+        found[f"param group {i}'s parameter count"] = str(len(group["params"]))
+        found.update((f"param group {i}'s {key}", _option(value)) for key, value in group.items() if key != "params")
+    return found
+
+
+def _option(value: Any) -> str:
+    # A tensor option (a tensor lr) lives on each rank's own device: compared by value.
+    if isinstance(value, torch.Tensor):
+        return f"{value.tolist()!r} ({str(value.dtype).removeprefix('torch.')} tensor)"
+    return repr(value)
