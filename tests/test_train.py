@@ -350,8 +350,21 @@ def test_a_deletion_cut_short_is_finished_by_the_next_run_that_keeps_n(tmp_path:
     tiekit.fit(DropoutNet, data(), max_steps=4, **kw)
     tiekit.save_sharded(DropoutNet(), tmp_path / ".step-00000004.deleting")  # as a kill leaves it
     tiekit.save_sharded(DropoutNet(), tmp_path / ".step-00000002.deleting")
+    # A sharded save killed before its marker, at a step this run does not reach again (probe: it
+    # stayed for good), and one in a step folder that holds a file of the user's too.
+    for step in (5, 7):
+        uncommitted = tmp_path / f"step-0000000{step}"
+        tiekit.save_sharded(DropoutNet(), uncommitted)
+        (uncommitted / tiekit.dcp.MARKER_NAME).unlink()
+        (uncommitted / f".{tiekit.dcp.MARKER_NAME}.tiekit-tmp-host-1-0123abcd").mkdir()
+    (tmp_path / "step-00000007" / "notes.txt").write_text("the user's")
     tiekit.fit(DropoutNet, data(), max_steps=6, checkpoint_keep=2, resume="last", **kw)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004.safetensors", "step-00000006.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step-00000004.safetensors",
+        "step-00000006.safetensors",
+        "step-00000007",
+    ]
+    assert (tmp_path / "step-00000007" / "notes.txt").read_text() == "the user's"
 
     from tiekit.train import state
 

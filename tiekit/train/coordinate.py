@@ -349,12 +349,14 @@ class Coordinator:
     def _complete(self, cfg: FitConfig, path: Path) -> None:
         """``path`` is complete on every rank: with ``checkpoint_keep``, the writer deletes this
         run's checkpoints older than the newest ``checkpoint_keep``, and at the run's first
-        complete save finishes the deletions a kill cut short (local, no collective)."""
+        complete save finishes the deletions a kill cut short and removes the step folders of
+        sharded saves a kill left uncommitted (local, no collective)."""
         self.written = [p for p in self.written if p != path] + [path]  # a step saved twice counts once
         if cfg.checkpoint_keep is None:
             return
         if self.ranks.is_writer and not self.leftovers_cleared:
             state.remove_cut_short_deletions(path.parent)  # a launch killed while deleting left them
+            state.remove_uncommitted_step_folders(path.parent, keep=path)  # or while saving
             self.leftovers_cleared = True
         if len(self.written) <= cfg.checkpoint_keep:
             return

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from tiekit import devices, load_checkpoint
-from tiekit.dcp import is_sharded_checkpoint, load_sharded
+from tiekit.dcp import MARKER_NAME, is_sharded_checkpoint, load_sharded
+from tiekit.dcp.layout import is_save_folder
 from tiekit.errors import CheckpointError
 
 _STEP_FILE = re.compile(r"step-(\d+)\.safetensors")
@@ -100,6 +101,22 @@ def remove_cut_short_deletions(folder: Path) -> None:
 
 
 _CUT_SHORT = re.compile(r"\.step-\d+\.deleting")
+
+
+def remove_uncommitted_step_folders(folder: Path, keep: Path) -> None:
+    """Local, best effort: remove the ``step-<n>`` folders of ``folder`` (other than ``keep``)
+    that hold only sharded saves never committed (a launch killed before their marker): no loader
+    takes them, and a run that never reaches step n again left their bytes there for good. A
+    folder holding anything else (a file of yours) stays."""
+    for entry in folder.glob("step-*"):
+        if entry == keep or not _STEP_FOLDER.fullmatch(entry.name) or entry.is_symlink() or not entry.is_dir():
+            continue
+        if is_sharded_checkpoint(entry):
+            continue
+        inside = list(entry.iterdir())
+        marker_work = f".{MARKER_NAME}.tiekit-tmp-"
+        if inside and all(is_save_folder(e) or e.name.startswith(marker_work) for e in inside):
+            remove_checkpoint(entry)
 
 
 @dataclass(frozen=True)
