@@ -64,6 +64,37 @@ def test_prepare_tied_on_cpu_keeps_ties_and_views_and_trains(cpu_accelerator: ac
     assert views.wt.data_ptr() == views.w.data_ptr() and views.wt.stride() == (1, 6)
 
 
+def test_a_checkpoint_records_the_optimizer_inside_accelerates_wrapper(
+    cpu_accelerator: accelerate.Accelerator, tmp_path: Path
+) -> None:
+    """It recorded the wrapper's class (AcceleratedOptimizer): the file loaded into no plain AdamW,
+    and AdamW's state loaded into a wrapped SGD without a word (probe)."""
+    accelerator = cpu_accelerator
+    built = gpt2()
+    model, optimizer = prepare_tied(accelerator, built, torch.optim.AdamW(built.parameters(), lr=1e-2))
+    inner = accelerator.unwrap_model(model)
+    step(accelerator, model, optimizer)
+    tiekit.save_checkpoint(tmp_path / "acc.safetensors", model=inner, optimizer=optimizer, step=1)
+    tiekit.save_sharded(inner, tmp_path / "acc", optimizer=optimizer)
+    plain = gpt2()
+    adamw = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    tiekit.load_checkpoint(tmp_path / "acc.safetensors", model=plain, optimizer=adamw)
+    tiekit.load_sharded(plain, tmp_path / "acc", optimizer=adamw)
+    assert torch.equal(adamw.state[plain.lm_head.weight]["exp_avg"], optimizer.state[inner.lm_head.weight]["exp_avg"])
+    tiekit.save_checkpoint(tmp_path / "plain.safetensors", model=plain, optimizer=adamw, step=1)
+    tiekit.load_checkpoint(tmp_path / "plain.safetensors", model=inner, optimizer=optimizer)
+
+    other = gpt2()
+    sgd = accelerator.prepare(torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9))
+    for path in (tmp_path / "acc.safetensors", tmp_path / "acc"):
+        with pytest.raises(tiekit.CheckpointError, match="holds AdamW state, not SGD"):
+            if path.is_dir():
+                tiekit.load_sharded(other, path, optimizer=sgd)
+            else:
+                tiekit.load_checkpoint(path, model=other, optimizer=sgd)
+        assert len(sgd.state) == 0 and "betas" not in sgd.param_groups[0]
+
+
 def test_prepare_tied_returns_what_prepare_returns_and_rebinds_an_early_optimizer(
     cpu_accelerator: accelerate.Accelerator,
 ) -> None:

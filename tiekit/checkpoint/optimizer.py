@@ -54,7 +54,24 @@ def optimizer_record(
         name = index_name[index]
         if name not in state:  # tied names share one parameter, so one state
             state[name] = encode(dict(values), f"optimizer/state/{name}", side)
-    return {"class": type(optimizer).__name__, "param_groups": groups, "state": state}
+    return {"class": optimizer_class(optimizer).__name__, "param_groups": groups, "state": state}
+
+
+def optimizer_class(optimizer: torch.optim.Optimizer) -> type:
+    """The class of the optimizer that steps: inside the wrappers frameworks hand out
+    (accelerate's ``AcceleratedOptimizer.optimizer``, Lightning's ``LightningOptimizer._optimizer``),
+    which pass its state through. A checkpoint records it, so that the same optimizer loads with
+    and without a framework, and another one (AdamW state into a wrapped SGD) is refused. A
+    wrapper with state of its own (Lookahead's slow weights) is an optimizer of its own."""
+    inner: Any = optimizer
+    for _ in range(8):  # a wrapper of a wrapper; never a cycle
+        wrapped = getattr(inner, "optimizer", None) or getattr(inner, "_optimizer", None)
+        if not isinstance(wrapped, torch.optim.Optimizer) or wrapped is inner:
+            break
+        if getattr(inner, "state", None) is not wrapped.state:
+            break
+        inner = wrapped
+    return type(inner)
 
 
 def stage_optimizer(
@@ -68,8 +85,10 @@ def stage_optimizer(
     """Validate the saved optimizer state against ``optimizer``; return the commit step."""
     if not isinstance(record, dict) or not isinstance(record.get("param_groups"), list):
         raise CheckpointError(f"{where}: corrupted optimizer record")
-    if record.get("class") != type(optimizer).__name__:
-        raise CheckpointError(f"{where}: holds {record.get('class')} state, not {type(optimizer).__name__}")
+    kind = optimizer_class(optimizer)
+    # Files written before the class was taken from inside a wrapper name the wrapper.
+    if record.get("class") not in (kind.__name__, type(optimizer).__name__):
+        raise CheckpointError(f"{where}: holds {record.get('class')} state, not {kind.__name__}")
     saved_groups = record["param_groups"]
     if len(saved_groups) != len(optimizer.param_groups):
         raise CheckpointError(
@@ -214,13 +233,13 @@ def _check_state_shapes(
     the first ``step``: one with the parameter's element count in another shape always, and for
     torch.optim's parameter-shaped optimizers any non-scalar one of another shape."""
     numel = math.prod(shape)
-    strict = type(optimizer).__module__.startswith("torch.optim") and type(optimizer).__name__ in _PARAMETER_SHAPED
+    kind = optimizer_class(optimizer)
+    strict = kind.__module__.startswith("torch.optim") and kind.__name__ in _PARAMETER_SHAPED
     for key, value in values.items():
         if strict and not _state_value_fits(key, value):
             # torch would take it and fail at the first step (None.lerp_, float(None)...).
             raise CheckpointError(
-                f"{where}: optimizer state {key!r} of {name!r} is {value!r}, where "
-                f"{type(optimizer).__name__} keeps a tensor"
+                f"{where}: optimizer state {key!r} of {name!r} is {value!r}, where {kind.__name__} keeps a tensor"
             )
         if not isinstance(value, torch.Tensor) or value.dim() == 0 or tuple(value.shape) == shape:
             continue
@@ -277,7 +296,7 @@ def _check_values_torch_accepts(
     step failed in torch's arithmetic. So one is built with the saved options, on a stand-in
     parameter, and its ``ValueError`` becomes a `CheckpointError`. Other optimizers are left to
     themselves: building one may have effects."""
-    cls = type(optimizer)
+    cls = optimizer_class(optimizer)
     if not cls.__module__.startswith("torch.optim"):
         return
     accepted = inspect.signature(cls).parameters
