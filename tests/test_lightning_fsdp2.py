@@ -37,6 +37,7 @@ from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 from torch.distributed.fsdp import fully_shard
 
+import lightning.pytorch as pl
 import tiekit
 from lightning_fsdp2 import Module, TiesHeld, data, train, trainer
 from tiekit.integrations.lightning import KeepTies, TiedCheckpointIO
@@ -47,6 +48,18 @@ class SplitModule(Module):
         mesh = self.device_mesh["data_parallel"]
         for part in (self.model.embed, self.model.head, self.model):  # the tied pair in two units
             fully_shard(part, mesh=mesh)
+
+
+class BuiltInConfigure(Module):  # the model built in configure_model, Lightning's way for large models
+
+    def __init__(self):
+        pl.LightningModule.__init__(self)
+
+    def configure_model(self):
+        from lightning_fsdp2 import TiedLM
+
+        self.model = TiedLM()
+        SplitModule.configure_model(self)
 
 
 def fit_and_tell(run, module_class, label):
@@ -60,8 +73,8 @@ def fit_and_tell(run, module_class, label):
         print(f"rank {{run.global_rank}}: {{label}}: trained", flush=True)
 
 
-def split_run(callbacks):
-    fit_and_tell(trainer({STEPS}, callbacks), SplitModule, f"{{len(callbacks)}} callbacks")
+def split_run(callbacks, module_class=SplitModule, label=""):
+    fit_and_tell(trainer({STEPS}, callbacks), module_class, f"{{label}}{{len(callbacks)}} callbacks")
 
 
 def tied_io_run():
@@ -76,6 +89,7 @@ if __name__ == "__main__":
     train(out / "meta", steps={STEPS})
     split_run([TiesHeld()])
     split_run([KeepTies(), TiesHeld()])
+    split_run([KeepTies(), TiesHeld()], BuiltInConfigure, "built in configure_model: ")
     tied_io_run()
 """
 
@@ -122,6 +136,10 @@ def test_model_parallel_strategy_keeps_ties_and_refuses_split_units(tmp_path: Pa
         assert f"rank {rank}: training starts, tied False, 6 parameters" in text, text[-6000:]
         # KeepTies refuses the same layout before the first step, naming the units.
         refused = f"rank {rank}: 2 callbacks: TieError: tiekit: FSDP would shard and update tied weights"
+        assert refused in text, text[-6000:]
+        # The same with the model built in configure_model: KeepTies had no tie to check (its plan,
+        # made before, was empty) and the split tie trained on torch 2.9 (probe).
+        refused = f"rank {rank}: built in configure_model: 2 callbacks: TieError: tiekit: FSDP would shard and update"
         assert refused in text, text[-6000:]
     assert "model.embed.weight (unit 'model.embed'), model.head.weight (unit 'model.head')" in text
     assert "2 callbacks: trained" not in text

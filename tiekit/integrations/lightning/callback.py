@@ -56,7 +56,8 @@ class KeepTies(Callback):
 
         The ties the module holds now, before ``configure_model``, must survive that hook:
         where it shards the module with FSDP2 (``ModelParallelStrategy``), units that split a
-        tie raise `tiekit.TieError` naming them (`tiekit.check_sharding`), before the first step."""
+        tie raise `tiekit.TieError` naming them (`tiekit.check_sharding`), before the first step.
+        A model ``configure_model`` builds itself is checked as it stands after the hook."""
         self._unwrap()
         strategy = trainer.strategy
         _refuse_tied_io_where_unused(strategy)
@@ -87,6 +88,8 @@ class KeepTies(Callback):
         """Refuse ties that were one tensor before ``configure_model`` and are not after it."""
         kept = _still_named(pl_module, before)  # configure_model may replace modules: those are new
         if not kept.groups:
+            if _has_fsdp2_units(pl_module):  # a model built in configure_model: its ties as read now
+                check_sharding(pl_module)
             return
         if _has_fsdp2_units(pl_module):
             check_sharding(pl_module, kept)  # TieError naming the units that split a tie
