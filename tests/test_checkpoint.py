@@ -615,3 +615,39 @@ def test_a_step_that_is_not_an_integer_is_refused(tmp_path: Path, step: object) 
     assert list(tmp_path.iterdir()) == []
     tiekit.save_checkpoint(tmp_path / "c.safetensors", model=WeightSharingModule(), step=torch.tensor(4))  # type: ignore[arg-type]
     assert tiekit.load_checkpoint(tmp_path / "c.safetensors", model=WeightSharingModule())["step"] == 4
+
+
+@pytest.mark.parametrize("wrap", [nn.DataParallel, torch.compile], ids=["DataParallel", "compile"])
+def test_a_wrapped_model_saves_and_loads_under_its_modules_names(
+    tmp_path: Path, wrap: Callable[..., nn.Module]
+) -> None:
+    """A DDP/DataParallel or torch.compile wrapper's names ('module.', '_orig_mod.') prefixed every
+    key of save_model and save_checkpoint, so the file loaded into no plain model (save_sharded
+    already took the module inside; probe: accelerate's unwrap_model keeps the compile wrapper)."""
+    torch.manual_seed(0)
+    model = WeightSharingModule()
+    wrapped = wrap(model)
+    assert all(k.startswith(("module.", "_orig_mod.")) for k in wrapped.state_dict())  # what was written
+    save_model(wrapped, tmp_path / "w.safetensors")
+    saved_weight = model.layer_1.weight.detach().clone()
+    with safe_open(tmp_path / "w.safetensors", "pt") as f:
+        assert sorted(f.keys()) == ["layer_1.weight", "layer_2.weight"]
+    plain = WeightSharingModule()
+    load_model(plain, tmp_path / "w.safetensors")
+    assert plain.layer_3.weight is plain.layer_1.weight
+    assert torch.equal(plain.layer_1.weight, model.layer_1.weight)
+
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    model(torch.randn(2, 32)).sum().backward()  # the module itself: no compilation here
+    optimizer.step()
+    tiekit.save_checkpoint(tmp_path / "c.safetensors", model=wrapped, optimizer=optimizer, step=1)
+    fresh = WeightSharingModule()
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    assert tiekit.load_checkpoint(tmp_path / "c.safetensors", model=fresh, optimizer=fresh_optimizer)["step"] == 1
+    again = wrap(WeightSharingModule())  # and into a wrapped model, by its module's names
+    load_model(again, tmp_path / "w.safetensors")
+    inner = again.module if isinstance(again, nn.DataParallel) else again._orig_mod
+    assert inner.layer_3.weight is inner.layer_1.weight and torch.equal(inner.layer_1.weight, saved_weight)
+    assert torch.equal(fresh.layer_1.weight, model.layer_1.weight) and fresh.layer_3.weight is fresh.layer_1.weight
+    saved = optimizer.state[model.layer_1.weight]["exp_avg"]
+    assert torch.equal(fresh_optimizer.state[fresh.layer_1.weight]["exp_avg"], saved)

@@ -34,6 +34,7 @@ from tiekit.header import FileIdentity, TensorEntry
 from tiekit.plan import TieGroup, TiePlan
 from tiekit.retie import retie
 from tiekit.slots import assign, resolve, slot_table
+from tiekit.wrappers import unwrap
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,8 @@ def load_model(
     error in the middle of reading bytes into the model's own memory. A file another process
     saves over after it was validated and before it is read is loaded again from the start.
     """
+
+    model = unwrap(model)  # the names a DDP or torch.compile wrapper prefixes are its module's
 
     def load() -> LoadResult:
         source = open_source(path)
@@ -228,7 +231,7 @@ def read_training_checkpoint(
     readers: Mapping[str, Reader] | None = None,
 ) -> dict[str, Any]:
     """`load_checkpoint`, with ``readers`` for the markers a save's codec fallback wrote."""
-    return reading_again(lambda: _read_training_checkpoint(path, model, optimizer, dtype, readers))
+    return reading_again(lambda: _read_training_checkpoint(path, unwrap(model), optimizer, dtype, readers))
 
 
 def _read_training_checkpoint(

@@ -32,6 +32,7 @@ from tiekit.checkpoint.layout import (
     target_path,
 )
 from tiekit.errors import CheckpointError
+from tiekit.wrappers import unwrap
 
 
 def save_model(
@@ -61,6 +62,7 @@ def save_model(
     """
     target = target_path(path, WEIGHTS_NAME)
     limit = None if max_shard_size is None else parse_size(max_shard_size)
+    model = unwrap(model)  # a DDP or torch.compile wrapper's names would prefix every key
     plan = saving_plan(model)
     names, tensors = unique_tensors(model, plan)
     _refuse_sharded(model, dict(zip(names, tensors, strict=True)))
@@ -196,6 +198,7 @@ def stage_training_checkpoint(
     they live) and its header."""
     target = target_path(path, CHECKPOINT_NAME)
     values = {"step": (_step_number(step, target), "extra/step"), "extra": (extra, "extra/value")}
+    model = unwrap(model)
     plan, state, encoded = encode_training_state(model, optimizer, values, fallback)
     _refuse_sharded(model, state)
     header = header_metadata(None, plan)

@@ -42,12 +42,13 @@ from tiekit.dcp.saving import (
     process_group_needed,
     refuse_different_folders,
 )
-from tiekit.dcp.state import destination, parameters_by_name, unwrap, xla_spmd
+from tiekit.dcp.state import destination, parameters_by_name, xla_spmd
 from tiekit.errors import CheckpointError
 from tiekit.header import FileIdentity
 from tiekit.plan import TiePlan
 from tiekit.retie import retie
 from tiekit.slots import assign, resolve, slot_table
+from tiekit.wrappers import unwrap
 
 
 @dataclass(frozen=True)

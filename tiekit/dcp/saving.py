@@ -37,8 +37,9 @@ from tiekit.collective import Ranks, collective_gather, failure_message, ranks
 from tiekit.dcp.layout import SAVE_PREFIX, committed_save_id, new_save_id, remove_stale, write_marker
 from tiekit.dcp.replay import collective_write_copies, recipe_for
 from tiekit.dcp.staging import host_copies, optimizer_entries
-from tiekit.dcp.state import SaveState, dcp_save, running_dcp, save_state, unwrap, xla_spmd
+from tiekit.dcp.state import SaveState, dcp_save, running_dcp, save_state, xla_spmd
 from tiekit.errors import CheckpointError, TiekitError
+from tiekit.wrappers import unwrap
 
 
 def save_sharded(

@@ -23,7 +23,6 @@ from tiekit import devices
 from tiekit.analyze import find_ties
 from tiekit.backends.base import Backend
 from tiekit.checkpoint.direct import host_bytes
-from tiekit.dcp.state import unwrap
 from tiekit.errors import TiekitError
 from tiekit.retie import verify
 from tiekit.train import coordinate, state
@@ -32,6 +31,7 @@ from tiekit.train.data import ReplicaLoader, derived_seed, make_loader
 from tiekit.train.log import TrainLog
 from tiekit.train.losses import LossWatch
 from tiekit.train.precision import Precision, resolve_precision
+from tiekit.wrappers import unwrap
 
 # torch_xla.launch runs the replicas of a host as threads of one process: they share torch's
 # global RNG, so each builds its model from the seed while holding this lock.
