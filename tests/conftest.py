@@ -1,4 +1,5 @@
 import importlib.util
+import multiprocessing.util
 import os
 import tempfile
 from collections.abc import Iterator
@@ -33,6 +34,9 @@ def temporary_files_in_pytest_basetemp(tmp_path_factory: pytest.TempPathFactory)
     folders in their own processes; under /tmp they would stay after every run.
     """
     folder = tmp_path_factory.mktemp("tmp", numbered=False)
+    # This process's multiprocessing folder is made before the switch, where its exit handler can
+    # still remove it after pytest has removed its own folder.
+    multiprocessing.util.get_temp_dir()
     before = os.environ.get("TMPDIR")
     os.environ["TMPDIR"] = str(folder)
     tempfile.tempdir = None  # tempfile caches the folder it chose first
