@@ -622,3 +622,23 @@ def test_bad_input_is_a_clear_tiekit_error_and_the_model_is_untouched(kwargs: di
     assert message in str(info.value)
     assert same(weights(model), before)
     assert model.b.weight is model.a.weight
+
+
+def test_resuming_a_model_without_the_checkpoints_tie_is_refused_before_training(tmp_path: Path) -> None:
+    """The load tied the model as the file does, after fit had planned and built the optimizer on
+    two tensors: it trained, wrote a checkpoint, then failed at its end with 'tied weights are no
+    longer shared ... Before: 2 After: 1' and never returned the model (probe)."""
+    kw: dict[str, Any] = {"batch_size": 4, "checkpoint_dir": tmp_path, **CPU}
+    tiekit.fit(DropoutNet, data(), max_steps=4, **kw)
+    untied = DropoutNet()
+    untied.c.weight = nn.Parameter(untied.a.weight.detach().clone())  # the same model, its tie undone
+    before = weights(untied)
+    with pytest.raises(
+        tiekit.CheckpointError, match=r"the checkpoint ties 'a\.weight', 'c\.weight' .* separate tensors"
+    ):
+        tiekit.fit(untied, data(), max_steps=8, resume="last", **kw)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004.safetensors"]  # nothing trained or written
+    assert untied.c.weight is not untied.a.weight
+    assert all(torch.equal(v, before[k]) for k, v in untied.state_dict().items())
+    tied = DropoutNet()  # the control: the model with the checkpoint's tie resumes
+    assert tiekit.fit(tied, data(), max_steps=8, resume="last", **kw).steps == 8

@@ -165,7 +165,7 @@ class Coordinator:
                 )
 
     def resume(
-        self, cfg: FitConfig, model: nn.Module, optimizer: torch.optim.Optimizer, backend: Backend
+        self, cfg: FitConfig, model: nn.Module, optimizer: torch.optim.Optimizer, backend: Backend, plan: TiePlan
     ) -> state.Position:
         """Collective: load the checkpoint rank 0 chose into ``model`` and ``optimizer`` on every
         rank; where the run stands (the start without ``resume``, or when ``"last"`` finds none).
@@ -203,11 +203,15 @@ class Coordinator:
         self.written = continued
         sharded = backend.sharded_checkpoints
         if self.ranks.world == 1:
-            return state.resume(path, model, optimizer, self.training_run(backend), backend.device, sharded=sharded)
+            return state.resume(
+                path, model, optimizer, self.training_run(backend), backend.device, plan, sharded=sharded
+            )
         loaded: state.Position | str
         kind: type[TiekitError] = TiekitError
         try:
-            loaded = state.resume(path, model, optimizer, self.training_run(backend), backend.device, sharded=sharded)
+            loaded = state.resume(
+                path, model, optimizer, self.training_run(backend), backend.device, plan, sharded=sharded
+            )
         except TiekitError as exc:  # reported to every rank below (a failed load changes nothing)
             loaded = f"{type(exc).__name__}: {exc}"
             kind = (

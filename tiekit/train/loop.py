@@ -140,7 +140,7 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
     coordinator.agree_on_data(shares)  # else a rank ending its epoch first leaves the others waiting
     coordinator.batch_size = train.batch_size
     coordinator.seed, coordinator.shuffle = train.order_seed, train.order_shuffle
-    position = coordinator.resume(cfg, model, optimizer, backend)  # rank 0 chooses, every rank loads
+    position = coordinator.resume(cfg, model, optimizer, backend, plan)  # rank 0 chooses, every rank loads
     backend.end_step()  # XLA: run the set-up's pending work (a resume's copies) through the gate
     per_epoch = train.batches_per_epoch(cfg.drop_last)
     if position.batches >= per_epoch:  # saved after an epoch's last batch: next epoch

@@ -25,9 +25,12 @@ import torch
 from torch import nn
 
 from tiekit import devices, load_checkpoint
+from tiekit.checkpoint.layout import CHECKPOINT_NAME
+from tiekit.checkpoint.source import open_source
 from tiekit.dcp import MARKER_NAME, is_sharded_checkpoint, load_sharded
-from tiekit.dcp.layout import is_save_folder
+from tiekit.dcp.layout import is_save_folder, read_marker
 from tiekit.errors import CheckpointError
+from tiekit.plan import TiePlan
 
 _STEP_FILE = re.compile(r"step-(\d+)\.safetensors")
 _STEP_FOLDER = re.compile(r"step-(\d+)")
@@ -119,6 +122,26 @@ def remove_uncommitted_step_folders(folder: Path, keep: Path) -> None:
             remove_checkpoint(entry)
 
 
+def _refuse_ties_the_model_lacks(path: Path, saved: TiePlan | None, model: nn.Module, plan: TiePlan) -> None:
+    """A tie of the checkpoint's plan ``saved`` that ``plan`` lacks: a load would re-tie it (as
+    `tiekit.load_checkpoint` does a model whose ties broke), but fit placed the model, wrapped it
+    and built its optimizer as separate tensors: it trained with one parameter fewer than it
+    planned and failed at its end."""
+    if saved is None:
+        return
+    held = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    held |= {name for name, _ in model.named_buffers(remove_duplicate=False)}
+    together = {name: i for i, group in enumerate(plan.groups) for name in group.names}
+    for group in saved.groups:
+        names = [n for n in group.names if n in held]
+        if len({together.get(n, n) for n in names}) > 1:
+            raise CheckpointError(
+                f"{path}: the checkpoint ties {', '.join(repr(n) for n in names)} (one tensor), and the model "
+                "passed to fit holds them as separate tensors: build the model with the same ties (or load the "
+                "checkpoint into it with tiekit.load_checkpoint before fit, which ties them as the file does)"
+            )
+
+
 @dataclass(frozen=True)
 class TrainingRun:
     """What a training checkpoint records of the run beside its position: the run's id, the
@@ -169,6 +192,7 @@ def resume(
     optimizer: torch.optim.Optimizer,
     run: TrainingRun,
     device: torch.device,
+    plan: TiePlan,
     *,
     sharded: bool = False,
 ) -> Position:
@@ -176,10 +200,13 @@ def resume(
     ``model`` and ``optimizer`` of ``run``, restore the RNG states; the saved `Position` (a
     `UserWarning` when it counts in other replicas or batches than ``run``'s, or in an order of
     another ``seed`` or ``shuffle``). The optimizer keeps the options it was built with (a
-    `UserWarning` for each the checkpoint held otherwise); its state is the checkpoint's."""
+    `UserWarning` for each the checkpoint held otherwise); its state is the checkpoint's. A tie
+    the checkpoint holds and ``plan`` (the model's, as fit placed it) does not is a
+    `CheckpointError` before anything is loaded."""
     world_size, batch_size = run.world_size, run.batch_size
     given = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     if is_sharded_checkpoint(path):
+        _refuse_ties_the_model_lacks(path, read_marker(path).plan, model, plan)
         extra = load_sharded(model, path, optimizer=optimizer).extra
         record = {"extra": extra, "step": extra.get("step") if isinstance(extra, dict) else None}
         if isinstance(extra, dict) and "rng" in extra:
@@ -193,6 +220,7 @@ def resume(
                 "fit with a sharded strategy), not from a single file; to start from this file's weights, "
                 "load them with tiekit.load_checkpoint into the model you pass to fit"
             )
+        _refuse_ties_the_model_lacks(path, open_source(path, (CHECKPOINT_NAME,)).plan, model, plan)
         record = load_checkpoint(path, model=model, optimizer=optimizer)
     extra = record.get("extra")
     if not isinstance(extra, dict) or not {"epoch", "batches", "rng"} <= set(extra):
