@@ -642,3 +642,33 @@ def test_resuming_a_model_without_the_checkpoints_tie_is_refused_before_training
     assert all(torch.equal(v, before[k]) for k, v in untied.state_dict().items())
     tied = DropoutNet()  # the control: the model with the checkpoint's tie resumes
     assert tiekit.fit(tied, data(), max_steps=8, resume="last", **kw).steps == 8
+
+
+class MixedDtypes(nn.Module):
+    """Tied, float32, with a float64 scale registered first (the first dtype fit saw)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones((), dtype=torch.float64))
+        self.a = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 8)
+        self.c.weight = self.a.weight
+        self.register_buffer("a_t", self.a.weight.detach().t())  # a view of the tied weight
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = self.c(torch.relu(self.a(x))) + x @ self.a_t
+        return F.mse_loss(out * self.scale.to(out.dtype), y)
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true"])
+def test_a_model_of_mixed_dtypes_comes_back_in_its_own_dtypes(precision: str) -> None:
+    """Cast back to the first floating dtype fit saw: the float32 weights came back float64 (probe)."""
+    model = MixedDtypes()
+    sgd = functools.partial(torch.optim.SGD, lr=1e-2)  # AdamW's eps underflows in float16
+    result = tiekit.fit(model, data(), max_steps=2, batch_size=4, precision=precision, **{**CPU, "optimizer": sgd})
+    assert all(torch.isfinite(torch.tensor(result.losses)))
+    got = {name: t.dtype for name, t in [*result.model.named_parameters(), *result.model.named_buffers()]}
+    assert got == {"scale": torch.float64, "a.weight": torch.float32, "a.bias": torch.float32,
+                   "c.bias": torch.float32, "a_t": torch.float32}  # fmt: skip
+    assert result.model.c.weight is result.model.a.weight and result.ties_kept
+    assert result.model.a_t.data_ptr() == result.model.a.weight.data_ptr()  # still a view of it

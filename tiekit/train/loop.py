@@ -24,7 +24,8 @@ from tiekit.analyze import find_ties
 from tiekit.backends.base import Backend
 from tiekit.checkpoint.direct import host_bytes
 from tiekit.errors import TiekitError
-from tiekit.retie import verify
+from tiekit.plan import TiePlan
+from tiekit.retie import retie, verify
 from tiekit.train import coordinate, state
 from tiekit.train.config import Job, LossFn, Outcome
 from tiekit.train.data import ReplicaLoader, derived_seed, make_loader
@@ -122,6 +123,7 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
     backend.start(coordinator.run_id)
     precision = resolve_precision(cfg.precision, backend.device.type)
     model, original_dtype = _build(job, backend)
+    own_dtypes = _floating_dtypes(model)  # precision casts every floating tensor: each gets its own back
     was_training = model.training
     plan = find_ties(model)  # before the move: what must still be one tensor on the device
     coordinator.agree_on_model(plan, model)
@@ -227,6 +229,8 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
     ties_kept = verify(model, plan, on_error="warn").ok
     back = original_dtype if precision.param_dtype is not None else None
     model = backend.unplace(model, back, plan, lambda: _build(job, backend, own=False)[0])
+    if back is not None:
+        _restore_dtypes(model, own_dtypes, plan)
     digest = _digest(model)
     model.train(was_training)
     outcome = Outcome(
@@ -266,6 +270,26 @@ def _build(job: Job, backend: Backend, *, own: bool = True) -> tuple[nn.Module, 
                 raise TiekitError(f"the model factory {job.model!r} returned a {type(model).__name__}, not a Module")
     dtypes = [p.dtype for p in model.parameters() if p.is_floating_point()]
     return model, dtypes[0] if dtypes else None
+
+
+def _floating_dtypes(model: nn.Module) -> dict[str, torch.dtype]:
+    """Every floating-point parameter's and buffer's dtype, by name."""
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    return {name: t.dtype for name, t in named if t.is_floating_point()}
+
+
+def _restore_dtypes(model: nn.Module, dtypes: dict[str, torch.dtype], plan: TiePlan) -> None:
+    """Cast back the tensors of a model of mixed dtypes that the cast to the model's first
+    dtype gave another one (a float64 scale in a float32 model), keeping their ties and views."""
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    wrong = [(t, dtypes[name]) for name, t in named if name in dtypes and t.dtype != dtypes[name]]
+    if not wrong:
+        return
+    with torch.no_grad():
+        for tensor, dtype in wrong:
+            if tensor.dtype != dtype:  # a tied tensor's second name: cast already
+                tensor.data = tensor.data.to(dtype)
+    retie(model, plan)  # a buffer viewing a tensor cast here follows it again
 
 
 def _compilations(backend: Backend) -> Callable[[], int]:
