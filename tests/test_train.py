@@ -525,6 +525,18 @@ def test_metrics_csv_and_a_progress_bar(tmp_path: Path, capfd: pytest.CaptureFix
     assert "7/7" in err and "loss=" in err
 
 
+def test_metrics_csv_rows_are_in_step_order_with_validation_after_its_epoch(tmp_path: Path) -> None:
+    """The validation row was written at once and the losses still waiting for log_every after it:
+    steps 1-3, 5 (val), 4, 5, ... (probe)."""
+    result = tiekit.fit(
+        DropoutNet(), data(20), val_data=data(8), epochs=2, batch_size=4, log_dir=tmp_path, log_every=3, **CPU
+    )
+    with (tmp_path / "metrics.csv").open() as f:
+        rows = [(int(r["step"]), "val" if r["val_loss"] else "loss") for r in csv.DictReader(f)]
+    expected = [(s, "loss") for s in range(1, 6)] + [(5, "val")] + [(s, "loss") for s in range(6, 11)] + [(10, "val")]
+    assert rows == expected and result.steps == 10
+
+
 def test_tensorboard_events_hold_the_losses_of_the_csv(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

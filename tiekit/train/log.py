@@ -150,8 +150,11 @@ class TrainLog:
                 self._compiles_after_warmup += self._compilations() - before
 
     def validation(self, step: int, epoch: int, val_loss: float) -> None:
+        """Record the validation loss after step ``step``, after the steps' losses still pending
+        (fetched now: the rows of ``metrics.csv`` stay in step order)."""
         if not self.enabled:
             return
+        self.flush()
         self.val_losses.append(val_loss)
         if self._writer is not None:
             self._writer.writerow([step, epoch, "", f"{val_loss:.6g}", "", ""])
