@@ -328,6 +328,49 @@ def test_checkpoint_keep_must_be_a_positive_integer(tmp_path: Path, keep: Any) -
     assert list(tmp_path.iterdir()) == []
 
 
+BAD_OPTIONS: list[tuple[dict[str, Any], str]] = [
+    ({"seed": "a"}, "seed must be a non-negative integer, not 'a'"),
+    ({"seed": None}, "seed must be a non-negative integer, not None"),
+    ({"seed": 1.5}, "seed must be a non-negative integer"),
+    ({"seed": -1}, "seed must be a non-negative integer"),
+    ({"drop_last": "no"}, "drop_last must be True or False, not 'no'"),
+    ({"shuffle": None}, "shuffle must be True or False"),
+    ({"checkpoint_async": "x"}, "checkpoint_async must be True or False"),
+    ({"progress": 1}, "progress must be True or False"),
+    ({"log_every": True}, "log_every must be a positive integer, not True"),
+    ({"resume": 123}, "resume must be a path"),
+    ({"checkpoint_dir": 5}, "checkpoint_dir must be a path"),
+    ({"checkpoint_dir": "FILE"}, "checkpoint_dir='.*' is a file, not a folder"),
+    ({"log_dir": "FILE"}, "log_dir='.*' is a file, not a folder"),
+    ({"optimizer": lambda params: None}, "the optimizer factory .* returned None, not a torch.optim.Optimizer"),
+]
+
+
+@pytest.mark.parametrize(("options", "told"), BAD_OPTIONS, ids=[str(o) for o, _ in BAD_OPTIONS])
+def test_bad_option_values_are_refused_before_anything_trains(
+    tmp_path: Path, options: dict[str, Any], told: str
+) -> None:
+    """Each was a raw TypeError or ValueError from deep inside (NumPy's seed, the DataLoader's
+    drop_last, Path(123), the optimizer's first use), accepted silently (shuffle=None,
+    checkpoint_async="x", log_every=True), or, for a checkpoint_dir that is a file, a CheckpointError
+    at the first save after training (probe)."""
+    afile = tmp_path / "a-file"
+    afile.write_text("not a folder")
+    options = {k: str(afile) if v == "FILE" else v for k, v in options.items()}
+    model = DropoutNet()
+    before = weights(model)
+    with pytest.raises(tiekit.TiekitError, match=told):
+        tiekit.fit(model, data(), max_steps=2, batch_size=4, **{**CPU, **options})
+    assert sorted(os.listdir(tmp_path)) == ["a-file"] and afile.read_text() == "not a folder"
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_cuda_device_without_cuda_is_refused_by_name() -> None:
+    with pytest.raises(tiekit.TiekitError, match="devices='cuda', but torch finds no CUDA device here"):
+        tiekit.fit(DropoutNet(), data(), max_steps=1, **{**CPU, "devices": "cuda"})
+
+
 def test_a_checkpoint_that_cannot_be_deleted_is_a_warning_and_stays_whole(tmp_path: Path) -> None:
     from tiekit.train import state
 

@@ -107,16 +107,16 @@ def fit(
         devices=devices,
         strategy=strategy,
         precision=precision,
-        checkpoint_dir=None if checkpoint_dir is None else Path(checkpoint_dir),
+        checkpoint_dir=_path("checkpoint_dir", checkpoint_dir),
         checkpoint_every=checkpoint_every,
         checkpoint_async=checkpoint_async,
         checkpoint_keep=checkpoint_keep,
-        resume=None if resume is None else "last" if resume == "last" else Path(resume),
+        resume="last" if resume == "last" else _path("resume", resume),
         seed=seed,
         drop_last=drop_last,
         shuffle=shuffle,
         progress=progress,
-        log_dir=None if log_dir is None else Path(log_dir),
+        log_dir=_path("log_dir", log_dir),
         log_every=log_every,
     )
     refuse_a_replica_importing_main()
@@ -153,3 +153,13 @@ def fit(
         compilations=master.compilations,
         xla_report=master.xla_report,
     )
+
+
+def _path(name: str, value: Any) -> Path | None:
+    """The path option ``name`` as a `Path` (None stays None); `TiekitError` for anything else."""
+    if value is None:
+        return None
+    try:
+        return Path(value)
+    except TypeError:
+        raise TiekitError(f"{name} must be a path (a str or os.PathLike), not {value!r}") from None

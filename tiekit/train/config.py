@@ -68,17 +68,28 @@ class FitConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise TiekitError(f"{name} must be a positive integer or None, not {value!r}")
-        if not isinstance(self.log_every, int) or self.log_every < 1:
+        if not isinstance(self.log_every, int) or isinstance(self.log_every, bool) or self.log_every < 1:
             raise TiekitError(f"log_every must be a positive integer, not {self.log_every!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise TiekitError(f"seed must be a non-negative integer, not {self.seed!r}")
+        for name in ("checkpoint_async", "drop_last", "shuffle", "progress"):
+            if not isinstance(getattr(self, name), bool):
+                raise TiekitError(f"{name} must be True or False, not {getattr(self, name)!r}")
+        for name in ("checkpoint_dir", "log_dir"):
+            folder = getattr(self, name)
+            if folder is not None and folder.exists() and not folder.is_dir():
+                raise TiekitError(f"{name}={str(folder)!r} is a file, not a folder")
         if isinstance(self.devices, bool) or not isinstance(self.devices, int | str):
             raise TiekitError(f"devices must be 'auto', a number of devices or a device string, not {self.devices!r}")
         if isinstance(self.devices, int) and self.devices < 1:
             raise TiekitError(f"devices must be at least 1, not {self.devices}")
         if isinstance(self.devices, str) and self.devices != "auto":
             try:
-                torch.device(self.devices)
+                device = torch.device(self.devices)
             except RuntimeError as exc:
                 raise TiekitError(f"devices={self.devices!r} is neither 'auto' nor a device: {exc}") from exc
+            if device.type == "cuda" and not torch.cuda.is_available():
+                raise TiekitError(f"devices={self.devices!r}, but torch finds no CUDA device here")
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
             raise TiekitError("checkpoint_every needs checkpoint_dir: where should the checkpoints go?")
         if self.checkpoint_keep is not None and self.checkpoint_dir is None:

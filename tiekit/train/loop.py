@@ -131,6 +131,10 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
     counters_at_start = backend.counters()  # XLA: this run's compilations, from here on
     backend.seed(cfg.seed)
     optimizer = cfg.optimizer(model.parameters())
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TiekitError(
+            f"the optimizer factory {cfg.optimizer!r} returned {optimizer!r}, not a torch.optim.Optimizer"
+        )
     coordinator.agree_on_optimizer(optimizer)
     train = _loader(job, job.train_data, backend, shuffle=cfg.shuffle, drop_last=cfg.drop_last)
     # Validation keeps its short last batch (one more graph on XLA, compiled once): no padded
