@@ -123,6 +123,11 @@ def test_a_resume_at_or_past_max_steps_trains_nothing_and_leaves_the_checkpoint_
     done = tiekit.fit(DropoutNet, data(), resume="last", **ekw)
     after = (folder / "step-00000004.safetensors").stat()
     assert (done.steps, done.losses) == (4, ()) and after.st_mtime_ns == written.st_mtime_ns
+    # Past the epochs asked for: said, as past max_steps is (it trained nothing without a word; probe).
+    tiekit.fit(DropoutNet, data(), **{**ekw, "checkpoint_dir": tmp_path / "two", "epochs": 2})
+    with pytest.warns(UserWarning, match=r"checkpoint is past epochs=1 \(2 epoch\(s\) done\): nothing to train"):
+        past_epochs = tiekit.fit(DropoutNet, data(), resume="last", **{**ekw, "checkpoint_dir": tmp_path / "two"})
+    assert (past_epochs.steps, past_epochs.losses) == (8, ())
 
 
 def test_a_resume_with_another_batch_size_says_the_position_is_taken_in_the_new_batches(tmp_path: Path) -> None:

@@ -181,6 +181,14 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
                 UserWarning,
                 stacklevel=2,
             )
+        elif cfg.epochs is not None and (epoch, skip) > (cfg.epochs, 0) and backend.is_master:
+            warnings.warn(
+                f"resume: the checkpoint is past epochs={cfg.epochs} ({epoch} epoch(s) done"
+                f"{f' and {skip} batch(es)' if skip else ''}): nothing to train; "
+                "the model is the checkpoint's",
+                UserWarning,
+                stacklevel=2,
+            )
     done = skip
     watch_transfers = backend.is_master and backend.compiles
     try:
