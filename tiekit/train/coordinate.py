@@ -186,7 +186,7 @@ class Coordinator:
         elsewhere = [(rank, newest) for rank, (_, newest) in enumerate(gathered) if newest is not None]
         if chosen is None:
             if elsewhere:
-                raise TiekitError(resuming.only_elsewhere(cfg, elsewhere, self.ranks.world))
+                raise TiekitError(resuming.newer_elsewhere(cfg, None, elsewhere, self.ranks.world))
             return state.Position()  # resume="last" and nothing saved yet: every rank starts fresh
         path = Path(chosen)
         newer = [(r, n) for r, n in elsewhere if (state.step_in_name(Path(n)) or 0) > (state.step_in_name(path) or 0)]

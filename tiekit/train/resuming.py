@@ -31,25 +31,28 @@ def newest_here(cfg: FitConfig) -> str | None:
     return None if newest is None else str(newest)
 
 
-def only_elsewhere(cfg: FitConfig, elsewhere: list[tuple[int, str]], world: int) -> str:
-    shown = "; ".join(f"rank {rank}: {newest}" for rank, newest in elsewhere[:8])
-    return (
-        f'resume="last": rank 0 finds no checkpoint in {cfg.checkpoint_dir}, but {len(elsewhere)} of the other '
-        f"{world - 1} rank(s) find one there ({shown}): the folder is not one folder for every rank "
-        "(node-local storage, and rank 0 is on another node this launch?). Starting fresh would train every "
-        "step again. Put checkpoint_dir on storage every node shares, or copy the newest checkpoint to "
-        "rank 0's node"
-    )
-
-
-def newer_elsewhere(cfg: FitConfig, chosen: Path, newer: list[tuple[int, str]], world: int) -> str:
+def newer_elsewhere(cfg: FitConfig, chosen: Path | None, newer: list[tuple[int, str]], world: int) -> str:
+    """Why ``resume="last"`` stops when other ranks find a checkpoint newer than rank 0's newest,
+    ``chosen`` (None: rank 0 finds none): ``newer`` is each such rank and what it found."""
     shown = "; ".join(f"rank {rank}: {newest}" for rank, newest in newer[:8])
+    folder = cfg.checkpoint_dir
+    if chosen is None:
+        found, lost = f"rank 0 finds no checkpoint in {folder}", "Starting fresh would train every step again"
+        theirs, older = "find one there", ""
+    else:
+        found, lost = (
+            f"rank 0's newest checkpoint in {folder} is {chosen}",
+            "Resuming from it would train those steps again",
+        )
+        theirs, older = (
+            "find a newer one there",
+            ", or pass resume=<path> on every rank to resume from an older one on purpose",
+        )
     return (
-        f'resume="last": rank 0\'s newest checkpoint in {cfg.checkpoint_dir} is {chosen}, but {len(newer)} of the '
-        f"other {world - 1} rank(s) find a newer one there ({shown}): the folder is not one folder for every rank "
-        "(node-local storage?). Resuming from rank 0's would train those steps again. Put checkpoint_dir on "
-        "storage every node shares, copy the newest checkpoint to rank 0's node, or pass resume=<path> on every "
-        "rank to resume from an older one on purpose"
+        f'resume="last": {found}, but {len(newer)} of the other {world - 1} rank(s) {theirs} ({shown}): the folder '
+        "is not one folder for every rank (node-local storage, and rank 0 is on another node this launch?). "
+        f"{lost}. Put checkpoint_dir on storage every node shares, or copy the newest checkpoint to rank 0's "
+        f"node{older}"
     )
 
 
