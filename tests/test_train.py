@@ -134,7 +134,8 @@ def test_a_resume_with_another_batch_size_says_the_position_is_taken_in_the_new_
     kw: dict[str, Any] = {**CPU, "checkpoint_dir": tmp_path, "seed": 1}
     tiekit.fit(DropoutNet, data(), max_steps=3, batch_size=4, **kw)  # 3 of 10 batches of 4: sample 12 next
     with pytest.warns(
-        UserWarning, match=r"saved by a run whose replicas loaded batches of 4 samples, with batches of 8 "
+        UserWarning,
+        match=r"saved by a run that took 4 samples per step \(1 loader\(s\) of 4\), with 8 .* taken in steps",
     ):
         resumed = tiekit.fit(DropoutNet, data(), max_steps=5, batch_size=8, resume="last", **kw)
     assert resumed.steps == 5

@@ -230,7 +230,9 @@ class Coordinator:
 
     def training_run(self, backend: Backend) -> state.TrainingRun:
         """What this run's checkpoints record of it. Local."""
-        return state.TrainingRun(self.run_id, backend.devices_in_run, self.batch_size, self.seed, self.shuffle)
+        return state.TrainingRun(
+            self.run_id, backend.devices_in_run, self.batch_size, self.seed, self.shuffle, backend.data_replicas
+        )
 
     def save(
         self,

@@ -17,6 +17,7 @@ import re
 import shutil
 import sys
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -145,7 +146,7 @@ def _refuse_ties_the_model_lacks(path: Path, saved: TiePlan | None, model: nn.Mo
 @dataclass(frozen=True)
 class TrainingRun:
     """What a training checkpoint records of the run beside its position: the run's id, the
-    replicas and per-replica batch size its position counts in, and the ``seed`` and ``shuffle``
+    devices, the loaders and each loader's batch size its position counts in, and the ``seed`` and ``shuffle``
     of fit that ordered the epoch it counts in (None: the order did not depend on that option,
     a sampler of the user's decided)."""
 
@@ -154,6 +155,7 @@ class TrainingRun:
     batch_size: int
     seed: int | None
     shuffle: bool | None
+    samplers: int = 1  # the data-parallel loaders (DDP, XLA replicas: one per replica; SPMD: per host)
 
 
 def contents(
@@ -167,6 +169,7 @@ def contents(
         "batches": position.batches,
         "world_size": run.world_size,
         "batch_size": run.batch_size,
+        "samplers": run.samplers,
         "seed": run.seed,
         "shuffle": run.shuffle,
         "run": run.run_id,
@@ -203,7 +206,6 @@ def resume(
     `UserWarning` for each the checkpoint held otherwise); its state is the checkpoint's. A tie
     the checkpoint holds and ``plan`` (the model's, as fit placed it) does not is a
     `CheckpointError` before anything is loaded."""
-    world_size, batch_size = run.world_size, run.batch_size
     given = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     if is_sharded_checkpoint(path):
         _refuse_ties_the_model_lacks(path, read_marker(path).plan, model, plan)
@@ -225,30 +227,46 @@ def resume(
     extra = record.get("extra")
     if not isinstance(extra, dict) or not {"epoch", "batches", "rng"} <= set(extra):
         raise CheckpointError(f"{path}: not a tiekit.fit checkpoint (no training position in its 'extra' record)")
-    if extra.get("world_size") != world_size:
-        warnings.warn(
-            f"resuming {path}, saved by a run on {extra.get('world_size')} replica(s), on {world_size}: "
-            "the data order differs from the original run from here on",
-            UserWarning,
-            stacklevel=3,
-        )
-    saved_batch = extra.get("batch_size")  # None: saved before tiekit recorded it
-    if saved_batch is not None and saved_batch != batch_size:
-        warnings.warn(
-            f"resuming {path}, saved by a run whose replicas loaded batches of {saved_batch} samples, with batches "
-            f"of {batch_size} (batch_size per replica; under spmd and spmd_fsdp a replica is a host, whose "
-            f"batches are batch_size times its devices): its position in the epoch ({extra['batches']} batches) "
-            f"is taken in batches of {batch_size}, so the rest of this epoch skips or repeats samples; the data "
-            "order differs from here on",
-            UserWarning,
-            stacklevel=3,
-        )
+    _warn_if_steps_differ(path, extra, run)
     _warn_if_reordered(path, extra, run)
     _keep_given_options(path, optimizer, given)
     _set_rng_states(extra["rng"], device)
     writer = extra.get("run")
     return Position(
         int(extra["epoch"]), int(extra["batches"]), int(record["step"]), writer if isinstance(writer, str) else None
+    )
+
+
+def _warn_if_steps_differ(path: Path, extra: Mapping[str, Any], run: TrainingRun) -> None:
+    """A `UserWarning` when the checkpoint's steps took other samples than ``run``'s will. A step
+    takes the samples of one span of the epoch's order, as long as the loaders together load as
+    many per step (each loader a `DistributedSampler` share, interleaved): 1 loader of 16 and 2 of 8
+    take the same ones, 2 hosts' SPMD loaders as many as their devices' batches. Otherwise the
+    position in the epoch (in batches) points elsewhere in it. Checkpoints written before the
+    loaders were recorded are judged by devices and batch size."""
+    saved_batch, saved_loaders = extra.get("batch_size"), extra.get("samplers")
+    if saved_batch is None:  # saved before tiekit recorded it
+        return
+    if saved_loaders is None:
+        saved_loaders = run.samplers if extra.get("world_size") == run.world_size else None
+    saved = None if saved_loaders is None else int(saved_loaders) * int(saved_batch)
+    now = run.samplers * run.batch_size
+    if saved == now:
+        return
+    took = "" if saved is None else f"{saved} samples per step ({saved_loaders} loader(s) of {saved_batch})"
+    took = took or f"{extra.get('world_size')} device(s) and loaders of {saved_batch}"
+    where = (
+        f"its position in the epoch ({extra['batches']} batches) is taken in steps of {now} samples, so the rest "
+        "of this epoch skips or repeats samples; "
+        if extra.get("batches")
+        else ""
+    )
+    warnings.warn(
+        f"resuming {path}, saved by a run that took {took}, with {now} ({run.samplers} loader(s) of "
+        f"{run.batch_size}; a loader's batch under spmd and spmd_fsdp is batch_size times its host's devices): "
+        f"{where}the data order differs from the original run from here on",
+        UserWarning,
+        stacklevel=4,
     )
 
 
