@@ -231,7 +231,8 @@ def read_training_checkpoint(
     readers: Mapping[str, Reader] | None = None,
 ) -> dict[str, Any]:
     """`load_checkpoint`, with ``readers`` for the markers a save's codec fallback wrote."""
-    return reading_again(lambda: _read_training_checkpoint(path, unwrap(model), optimizer, dtype, readers))
+    model = unwrap(model)  # the names a DDP or torch.compile wrapper prefixes are its module's
+    return reading_again(lambda: _read_training_checkpoint(path, model, optimizer, dtype, readers))
 
 
 def _read_training_checkpoint(

@@ -125,7 +125,7 @@ def stage_optimizer(
         if not isinstance(decoded, dict):
             raise CheckpointError(f"{where}: corrupted options of optimizer param group {i}")
         options.append(_checked_options(decoded, live, i, where))
-        _check_values_torch_accepts(optimizer, options[-1], i, where)
+        _check_values_torch_accepts(kind, options[-1], i, where)
     saved_state = record.get("state", {})
     if not isinstance(saved_state, dict):
         raise CheckpointError(f"{where}: corrupted optimizer state (not an object of parameter names)")
@@ -138,7 +138,7 @@ def stage_optimizer(
         anchor = key_anchor.get(name, name)
         if anchor not in held:
             raise CheckpointError(f"{where}: optimizer state for {name!r}, which no param group of the optimizer holds")
-        _check_state_shapes(optimizer, name, decoded, _shape_of(model, anchor), where)
+        _check_state_shapes(kind, name, decoded, _shape_of(model, anchor), where)
         state[anchor] = decoded
 
     def restore() -> None:
@@ -226,14 +226,12 @@ def _shape_of(model: nn.Module, name: str) -> tuple[int, ...]:
     return tuple(resolve(model, name)[2].shape)
 
 
-def _check_state_shapes(
-    optimizer: torch.optim.Optimizer, name: str, values: Mapping[str, Any], shape: tuple[int, ...], where: str
-) -> None:
+def _check_state_shapes(kind: type, name: str, values: Mapping[str, Any], shape: tuple[int, ...], where: str) -> None:
     """A state tensor that cannot belong to a parameter of ``shape`` is refused at load, not at
     the first ``step``: one with the parameter's element count in another shape always, and for
-    torch.optim's parameter-shaped optimizers any non-scalar one of another shape."""
+    torch.optim's parameter-shaped optimizers (``kind``: `optimizer_class`) any non-scalar one of
+    another shape."""
     numel = math.prod(shape)
-    kind = optimizer_class(optimizer)
     strict = kind.__module__.startswith("torch.optim") and kind.__name__ in _PARAMETER_SHAPED
     for key, value in values.items():
         if strict and not _state_value_fits(key, value):
@@ -288,15 +286,12 @@ def _checked_options(saved: dict[str, Any], live: Mapping[str, Any], group: int,
     return out
 
 
-def _check_values_torch_accepts(
-    optimizer: torch.optim.Optimizer, options: dict[str, Any], group: int, where: str
-) -> None:
+def _check_values_torch_accepts(cls: type, options: dict[str, Any], group: int, where: str) -> None:
     """A torch.optim optimizer checks its options when built (``betas`` in [0, 1), ``lr`` >= 0...)
     but not when they come through ``load_state_dict``: betas of (0, 2) loaded, and the first
     step failed in torch's arithmetic. So one is built with the saved options, on a stand-in
     parameter, and its ``ValueError`` becomes a `CheckpointError`. Other optimizers are left to
-    themselves: building one may have effects."""
-    cls = optimizer_class(optimizer)
+    themselves: building one may have effects. ``cls``: `optimizer_class`."""
     if not cls.__module__.startswith("torch.optim"):
         return
     accepted = inspect.signature(cls).parameters

@@ -284,17 +284,20 @@ def _build(job: Job, backend: Backend, *, own: bool = True) -> tuple[nn.Module, 
     return model, dtypes[0] if dtypes else None
 
 
+def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer by each of its names."""
+    return [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+
+
 def _floating_dtypes(model: nn.Module) -> dict[str, torch.dtype]:
     """Every floating-point parameter's and buffer's dtype, by name."""
-    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-    return {name: t.dtype for name, t in named if t.is_floating_point()}
+    return {name: t.dtype for name, t in _named_tensors(model) if t.is_floating_point()}
 
 
 def _restore_dtypes(model: nn.Module, dtypes: dict[str, torch.dtype], plan: TiePlan) -> None:
     """Cast back the tensors of a model of mixed dtypes that the cast to the model's first
     dtype gave another one (a float64 scale in a float32 model), keeping their ties and views."""
-    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-    wrong = [(t, dtypes[name]) for name, t in named if name in dtypes and t.dtype != dtypes[name]]
+    wrong = [(t, dtypes[name]) for name, t in _named_tensors(model) if name in dtypes and t.dtype != dtypes[name]]
     if not wrong:
         return
     with torch.no_grad():
