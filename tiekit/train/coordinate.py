@@ -9,7 +9,9 @@ the same order, in `tiekit.train.loop`); a run of one rank decides alone and wai
    equal on every rank (``checkpoint_dir``, ``resume``, ``max_steps``...), checked.
 2. `Coordinator.agree_on_model`: every rank built the same model (names, shapes, dtypes, ties),
    checked before it is moved or sharded: a rank whose model differs is a `TiekitError` on
-   every rank naming what differs (FSDP2 would pair tensors of different sizes).
+   every rank naming what differs (FSDP2 would pair tensors of different sizes); then
+   `Coordinator.agree_on_optimizer`: the same optimizer class and options. What counts as
+   different, and how it is told, is `tiekit.train.agreements`.
 3. `Coordinator.agree_on_data`: every rank's share of the training (and validation) data is as
    long: a rank given a shorter dataset would end its epoch first and leave the others waiting.
 4. `Coordinator.resume`: the checkpoint to resume from, decided on rank 0 (``"last"``: the newest
@@ -39,7 +41,6 @@ from tiekit.agreement import collective_check_same_model
 from tiekit.backends.base import Backend
 from tiekit.checkpoint.deferred import DeferredCopies
 from tiekit.checkpoint.image import FileImage
-from tiekit.checkpoint.layout import name_list
 from tiekit.checkpoint.saving import save_checkpoint_reusing
 from tiekit.collective import (
     Ranks,
@@ -52,7 +53,7 @@ from tiekit.dcp import SaveHandle
 from tiekit.dcp.saving import process_group_needed, save_sharded_staged
 from tiekit.errors import CheckpointError, TieError, TiekitError
 from tiekit.plan import TiePlan
-from tiekit.train import resuming, state
+from tiekit.train import agreements, resuming, state
 from tiekit.train.config import FitConfig, Job
 from tiekit.train.losses import LossWatch
 
@@ -117,21 +118,8 @@ class Coordinator:
         options and parameter count); else a `TiekitError` on every rank naming the first option
         that differs and the ranks. Replicas stepping with different options drift apart (DDP)
         or train one model with a mixture of them (FSDP2), without an error."""
-        if self.ranks.world == 1:
-            return
-        gathered = self.gather(_optimizer_description(optimizer))
-        differ = [r for r, other in enumerate(gathered) if other != gathered[0]]
-        if not differ:
-            return
-        first = differ[0]
-        what = next(
-            k for k in sorted(set(gathered[0]) | set(gathered[first])) if gathered[0].get(k) != gathered[first].get(k)
-        )
-        shown = "; ".join(f"rank {r}: {gathered[r].get(what, 'none')}" for r in [0, *differ[:7]])
-        raise TiekitError(
-            f"the ranks of this run built different optimizers: {what} is {shown}. The optimizer factory must "
-            "build the same optimizer on every rank of a run (a learning rate that depends on the rank?)"
-        )
+        if self.ranks.world > 1:
+            agreements.refuse_different_optimizers(self.gather(agreements.optimizer_description(optimizer)))
 
     def agree_on_data(self, shares: dict[str, tuple[int, int]]) -> None:
         """Collective: every rank was given each dataset, and its share of it,
@@ -139,30 +127,8 @@ class Coordinator:
         on every rank naming the ranks and their shares. Ranks given datasets of different
         lengths would end an epoch at different steps, and the rank left over would wait in its
         next all-reduce for good."""
-        if self.ranks.world == 1:
-            return
-        gathered = self.gather(shares)
-        for what in sorted(set().union(*gathered)):  # train_data first
-            lacking = [r for r, other in enumerate(gathered) if what not in other]
-            if lacking:
-                given = [r for r, other in enumerate(gathered) if what in other]
-                raise TiekitError(
-                    f"{what} was passed to fit on rank(s) {name_list(given)} but not on rank(s) {name_list(lacking)}: "
-                    "pass it on every rank or on none (each rank takes its share, and the ranks sum their losses)"
-                )
-            batches = gathered[0][what][1]
-            differ = [r for r, other in enumerate(gathered) if other[what][1] != batches]
-            if differ:
-                shown = "; ".join(
-                    f"rank {r}: {gathered[r][what][0]} samples in {gathered[r][what][1]} batches"
-                    for r in [0, *differ[:7]]
-                )
-                raise TiekitError(
-                    f"the ranks of this run were given different {what}: each rank's share of one epoch is "
-                    f"{shown}. Pass the same dataset on every rank: fit gives each rank its share (a "
-                    "DistributedSampler); ranks whose epochs end at different steps would wait for each other "
-                    "for good"
-                )
+        if self.ranks.world > 1:
+            agreements.refuse_different_data(self.gather(shares))
 
     def resume(
         self, cfg: FitConfig, model: nn.Module, optimizer: torch.optim.Optimizer, backend: Backend, plan: TiePlan
@@ -418,22 +384,3 @@ def abort(backend: Backend, reason: str) -> None:
 
 def _comparable(value: Any) -> Any:
     return str(value) if isinstance(value, Path) else value
-
-
-def _optimizer_description(optimizer: torch.optim.Optimizer) -> dict[str, str]:
-    """``{"the optimizer": class, "param group 0's lr": "0.01", ...}``: what must be equal on every rank."""
-    found = {
-        "the optimizer": type(optimizer).__qualname__,
-        "the number of param groups": str(len(optimizer.param_groups)),
-    }
-    for i, group in enumerate(optimizer.param_groups):
-        found[f"param group {i}'s parameter count"] = str(len(group["params"]))
-        found.update((f"param group {i}'s {key}", _option(value)) for key, value in group.items() if key != "params")
-    return found
-
-
-def _option(value: Any) -> str:
-    # A tensor option (a tensor lr) lives on each rank's own device: compared by value.
-    if isinstance(value, torch.Tensor):
-        return f"{value.tolist()!r} ({str(value.dtype).removeprefix('torch.')} tensor)"
-    return repr(value)
