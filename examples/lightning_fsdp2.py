@@ -9,7 +9,8 @@ one raise ``tiekit.TieError`` naming them, before the first step. Lightning then
 the meta weights (``to_empty`` + ``reset_parameters``): FSDP2's parameters are DTensors, which
 ``to_empty`` swaps in place, so the tie survives. After training, every rank calls
 ``tiekit.save_sharded`` (collective), which writes the tied weight once; the folder loads into
-a plain model with ``tiekit.load_sharded`` in any process.
+a plain model with ``tiekit.load_sharded`` in any process. ``trainer.validate`` after ``fit``
+calls ``configure_model`` again, which ``tiekit.shard`` allows: the model stays as it is.
 """
 
 from __future__ import annotations
@@ -55,11 +56,15 @@ class Module(pl.LightningModule):
 
     def configure_model(self) -> None:
         # One unit per block, the tied embedding and head with the root: tiekit.shard's choice.
+        # Lightning calls this again for every stage (validate after fit): shard then does nothing.
         tiekit.shard(self.model, mesh=self.device_mesh["data_parallel"])
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         ids, targets = batch
         return F.cross_entropy(self.model(ids).flatten(0, 1), targets.flatten())
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.training_step(batch, batch_idx), sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.5)
@@ -109,6 +114,8 @@ def train(out: Path, *, steps: int = 4, empty_init: bool = True, seed: int = 0) 
     with run.init_module(empty_init=empty_init):  # on the meta device: no weights until setup
         module = Module()
     run.fit(module, data())
+    [metrics] = run.validate(module, data(), verbose=False)
+    print(f"rank {run.global_rank}: validated, loss {metrics['val_loss']:.4f}", flush=True)
     tiekit.save_sharded(module.model, out)  # collective: every rank writes its shards
     print(f"rank {run.global_rank}: saved {out}", flush=True)
 

@@ -238,7 +238,17 @@ def errors() -> dict[str, Any]:
 
     torch.manual_seed(0)
     wrapped = tiekit.shard(TiedLM())
-    record("already_wrapped", lambda: tiekit.shard(wrapped))
+    before = list(wrapped.parameters())
+    again = tiekit.shard(wrapped)  # Lightning's configure_model, called again for validate
+    out["again_same_model"] = again is wrapped and all(
+        a is b for a, b in zip(before, wrapped.parameters(), strict=True)
+    )
+    out["again_tied"] = wrapped.head.weight is wrapped.embed.weight
+    record("again_other_options", lambda: tiekit.shard(wrapped, reshard_after_forward=False))
+    record("again_other_units", lambda: tiekit.shard(wrapped, units=["blocks.*"]))
+    yours = TiedLM()
+    fully_shard(yours)
+    record("already_wrapped", lambda: tiekit.shard(yours))
     record("plan_of_another_model", lambda: tiekit.check_sharding(wrapped, tiekit.find_ties(models.gpt2())))
     alien = CrossModuleUse(name="embed.weight", reader="decoder")
     alien_plan = dataclasses.replace(tiekit.find_ties(TiedLM()), cross_module=(alien,))

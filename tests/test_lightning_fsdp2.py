@@ -132,6 +132,8 @@ def test_model_parallel_strategy_keeps_ties_and_refuses_split_units(tmp_path: Pa
         # tiekit.shard, seeded and from meta: tied through configure_model, materialization, training.
         assert text.count(f"rank {rank}: training starts, tied True, 5 parameters") == 2, text[-6000:]
         assert text.count(f"rank {rank}: training ends, tied True, 5 parameters") == 2, text[-6000:]
+        # validate after fit calls configure_model again: tiekit.shard leaves the model as it is.
+        assert text.count(f"rank {rank}: validated, loss ") == 2, text[-6000:]
         # Control: the tie split over two units is two parameters when training starts, unannounced.
         assert f"rank {rank}: training starts, tied False, 6 parameters" in text, text[-6000:]
         # KeepTies refuses the same layout before the first step, naming the units.

@@ -136,7 +136,16 @@ def test_meta_materialized_before_wrapping_loses_the_tie_without_tiekit(ranks: l
 def test_errors_name_the_modules(ranks: list[dict[str, Any]]) -> None:
     errors = ranks[0]["errors"]
     assert errors["already_wrapped"]["type"] == "TiekitError"
-    assert "FSDP is already applied to <root>, blocks.0, blocks.1" in errors["already_wrapped"]["message"]
+    assert (
+        "but FSDP is already applied to <root>; to check a model you wrapped yourself"
+        in (errors["already_wrapped"]["message"])
+    )
+    for key, shown in [("again_other_options", "'reshard_after_forward': False"), ("again_other_units", "'blocks.*'")]:
+        assert errors[key]["type"] == "TiekitError", key
+        message = errors[key]["message"]
+        assert "tiekit.shard already sharded this model with other arguments" in message, message
+        assert shown in message, message
+
     assert errors["plan_of_another_model"]["type"] == "TieError"
     assert "'transformer.wte.weight': no module at 'transformer.wte'" in errors["plan_of_another_model"]["message"]
     reader = errors["reader_of_another_model"]
@@ -148,6 +157,12 @@ def test_errors_name_the_modules(ranks: list[dict[str, Any]]) -> None:
     views = errors["view_buffers"]
     assert views["type"] == "TieError"
     assert "wt is a view of w, which FSDP replaced with a sharded tensor" in views["message"]
+
+
+def test_a_second_shard_with_the_same_arguments_leaves_the_model_as_it_is(ranks: list[dict[str, Any]]) -> None:
+    # Lightning calls configure_model once per stage: fit, then validate on the same module.
+    assert ranks[0]["errors"]["again_same_model"] is True
+    assert ranks[0]["errors"]["again_tied"] is True
 
 
 def test_shard_without_a_process_group_says_so() -> None:

@@ -4,6 +4,7 @@ one unit."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,12 +47,17 @@ def shard(
     model on the meta device (FSDP keeps meta parameters there; see docs/sharding.md for
     ``to_empty`` and initialization).
 
-    Raises `TiekitError` without a process group (and no ``mesh``), for a model already wrapped,
-    and for a unit entry that matches nothing or names a ``ModuleList``; `TieError` when tied
-    units cannot be ordered bottom-up or a buffer is a view of a parameter. An error from a
-    ``fully_shard`` call (leaving the model partly wrapped) carries a note naming the unit. The
-    first forward pass raises `TiekitError` if it writes a parameter in place: FSDP2 would write
-    the gathered copy and drop it (`tiekit.sharding.forward_writes`).
+    A second call on a model this function wrapped, with the same ``mesh``, ``units`` and
+    options, returns it as it is after checking its ties (Lightning calls ``configure_model``
+    once per stage); other arguments raise `TiekitError`.
+
+    Raises `TiekitError` without a process group (and no ``mesh``), for a model already wrapped
+    by something else (`check_sharding` checks those), and for a unit entry that matches nothing
+    or names a ``ModuleList``; `TieError` when tied units cannot be ordered bottom-up or a buffer
+    is a view of a parameter. An error from a ``fully_shard`` call (leaving the model partly
+    wrapped) carries a note naming the unit. The first forward pass raises `TiekitError` if it
+    writes a parameter in place: FSDP2 would write the gathered copy and drop it
+    (`tiekit.sharding.forward_writes`).
 
     Does not communicate: ``fully_shard`` shards each rank's own copy of the weights locally, so
     every rank must hold the same weights (same seed, or load a checkpoint after wrapping); the
@@ -69,16 +75,19 @@ def shard(
             "(torchrun, mp.spawn...), or pass mesh=init_device_mesh(...)"
         )
     wrapped = [path or "<root>" for path, m in model.named_modules() if isinstance(m, FSDPModule)]
-    if wrapped:
+    if wrapped and _SHARDED not in model.__dict__:
         raise TiekitError(
             f"tiekit.shard wraps an unwrapped model, but FSDP is already applied to {', '.join(wrapped[:4])}; "
             "to check a model you wrapped yourself, call tiekit.check_sharding(model, plan)"
         )
+    if mesh is None:
+        mesh = _default_mesh()
+    sharding = _Sharding(mesh, None if units is None else tuple(units), dict(fully_shard_kwargs))
+    if wrapped:
+        return _sharded_before(model, sharding, plan)
     plan = find_ties(model) if plan is None else plan
     plan_units = shard_units(model, units, plan=plan)  # validates before anything changes
     retie(model, plan)
-    if mesh is None:
-        mesh = _default_mesh()
     for unit in plan_units:
         target: Any = unit.modules[0] if len(unit.modules) == 1 else list(unit.modules)
         try:
@@ -88,7 +97,45 @@ def shard(
             raise
     check_sharding(model, plan)
     refuse_forward_writes(model)  # FSDP2 drops them: the first forward pass says so
+    model.__dict__[_SHARDED] = sharding
     return model
+
+
+#: Where `shard` leaves its arguments on the model it wrapped, for a second call to compare.
+_SHARDED = "_tiekit_sharding"
+
+
+@dataclass(frozen=True)
+class _Sharding:
+    """The arguments one `shard` call wrapped a model with (the mesh as built)."""
+
+    mesh: Any
+    units: tuple[UnitSpec, ...] | None
+    options: dict[str, Any]
+
+    def same_as(self, other: _Sharding) -> bool:
+        try:
+            return bool(self.mesh == other.mesh and self.units == other.units and self.options == other.options)
+        except Exception:  # noqa: BLE001 - arguments that cannot be compared are not the same
+            return False
+
+
+def _sharded_before(model: nn.Module, sharding: _Sharding, plan: TiePlan | None) -> nn.Module:
+    """A second `shard` call on a model it wrapped, with the same arguments, changes nothing:
+    Lightning calls ``configure_model`` again for every stage (fit, then validate, test...)."""
+    before: _Sharding = model.__dict__[_SHARDED]
+    if not before.same_as(sharding):
+        raise TiekitError(
+            "tiekit.shard already sharded this model with other arguments (mesh, units or fully_shard options); "
+            f"a second call may only repeat the first (before: {_shown(before)}; now: {_shown(sharding)})"
+        )
+    check_sharding(model, find_ties(model) if plan is None else plan)
+    return model
+
+
+def _shown(sharding: _Sharding) -> str:
+    units = "default" if sharding.units is None else list(sharding.units)
+    return f"mesh={sharding.mesh}, units={units}, options={sharding.options}"
 
 
 def fsdp2() -> tuple[Any, Any]:
