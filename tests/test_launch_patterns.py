@@ -241,6 +241,90 @@ def test_a_rank_that_never_calls_the_collective_is_an_error_after_its_timeout(tm
         plain_processes([str(tmp_path / "missing.py"), str(tmp_path)], free_port()), env=base_env(), cwd=tmp_path
     )
     output = "\n".join(r.output for r in runs)
-    assert "rank 0 gave up: rank 0: not every rank arrived within 3 s" in output, output
+    assert "rank 0 gave up: rank 0: a collective failed after " in output, output
+    assert "or not every rank arrived within 3 s" in output, output
     assert "Rank 1 failed to pass monitoredBarrier" in output, output
     assert not (tmp_path / "model.safetensors").exists()
+
+
+ONE_RANK_WRONG = """
+import os
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+from torch import nn
+
+import tiekit
+
+out = Path(sys.argv[1])
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = nn.Linear(2, 2)
+
+
+def tell(label, call):
+    try:
+        call()
+        print(f"rank {rank}: {label}: returned", flush=True)
+    except Exception as error:
+        print(f"rank {rank}: {label}: {type(error).__name__}: {error}", flush=True)
+
+
+# The timeouts are longer than the test's deadline: a rank left waiting fails the test.
+wait = 600
+tell("background on rank 1", lambda: tiekit.collective_save_checkpoint(
+    out / "a.safetensors", model=model, blocking=rank == 0, timeout=wait))
+tell("keyword on rank 1", lambda: tiekit.collective_save_checkpoint(
+    out / "b.safetensors", model=model, timeout=wait, **({"stpe": 3} if rank else {"step": 3})))
+tell("model keyword on rank 1", lambda: tiekit.collective_save_model(
+    model, out / "c.safetensors", timeout=wait, **({"durabel": False} if rank else {})))
+tell("save_sharded blocking on rank 0", lambda: tiekit.save_sharded(model, out / "d", blocking=rank == 0))
+extra = {"a": 1, "b": 2} if rank else {"a": 1}
+tell("save_sharded extra keys", lambda: tiekit.save_sharded(model, out / "e", extra=extra))
+tiekit.save_sharded(model, out / "f")
+if rank == 0:
+    tell("saving while rank 1 loads", lambda: tiekit.save_sharded(model, out / "f"))
+else:
+    tell("saving while rank 1 loads", lambda: tiekit.load_sharded(nn.Linear(2, 2), out / "f"))
+tell("after", lambda: tiekit.collective_save_model(model, out / "g.safetensors", timeout=wait))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_one_rank_with_wrong_arguments_fails_every_rank_without_waiting(tmp_path: Path) -> None:
+    """Each case used to leave the other rank waiting for the timeout (or hang, for save_sharded's
+    blocking) or pass silently (a keyword only rank 1 misspelled, an extra key only rank 1 had);
+    the collectives' timeouts (600 s) are far beyond the harness's deadline."""
+    (tmp_path / "wrong.py").write_text(ONE_RANK_WRONG)
+    out = tmp_path / "out"
+    out.mkdir()
+    runs = run_ok(plain_processes([str(tmp_path / "wrong.py"), str(out)], free_port()), env=base_env(), cwd=tmp_path)
+    output = "\n".join(r.output for r in runs)
+    for rank in range(WORLD):
+        lines = runs[rank].output  # plain_processes: in rank order
+        assert (
+            f"rank {rank}: background on rank 1: TiekitError: collective_save_checkpoint failed on 1 of 2 rank(s): "
+            "rank 1: TiekitError: collective_save_checkpoint writes before it returns"
+        ) in lines, output
+        assert (
+            f"rank {rank}: keyword on rank 1: TiekitError: collective_save_checkpoint failed on 1 of 2 rank(s): "
+            "rank 1: TypeError: save_checkpoint() got an unexpected keyword argument 'stpe'. Nothing was written"
+        ) in lines, output
+        assert "rank 1: TypeError: save_model() got an unexpected keyword argument 'durabel'" in lines, output
+        assert (
+            f"rank {rank}: save_sharded blocking on rank 0: CheckpointError: {out / 'd'}: save_sharded needs the "
+            "same blocking on every rank (rank 0: True; rank 1: False)"
+        ) in lines, output
+        assert (
+            f"rank {rank}: save_sharded extra keys: CheckpointError: {out / 'e'}: save_sharded needs the same "
+            "extra's keys on every rank (rank 0: ['a']; rank 1: ['a', 'b'])"
+        ) in lines, output
+        assert (
+            f"rank {rank}: saving while rank 1 loads: TiekitError: rank {rank}: the ranks are in different tiekit "
+            "collectives (rank 0: save_sharded; rank 1: load_sharded)"
+        ) in lines, output
+        assert f"rank {rank}: after: returned" in lines, output
+    # Nothing was written by the refused calls; the last collective save was.
+    assert sorted(p.name for p in out.iterdir()) == ["f", "g.safetensors"]

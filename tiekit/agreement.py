@@ -64,7 +64,8 @@ def collective_check_same_model(model: torch.nn.Module, plan: TiePlan | None = N
     makes this check itself.
     """
     side = model_description(find_ties(model) if plan is None else plan, model)
-    if len(set(collective_gather(digest(side)))) > 1:  # every rank sees it: all take part below
+    digests = collective_gather(digest(side), operation="collective_check_same_model")
+    if len(set(digests)) > 1:  # every rank sees it: all take part below
         raise TiekitError(f"the ranks hold different models: {disagreement(collective_gather(side))}")
 
 

@@ -18,9 +18,11 @@ told apart by the process index: under SPMD every host is XLA replica 0).
 
 from __future__ import annotations
 
+import inspect
 import os
 import pickle
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -89,24 +91,36 @@ def is_writer() -> bool:
 # -- collectives ------------------------------------------------------------------------------
 
 
-def collective_gather(value: Any, *, timeout: float = DEFAULT_TIMEOUT) -> list[Any]:
+def collective_gather(value: Any, *, timeout: float = DEFAULT_TIMEOUT, operation: str | None = None) -> list[Any]:
     """Collective: every rank's picklable ``value``, in rank order, on every rank.
 
     A rank that does not arrive within ``timeout`` seconds is a `TiekitError` naming it (launch
     threads, gloo); nccl and XLA processes wait as long as their runtime's own timeout.
+    ``operation`` names the call this gather begins (``"save_sharded"``): ranks that meet in
+    gathers of different operations (one saving, another loading) raise a `TiekitError` on every
+    rank naming each rank's, instead of pairing the wrong values.
     """
     where = ranks()
     if where.world == 1:
         return [value]
     if where.kind == "xla-threads":
-        return _threads.gather(where.rank, where.world, value, timeout)
-    if where.kind == "torch.distributed":
-        return _dist_gather(where, value, timeout)
-    # XLA replicas or SPMD hosts in several processes: the runtime's rendezvous carries bytes.
-    from tiekit.backends import xla
+        gathered = _threads.gather(where.rank, where.world, (operation, value), timeout)
+    elif where.kind == "torch.distributed":
+        gathered = _dist_gather(where, (operation, value), timeout)
+    else:
+        # XLA replicas or SPMD hosts in several processes: the runtime's rendezvous carries bytes.
+        from tiekit.backends import xla
 
-    payloads = xla.xla_rendezvous("tiekit.collective", pickle.dumps(value))
-    return [pickle.loads(p) for p in payloads]  # peers of this very run, not files from outside
+        payloads = xla.xla_rendezvous("tiekit.collective", pickle.dumps((operation, value)))
+        gathered = [pickle.loads(p) for p in payloads]  # peers of this very run, not files from outside
+    operations = [op for op, _ in gathered]
+    if any(op != operation for op in operations):
+        shown = "; ".join(f"rank {r}: {op or 'another tiekit collective'}" for r, op in enumerate(operations))
+        raise TiekitError(
+            f"rank {where.rank}: the ranks are in different tiekit collectives ({shown}); every rank must call "
+            "the same collectives in the same order (did one rank skip a call, or fail and go on?)"
+        )
+    return [v for _, v in gathered]
 
 
 def collective_barrier(*, timeout: float = DEFAULT_TIMEOUT) -> None:
@@ -142,12 +156,28 @@ def failure_message(what: str, errors: list[str | None], where: list[str] | None
     return f"{what} failed on {failed} of {len(errors)} rank(s): {detail}"
 
 
-def collective_run(path_key: str, write: Callable[[], None], *, what: str, timeout: float = DEFAULT_TIMEOUT) -> None:
+def collective_run(
+    path_key: str,
+    write: Callable[[], None],
+    *,
+    what: str,
+    timeout: float = DEFAULT_TIMEOUT,
+    refusal: Exception | None = None,
+) -> None:
     """Collective: run ``write`` once per distinct ``path_key`` (on the lowest rank naming it) and
     raise every writer's failure on every rank (`CheckpointError` naming the rank and its error).
-    The building block of `collective_save_model`; ``what`` names the operation in errors."""
+    ``refusal``: this rank's arguments are wrong (its own check); any rank's refusal is raised on
+    every rank before anything is written, so no rank waits for one that gave up alone. The
+    building block of `collective_save_model`; ``what`` names the operation in errors."""
     where = ranks()
-    keys = collective_gather(path_key, timeout=timeout)
+    refused = None if refusal is None else f"{type(refusal).__name__}: {refusal}"
+    gathered = collective_gather((path_key, refused), timeout=timeout, operation=what)
+    refusals = [r for _, r in gathered]
+    if any(r is not None for r in refusals):
+        if refusal is not None and all(r == refused for r in refusals):
+            raise refusal  # the same mistake on every rank (or the only one): its own error says it all
+        raise TiekitError(f"{failure_message(what, refusals)}. Nothing was written") from refusal
+    keys = [k for k, _ in gathered]
     error: str | None = None
     own: Exception | None = None
     if keys.index(path_key) == where.rank:
@@ -172,7 +202,14 @@ def collective_save_model(
     from tiekit.checkpoint import save_model
 
     target = os.path.abspath(os.fspath(path))
-    collective_run(target, lambda: save_model(model, target, **kwargs), what="collective_save_model", timeout=timeout)
+    refusal = _unknown_keywords(save_model, model, target, **kwargs)
+    collective_run(
+        target,
+        lambda: save_model(model, target, **kwargs),
+        what="collective_save_model",
+        timeout=timeout,
+        refusal=refusal,
+    )
 
 
 def collective_save_checkpoint(
@@ -182,17 +219,28 @@ def collective_save_checkpoint(
     once per distinct path, every writer's failure raised on every rank."""
     from tiekit.checkpoint import save_checkpoint
 
-    if kwargs.get("blocking", True) is not True:
-        raise TiekitError(
+    target = os.path.abspath(os.fspath(path))
+    refusal: Exception | None = _unknown_keywords(save_checkpoint, target, **kwargs)
+    if refusal is None and kwargs.get("blocking", True) is not True:
+        refusal = TiekitError(
             "collective_save_checkpoint writes before it returns (it reports the writer's failure to every "
             "rank); for a background save call tiekit.save_checkpoint(..., blocking=False) on the writer"
         )
-    target = os.path.abspath(os.fspath(path))
 
     def write() -> None:
         save_checkpoint(target, **kwargs)
 
-    collective_run(target, write, what="collective_save_checkpoint", timeout=timeout)
+    collective_run(target, write, what="collective_save_checkpoint", timeout=timeout, refusal=refusal)
+
+
+def _unknown_keywords(function: Callable[..., Any], *args: Any, **kwargs: Any) -> TypeError | None:
+    """The `TypeError` calling ``function`` with these arguments would raise, checked on every rank
+    (only the writer calls it: another rank's misspelled keyword went unnoticed)."""
+    try:
+        inspect.signature(function).bind(*args, **kwargs)
+    except TypeError as exc:
+        return TypeError(f"{function.__name__}() {exc}")
+    return None
 
 
 # -- runtimes ---------------------------------------------------------------------------------
@@ -202,14 +250,17 @@ def _dist_gather(where: Ranks, value: Any, timeout: float) -> list[Any]:
     dist = torch.distributed
     if dist.get_backend() == "gloo":
         # monitored_barrier names the ranks that did not arrive instead of hanging.
+        start = time.monotonic()
         try:
             dist.monitored_barrier(timeout=timedelta(seconds=timeout), wait_all_ranks=True)
         except RuntimeError as exc:
             # Rank 0 waits up to `timeout`; the others wait for rank 0's answer, bounded by the
-            # process group's own timeout when that is shorter: name both bounds.
+            # process group's own timeout when that is shorter: name both bounds. A rank whose
+            # process ended fails it at once, with the same words from gloo: the wait tells.
             raise TiekitError(
-                f"rank {where.rank}: not every rank arrived within {timeout:g} s (or the process group's "
-                f"timeout, if shorter): {exc}"
+                f"rank {where.rank}: a collective failed after {time.monotonic() - start:.1f} s: another rank's "
+                f"process ended (exited or crashed), or not every rank arrived within {timeout:g} s (or the "
+                f"process group's timeout, if shorter): {exc}"
             ) from exc
     out: list[Any] = [None] * where.world
     dist.all_gather_object(out, value)

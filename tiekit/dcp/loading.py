@@ -184,7 +184,7 @@ def _read(inner: nn.Module, root: Path, optimizer: torch.optim.Optimizer | None,
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         error = exc
     share = (folder_names(root), reading[0] if reading else None, optimizer is not None)
-    shared = _raise_anywhere(error, f"{root}: load", share=share)
+    shared = _raise_anywhere(error, f"{root}: load", share=share, operation="load_sharded")
     refuse_different_folders([p for p, _, _ in shared], "load_sharded")
     _refuse_some_optimizers(root, [o for _, _, o in shared])
     found = [s for _, s, _ in shared]

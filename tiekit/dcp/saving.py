@@ -103,7 +103,7 @@ def save_sharded_staged(
     inner = unwrap(model)
     writes_marker = _rank() == 0
     before = committed_save_id(root) if writes_marker else None  # what the commit may replace
-    save_id, state, layout = _prepare(inner, root, optimizer, extra)
+    save_id, state, layout = _prepare(inner, root, optimizer, extra, blocking)
     folder = root / f"{SAVE_PREFIX}{save_id}"
     # DCP coordinates through the process group only where there are ranks to coordinate: with
     # one, its gathers and scatters would only pickle the plans and hand them to gloo and back.
@@ -212,14 +212,25 @@ def _background_writer() -> ThreadPoolExecutor:
     return _writer
 
 
-def _prepare(model: nn.Module, root: Path, optimizer: Any, extra: Any) -> tuple[str, SaveState, str]:
-    """Collective: agree on the folder and the save id; build this rank's state; fail everywhere
-    if any rank failed. The save id, the state, and the digest of its description (every name's
-    shape and dtype, the plan: the same on every rank)."""
-    # One gather for both (each costs a round trip of every rank): the folders, and rank 0's id.
-    found = collective_gather((folder_names(root), new_save_id() if _rank() == 0 else None))
-    refuse_different_folders([p for p, _ in found], "save_sharded")
-    save_id = str(found[0][1])
+def _prepare(model: nn.Module, root: Path, optimizer: Any, extra: Any, blocking: bool) -> tuple[str, SaveState, str]:
+    """Collective: agree on the folder, the call's options and the save id; build this rank's
+    state; fail everywhere if any rank failed. The save id, the state, and the digest of its
+    description (every name's shape and dtype, the plan: the same on every rank)."""
+    # One gather for all (each costs a round trip of every rank): the folders, what must be alike,
+    # and rank 0's id.
+    options = {"blocking": blocking, "extra's keys": extra_keys(extra)}
+    found = collective_gather(
+        (folder_names(root), options, new_save_id() if _rank() == 0 else None), operation="save_sharded"
+    )
+    refuse_different_folders([p for p, _, _ in found], "save_sharded")
+    for option in options:
+        if any(o[option] != options[option] for _, o, _ in found):
+            shown = "; ".join(f"rank {r}: {o[option]}" for r, (_, o, _) in enumerate(found))
+            raise CheckpointError(
+                f"{root}: save_sharded needs the same {option} on every rank ({shown}); "
+                f"{_DIFFERENT[option]}. Nothing was written"
+            )
+    save_id = str(found[0][2])
     state: SaveState | None = None
     error: Exception | None = None
     made = False
@@ -248,6 +259,25 @@ def _prepare(model: nn.Module, root: Path, optimizer: Any, extra: Any) -> tuple[
             f"{differences}. Nothing was written; the previous checkpoint stays the one loaded."
         )
     return save_id, state, digests[0]
+
+
+#: Why an option of `save_sharded` must be alike on every rank.
+_DIFFERENT = {
+    "blocking": "a blocking rank would wait in DCP's collectives for ranks writing in the background",
+    "extra's keys": "only rank 0's extra is stored (tensors are written by every rank, other values by rank 0)",
+}
+
+
+def extra_keys(extra: Any, prefix: str = "") -> list[str]:
+    """The dotted keys of every dict in ``extra`` (values and list lengths are not compared:
+    they may differ by rank, e.g. a timer). Local."""
+    if not isinstance(extra, dict):
+        return []
+    keys: list[str] = []
+    for key in sorted(extra, key=str):
+        keys.append(f"{prefix}{key}")
+        keys.extend(extra_keys(extra[key], f"{prefix}{key}."))
+    return keys
 
 
 def _commit(root: Path, save_id: str, state: SaveState | None, before: str | None) -> None:
@@ -309,12 +339,13 @@ def _raise_anywhere(
     what: str,
     share: Any = None,
     on_failure: Callable[[list[Any]], None] | None = None,
+    operation: str | None = None,
 ) -> list[Any]:
     """Collective: raise on every rank if any rank failed (the failing rank's own error there),
     after calling ``on_failure`` (local) with every rank's ``share``; else every rank's ``share``,
-    in rank order (sent in the same exchange)."""
+    in rank order (sent in the same exchange). ``operation``: as in `collective_gather`."""
     text = None if error is None else f"{type(error).__name__}: {error}"
-    gathered = collective_gather((text, share))
+    gathered = collective_gather((text, share), operation=operation)
     errors = [e for e, _ in gathered]
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if not failed:

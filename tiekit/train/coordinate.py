@@ -357,7 +357,7 @@ def join(job: Job, backend: Backend) -> Coordinator:
     folder_shared = backend.sharded_checkpoints and cfg.checkpoint_dir is not None
     if folder_shared:  # every rank writes into the folder: one absolute path, whatever each one's cwd
         options["checkpoint_dir"] = os.path.abspath(str(cfg.checkpoint_dir))
-    gathered = collective_gather((job.run_id, options))
+    gathered = collective_gather((job.run_id, options), operation="fit")
     first = gathered[0][1]
     for name in options:
         differ = [r for r, (_, other) in enumerate(gathered) if other[name] != first[name]]
