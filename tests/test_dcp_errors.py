@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import io
 import json
 import re
@@ -328,6 +329,25 @@ def test_dcp_metadata_of_another_model_is_refused_before_unpickling(saved: Path,
     tiekit.save_sharded(nn.Linear(3, 3), tmp_path / "other")
     shutil.copy(save_folder(tmp_path / "other") / ".metadata", save_folder(saved) / ".metadata")
     refused(saved, r"save-\w+/\.metadata: not the DCP metadata of save .* key 'metadata_sha256'")
+
+
+def test_dcp_metadata_a_newer_torch_wrote_names_that_torch_when_this_one_cannot_read_it(saved: Path) -> None:
+    """A save by torch 2.14 holding a dtype torch 2.9 lacks (bcomplex32) read as damaged on 2.9:
+    "unreadable DCP metadata: Can't get attribute 'bcomplex32'" (probe). Here the metadata names
+    an attribute no torch has, and the marker says another torch wrote it."""
+    metadata = save_folder(saved) / ".metadata"
+    metadata.write_bytes(b"ctorch\nbcomplex99\n.")  # a pickle of torch.bcomplex99
+    marker = json.loads((saved / MARKER_NAME).read_text())
+    marker["metadata_sha256"] = hashlib.sha256(metadata.read_bytes()).hexdigest()
+    marker["files"][".metadata"] = metadata.stat().st_size
+    (saved / MARKER_NAME).write_text(json.dumps({**marker, "torch": torch.__version__}))
+    refused(saved, r"\.metadata: unreadable DCP metadata: .*'bcomplex99'[^(]*$")  # this torch wrote it: not said
+    (saved / MARKER_NAME).write_text(json.dumps({**marker, "torch": "2.99.0"}))
+    refused(
+        saved,
+        r"\.metadata: unreadable DCP metadata: .*'bcomplex99'.* \(the save was written by torch 2\.99\.0; "
+        + re.escape(f"this is torch {torch.__version__}"),
+    )
 
 
 def test_a_save_folder_or_its_dcp_metadata_gone_is_named_without_retrying(saved: Path, tmp_path: Path) -> None:

@@ -174,6 +174,21 @@ def test_shard_without_a_process_group_says_so() -> None:
         tiekit.shard(gpt2())
 
 
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="pinning works where there is an accelerator")
+def test_cpu_offload_pinning_memory_without_an_accelerator_is_refused_before_anything_changes() -> None:
+    """CPUOffloadPolicy() pins host memory by default: torch failed inside the first fully_shard
+    ("Found no NVIDIA driver"), the model left partly wrapped (probe). Refused first, no process
+    group needed; pin_memory=False is what the message says to pass."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    model = gpt2()
+    before = list(model.parameters())
+    with pytest.raises(tiekit.TiekitError, match=r"pass CPUOffloadPolicy\(pin_memory=False\)"):
+        tiekit.shard(model, offload_policy=CPUOffloadPolicy())
+    assert all(a is b for a, b in zip(before, model.parameters(), strict=True))
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
 # -- the example --------------------------------------------------------------------------------
 
 

@@ -135,7 +135,7 @@ def _add_convert(sub: Any) -> None:
 def convert_command(args: argparse.Namespace) -> int:
     """``tiekit convert SRC DST``: 0 when written."""
     from tiekit import inspection
-    from tiekit.dcp.convert import convert_silently
+    from tiekit.dcp.convert import convert_silently, converted
 
     plan = inspection.model_plan(inspection.build_model(args.model).model) if args.model else None
     result = convert_silently(args.src, args.dst, plan=plan, max_shard_size=args.max_shard_size)  # left_out: below
@@ -147,7 +147,7 @@ def convert_command(args: argparse.Namespace) -> int:
         print(f"{args.src} -> {args.dst}: {len(result.stored)} tensors, {result.bytes:,} bytes in "
               f"{len(result.files)} file(s){merged}")  # fmt: skip
         if result.left_out:
-            print(f"  left out (model tensors only are converted; still in {args.src}): {', '.join(result.left_out)}")
+            print(f"  converted {converted(args.src, result)}")
     return 0
 
 

@@ -27,7 +27,7 @@ from tiekit.analyze import dtype_name
 from tiekit.checkpoint.files import removed_on_failure
 from tiekit.checkpoint.layout import INDEX_SUFFIX, WEIGHTS_NAME, PathLike, parse_size
 from tiekit.dcp.convert_plan import recorded_plan
-from tiekit.dcp.convert_source import ConvertSource, open_convert_source
+from tiekit.dcp.convert_source import NON_TENSOR_ENTRIES, ConvertSource, open_convert_source
 from tiekit.dcp.destinations import (
     refuse_existing_files,
     refuse_for_sharded_folder,
@@ -98,13 +98,21 @@ def convert(
     """
     result = convert_silently(src, dst, plan=plan, max_shard_size=max_shard_size)
     if result.left_out:
-        warnings.warn(
-            f"{os.fspath(src)}: tiekit.convert converted the model's tensors only; left out: "
-            f"{', '.join(result.left_out)} (still in the source, which load_sharded / load_checkpoint read)",
-            UserWarning,
-            stacklevel=2,
-        )
+        warnings.warn(f"{os.fspath(src)}: tiekit.convert converted {converted(src, result)}", UserWarning, stacklevel=2)
     return result
+
+
+def converted(src: PathLike, result: ConvertResult) -> str:
+    """What a conversion took from ``src`` and what it left out, for its warning and the CLI."""
+    shown = ", ".join(result.left_out)
+    if any(item.startswith(NON_TENSOR_ENTRIES) for item in result.left_out):
+        # A plain DCP folder (a framework's own checkpoint) names no model: every tensor was taken.
+        return (
+            "every tensor of this plain DCP folder (tiekit cannot tell a model's from optimizer state there); "
+            f"left out, not being tensors: {shown}"
+        )
+    still = f"still in {os.fspath(src)}, which load_sharded / load_checkpoint read"
+    return f"the model's tensors only; left out: {shown} ({still})"
 
 
 def convert_silently(

@@ -57,6 +57,10 @@ class ConvertSource:
             raise OSError(exc.errno, exc.strerror or str(exc), self.where) from exc
 
 
+#: How `ConvertResult.left_out` begins for a plain DCP folder's entries that are not tensors.
+NON_TENSOR_ENTRIES = "non-tensor entries"
+
+
 def open_convert_source(path: Path) -> ConvertSource:
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or folder")
@@ -76,7 +80,7 @@ def open_convert_source(path: Path) -> ConvertSource:
             if isinstance(v, TensorStorageMetadata)
         ]
         others = [k for k, v in metadata.state_dict_metadata.items() if not isinstance(v, TensorStorageMetadata)]
-        left_out: tuple[str, ...] = (f"non-tensor entries {', '.join(map(repr, others))}",) if others else ()
+        left_out: tuple[str, ...] = (f"{NON_TENSOR_ENTRIES} {', '.join(map(repr, others))}",) if others else ()
         return ConvertSource(os.fspath(path), specs, None, dcp_read(path), left_out)
     opened = open_source(path, (WEIGHTS_NAME, WEIGHTS_NAME + INDEX_SUFFIX))
     specs = [(k, e.shape, e.dtype) for k, (_, e) in opened.entries.items()]

@@ -6,6 +6,7 @@ failure names the damaged record where one is (`dcp_load`)."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -15,7 +16,7 @@ import torch
 from tiekit.analyze import dtype_name
 from tiekit.checkpoint.source import Source
 from tiekit.dcp.damage import damaged_record
-from tiekit.dcp.layout import DCP_METADATA, Marker, check_files, file_ends
+from tiekit.dcp.layout import DCP_METADATA, MARKER_NAME, Marker, check_files, file_ends
 from tiekit.dcp.state import running_dcp
 from tiekit.errors import CheckpointError
 from tiekit.header import TensorEntry
@@ -55,7 +56,21 @@ def dcp_metadata(folder: Path) -> Metadata:
     except FileNotFoundError as exc:
         raise CheckpointError(f"{file}: missing (the DCP metadata of {folder}): {exc.strerror or exc}") from exc
     except Exception as exc:
-        raise CheckpointError(f"{file}: unreadable DCP metadata: {exc}") from exc
+        raise CheckpointError(f"{file}: unreadable DCP metadata: {exc}{_written_by_another_torch(folder)}") from exc
+
+
+def _written_by_another_torch(folder: Path) -> str:
+    """Which torch wrote the save, when its marker says so and it is not this one (``""``
+    otherwise): DCP's metadata is a pickle, and a newer torch's may name what this one lacks (a
+    dtype), which reads as damage unless said. Local, best effort."""
+    try:
+        raw = json.loads((folder.parent / MARKER_NAME).read_text(encoding="utf-8"))
+        saved = raw["torch"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    if not isinstance(saved, str) or saved == torch.__version__:
+        return ""
+    return f" (the save was written by torch {saved}; this is torch {torch.__version__}, which may lack what it names)"
 
 
 def save_metadata(marker: Marker) -> Any:

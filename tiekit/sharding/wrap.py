@@ -69,6 +69,7 @@ def shard(
     import torch.distributed as dist
 
     FSDPModule, fully_shard = fsdp2()
+    _refuse_pinning_without_an_accelerator(fully_shard_kwargs.get("offload_policy"))
     if mesh is None and not (dist.is_available() and dist.is_initialized()):
         raise TiekitError(
             "tiekit.shard needs a process group: call torch.distributed.init_process_group(...) first "
@@ -136,6 +137,24 @@ def _sharded_before(model: nn.Module, sharding: _Sharding, plan: TiePlan | None)
 def _shown(sharding: _Sharding) -> str:
     units = "default" if sharding.units is None else list(sharding.units)
     return f"mesh={sharding.mesh}, units={units}, options={sharding.options}"
+
+
+def _refuse_pinning_without_an_accelerator(offload_policy: Any) -> None:
+    """`TiekitError` for ``CPUOffloadPolicy()`` (``pin_memory=True``, its default) where there is no
+    accelerator: torch's pinning fails inside the first ``fully_shard`` call ("Found no NVIDIA
+    driver"), leaving the model partly wrapped; refused before anything changes."""
+    if not getattr(offload_policy, "pin_memory", False):
+        return
+    available = getattr(torch, "accelerator", None)
+    if available is not None and hasattr(available, "is_available"):
+        present = bool(available.is_available())
+    else:  # torch 2.6 has no torch.accelerator.is_available
+        present = torch.cuda.is_available()
+    if not present:
+        raise TiekitError(
+            "tiekit.shard: offload_policy=CPUOffloadPolicy() pins host memory (pin_memory=True, its default), "
+            "which needs an accelerator; this machine has none: pass CPUOffloadPolicy(pin_memory=False)"
+        )
 
 
 def fsdp2() -> tuple[Any, Any]:
