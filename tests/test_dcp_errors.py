@@ -417,6 +417,13 @@ def test_unstorable_extra_is_refused_before_anything_is_written(tmp_path: Path) 
     with pytest.raises(tiekit.CheckpointError, match=r"cannot store 'extra/value/fn': a builtin_function_or_method"):
         tiekit.save_sharded(Tied(), tmp_path / "ck", extra={"fn": print})
     assert not list((tmp_path / "ck").glob("save-*")) and not (tmp_path / "ck" / MARKER_NAME).exists()
+    # A complex128 buffer: the limit is safetensors' dtypes, kept so that every checkpoint converts.
+    model = Tied()
+    model.register_buffer("z", torch.ones(2, dtype=torch.complex128))
+    said = r"'z' is a torch.strided torch.complex128 tensor, which safetensors cannot store \(tiekit's sharded"
+    with pytest.raises(tiekit.CheckpointError, match=said):
+        tiekit.save_sharded(model, tmp_path / "ck")
+    assert not list((tmp_path / "ck").glob("save-*")) and not (tmp_path / "ck" / MARKER_NAME).exists()
 
 
 def test_a_failure_alike_on_several_ranks_is_reported_once_with_their_ranks() -> None:

@@ -240,7 +240,8 @@ def unique_tensors(model: nn.Module, plan: TiePlan) -> tuple[list[str], list[tor
         if tensor.layout != torch.strided or tensor.dtype not in DTYPE_CODES:
             raise CheckpointError(
                 f"cannot save {type(model).__name__}: {name!r} is a {tensor.layout} {tensor.dtype} tensor, "
-                "which safetensors cannot store"
+                "which safetensors cannot store (tiekit's sharded checkpoints keep to its dtypes too, so that "
+                "each converts to a safetensors file)"
             )
         tensors.append(tensor.detach())
     return names, tensors
