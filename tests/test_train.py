@@ -424,6 +424,23 @@ def test_a_deletion_cut_short_is_finished_by_the_next_run_that_keeps_n(tmp_path:
     assert not folder.exists() and not (tmp_path / ".step-00000008.deleting").exists()
 
 
+@pytest.mark.parametrize("sharded", [True, False])
+def test_a_checkpoint_removed_after_the_run_chose_it_is_named_removed(tmp_path: Path, sharded: bool) -> None:
+    """A sharded run whose chosen step folder was removed before the load (another run's
+    checkpoint_keep) was told it 'resumes from a sharded checkpoint folder, not from a single file'
+    (probe)."""
+    from tiekit.train import state
+
+    model = DropoutNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = state.TrainingRun("run", 1, 4, 0, True)
+    gone = tmp_path / ("step-00000010" if sharded else "step-00000010.safetensors")
+    with pytest.raises(
+        tiekit.CheckpointError, match=r"step-00000010(\.safetensors)?: no such checkpoint \(it was there"
+    ):
+        state.resume(gone, model, optimizer, run, torch.device("cpu"), tiekit.find_ties(model), sharded=sharded)
+
+
 def test_every_replica_gets_its_own_shard_and_a_new_order_each_epoch() -> None:
     ds = data(40)
     shards = [

@@ -215,6 +215,8 @@ def resume(
             extra["rng"] = _as_tensors(extra["rng"])
     elif path.is_dir():
         raise CheckpointError(f"{path}: a folder without a committed sharded checkpoint (a save killed half way?)")
+    elif not path.exists():  # found when the run chose it: removed since (checkpoint_keep of another run?)
+        raise CheckpointError(f"{path}: no such checkpoint (it was there when the run chose it: removed since?)")
     else:
         if sharded:
             raise CheckpointError(
