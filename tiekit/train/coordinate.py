@@ -55,6 +55,7 @@ from tiekit.errors import CheckpointError, TieError, TiekitError
 from tiekit.plan import TiePlan
 from tiekit.train import agreements, resuming, state
 from tiekit.train.config import FitConfig, Job
+from tiekit.train.folder_lock import FolderLock, lock_checkpoint_dir
 from tiekit.train.losses import LossWatch
 
 #: The options of `tiekit.fit` every rank must pass alike: a rank with another ``max_steps`` or
@@ -96,6 +97,12 @@ class Coordinator:
     pending_path: Path | None = None  # where the save in flight (on any rank) goes
     written: list[Path] = field(default_factory=list)  # this run's complete checkpoints, oldest first (see resume)
     leftovers_cleared: bool = False  # deletions an earlier launch's kill cut short: finished once per run
+    folder_lock: FolderLock | None = None  # the writer's hold on checkpoint_dir (one run at a time)
+
+    def release(self) -> None:
+        """Local: let go of the ``checkpoint_dir`` lock (at the end of the run, however it ends)."""
+        if self.folder_lock is not None:
+            self.folder_lock.release()
 
     def gather(self, value: Any) -> list[Any]:
         """Collective: every rank's ``value`` in rank order (``[value]`` in a run of one rank)."""
@@ -340,10 +347,35 @@ class Coordinator:
 
 def join(job: Job, backend: Backend) -> Coordinator:
     """Collective: the `Coordinator` of this rank; rank 0's run id, and the options that must be
-    equal checked on every rank (a `TiekitError` naming the option and the ranks that differ)."""
+    equal checked on every rank (a `TiekitError` naming the option and the ranks that differ).
+    The writer takes the ``checkpoint_dir``'s lock (`tiekit.train.folder_lock`): a folder another
+    run holds is a `TiekitError` on every rank; the caller releases it (`Coordinator.release`)."""
+    where = backend.ranks
+    cfg = job.config
+    lock: FolderLock | None = None
+    refused: TiekitError | None = None
+    if where.is_writer and cfg.checkpoint_dir is not None:
+        try:
+            lock = lock_checkpoint_dir(Path(os.path.abspath(str(cfg.checkpoint_dir))), job.run_id)
+        except TiekitError as exc:
+            refused = exc
+    try:
+        run_id = _agree_on_run(job, backend, refused)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return Coordinator(where, run_id, folder_lock=lock)
+
+
+def _agree_on_run(job: Job, backend: Backend, refused: TiekitError | None) -> str:
+    """Collective: `join`'s checks; rank 0's run id. ``refused``: the writer could not lock the
+    folder (raised on every rank)."""
     where = backend.ranks
     if where.world == 1:
-        return Coordinator(where, job.run_id)
+        if refused is not None:
+            raise refused
+        return job.run_id
     cfg = job.config
     if backend.sharded_checkpoints and (cfg.checkpoint_dir is not None or cfg.resume is not None):
         # Found by every rank alike, before any collective: refused now rather than at the first
@@ -357,10 +389,15 @@ def join(job: Job, backend: Backend) -> Coordinator:
     folder_shared = backend.sharded_checkpoints and cfg.checkpoint_dir is not None
     if folder_shared:  # every rank writes into the folder: one absolute path, whatever each one's cwd
         options["checkpoint_dir"] = os.path.abspath(str(cfg.checkpoint_dir))
-    gathered = collective_gather((job.run_id, options), operation="fit")
+    gathered = collective_gather((job.run_id, options, None if refused is None else str(refused)), operation="fit")
+    held = gathered[0][2]  # the writer's refusal: every rank raises it
+    if held is not None:
+        if refused is not None:
+            raise refused
+        raise TiekitError(held)
     first = gathered[0][1]
     for name in options:
-        differ = [r for r, (_, other) in enumerate(gathered) if other[name] != first[name]]
+        differ = [r for r, (_, other, _) in enumerate(gathered) if other[name] != first[name]]
         if differ:
             shown = "; ".join(f"rank {r}: {gathered[r][1][name]!r}" for r in [0, *differ[:7]])
             why = (
@@ -372,7 +409,7 @@ def join(job: Job, backend: Backend) -> Coordinator:
             raise TiekitError(
                 f"the ranks of this run passed fit different {name} ({shown}); it must be the same on every rank{why}"
             )
-    return Coordinator(where, str(gathered[0][0]))
+    return str(gathered[0][0])
 
 
 def abort(backend: Backend, reason: str) -> None:

@@ -117,9 +117,18 @@ def run_replica(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
 
 
 def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
-    cfg = job.config
     started = time.perf_counter()
     coordinator = coordinate.join(job, backend)  # rank 0's run id; the options checked equal
+    try:
+        return _trained(job, backend, coordinator, started)
+    finally:
+        coordinator.release()  # checkpoint_dir's lock: the next run may have the folder
+
+
+def _trained(
+    job: Job, backend: Backend, coordinator: coordinate.Coordinator, started: float
+) -> tuple[Outcome, nn.Module]:
+    cfg = job.config
     backend.start(coordinator.run_id)
     precision = resolve_precision(cfg.precision, backend.device.type)
     model, original_dtype = _build(job, backend)

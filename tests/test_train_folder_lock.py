@@ -1,0 +1,121 @@
+"""One `tiekit.fit` run per ``checkpoint_dir`` (`tiekit.train.folder_lock`).
+
+Two runs started in one folder wrote the same ``step-<n>`` names over each other's, silently, and
+each one's ``checkpoint_keep`` deleted what the other rewrote; a later ``resume="last"`` took the
+other run's weights with at most a warning about the seed (probe). Here run A (a subprocess)
+holds the folder, paused inside its first epoch, while runs B (one process, then 2 DDP processes)
+start in it.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from launching import ROOT, base_env
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import tiekit
+from tiekit.train.folder_lock import LOCK_NAME
+
+RUN_A = """
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+import tiekit
+
+folder, started, go = (Path(a) for a in sys.argv[1:4])
+
+
+class Paused(Dataset):
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        if i == 0 or not started.exists():
+            started.write_text("in the first epoch")
+            while not go.exists():  # held here until the test has tried its runs
+                time.sleep(0.05)
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(8, generator=g), torch.randn(8, generator=g)
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.b.weight = self.a.weight
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.b(torch.relu(self.a(x))), y)
+
+
+tiekit.fit(Tied, Paused(), batch_size=4, max_steps=4, checkpoint_dir=folder, checkpoint_every=2,
+           devices="cpu", progress=False, shuffle=False)
+print("run A finished", flush=True)
+"""
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.b(torch.relu(self.a(x))), y)
+
+
+def data() -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(16, 8, generator=g), torch.randn(16, 8, generator=g))
+
+
+def test_a_second_run_in_a_folder_another_run_holds_is_refused_on_every_rank(tmp_path: Path) -> None:
+    folder, started, go = tmp_path / "ckpt", tmp_path / "started", tmp_path / "go"
+    (tmp_path / "run_a.py").write_text(RUN_A)
+    a = subprocess.Popen(
+        [sys.executable, str(tmp_path / "run_a.py"), str(folder), str(started), str(go)],
+        cwd=ROOT,
+        env=base_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    kw = {"batch_size": 4, "max_steps": 2, "checkpoint_dir": folder, "checkpoint_every": 2, "progress": False}
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists():
+            assert a.poll() is None, a.communicate()[0]
+            assert time.monotonic() < deadline, "run A did not start"
+            time.sleep(0.1)
+        held = re.escape('ckpt: checkpoint_dir is in use by another tiekit.fit run ({"run": ')
+        with pytest.raises(tiekit.TiekitError, match=held + f'.*"pid": {a.pid}') as one:
+            tiekit.fit(Tied, data(), devices="cpu", **kw)
+        assert "give each run its own checkpoint_dir" in str(one.value)
+        # Two DDP processes: the writer holds the lock for the run; every rank raises, none waits.
+        with pytest.raises(tiekit.TiekitError, match=held):
+            tiekit.fit(Tied, data(), strategy="ddp", devices=2, **kw)
+        assert sorted(p.name for p in folder.iterdir()) == [LOCK_NAME]  # B wrote nothing
+    finally:
+        go.write_text("go")
+        output = a.communicate(timeout=120)[0]
+    assert a.returncode == 0 and "run A finished" in output, output
+    # A's checkpoints are its own; its lock file went with it, and the folder is free again.
+    assert sorted(p.name for p in folder.iterdir()) == ["step-00000002.safetensors", "step-00000004.safetensors"]
+    result = tiekit.fit(Tied, data(), devices="cpu", resume="last", shuffle=False, **{**kw, "max_steps": 6})
+    assert result.checkpoint == folder / "step-00000006.safetensors"
+    assert not (folder / LOCK_NAME).exists()
