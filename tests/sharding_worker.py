@@ -171,6 +171,16 @@ def hf_model(factory: Callable[[], nn.Module], **shard_kwargs: Any) -> dict[str,
     return found
 
 
+def funnel() -> nn.Module:
+    """FunnelForMaskedLM (word embeddings tied to the head): its encoder's blocks are ModuleLists of layers."""
+    from transformers import FunnelConfig, FunnelForMaskedLM
+
+    config = FunnelConfig(
+        vocab_size=101, block_sizes=[2, 2], num_decoder_layers=2, d_model=16, n_head=2, d_head=8, d_inner=32
+    )
+    return FunnelForMaskedLM(config)
+
+
 def init_weights(model: nn.Module) -> None:
     """Every layer's own initialization, on whatever tensors the model holds now."""
     torch.manual_seed(1)
@@ -284,6 +294,7 @@ def main() -> None:
         ),
         ("llama", lambda: hf_model(models.llama)),
         ("t5", lambda: hf_model(models.t5)),
+        ("funnel", lambda: hf_model(funnel)),  # lists of lists of layers: the default units failed
         *[
             (f"meta: {order}", lambda order=order: meta(order))
             for order in (

@@ -98,7 +98,7 @@ def test_shard_and_check_sharding_do_not_wait_for_other_ranks(ranks: list[dict[s
 # -- Hugging Face models ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["gpt2", "gpt2_bf16", "llama", "t5"])
+@pytest.mark.parametrize("name", ["gpt2", "gpt2_bf16", "llama", "t5", "funnel"])
 def test_hf_models_keep_their_ties_and_step(ranks: list[dict[str, Any]], name: str) -> None:
     for found in ranks:
         run = found[name]
@@ -221,6 +221,22 @@ def test_default_units_are_the_repeated_blocks_and_ties_stay_with_the_root() -> 
     shared = nn.Sequential(nn.ModuleList([same, same, nn.Linear(4, 4)]), nn.ReLU())
     assert [type(m).__name__ for m in repeated_blocks(shared)] == ["Linear", "Linear"]  # the shared one once
     assert labels(nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 5))) == ["<root>"]  # nothing repeats
+
+
+def test_default_units_inside_lists_of_lists_are_the_layers_not_the_inner_lists() -> None:
+    """Funnel's encoder holds a ModuleList of ModuleLists: the inner lists were chosen, and
+    fully_shard refused them ("containers that do not implement forward"), a raw ValueError from
+    tiekit.shard's defaults (probe, FunnelForMaskedLM)."""
+    from transformers import FunnelConfig, FunnelForMaskedLM
+
+    config = FunnelConfig(
+        vocab_size=101, block_sizes=[2, 2], num_decoder_layers=2, d_model=16, n_head=2, d_head=8, d_inner=32
+    )
+    model = FunnelForMaskedLM(config)
+    blocks = [f"funnel.encoder.blocks.{b}.{layer}" for b in (0, 1) for layer in (0, 1)]
+    assert labels(model) == [*blocks, "funnel.decoder.layers.0", "funnel.decoder.layers.1", "<root>"]
+    nested = nn.Sequential(nn.ModuleList([nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]) for _ in range(2)]))
+    assert labels(nested) == ["0.0.0", "0.0.1", "0.1.0", "0.1.1", "<root>"]
 
 
 def test_units_by_pattern_class_and_module_join_tied_owners() -> None:

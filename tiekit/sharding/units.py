@@ -77,7 +77,9 @@ def _prefixes(path: str) -> Iterable[str]:
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     """The default units: children of every ``ModuleList``/``Sequential`` whose class occurs
     more than once among its siblings and that hold parameters, outermost only (nothing inside a
-    chosen block is chosen again)."""
+    chosen block is chosen again). A child that is itself a ``ModuleList``/``ModuleDict`` (Funnel's
+    blocks, lists of layers) is no unit (FSDP cannot hook a container without ``forward``): its
+    own repeated children are."""
     found: dict[int, nn.Module] = {}
     stack = [model]
     seen: set[int] = set()
@@ -90,7 +92,7 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
         chosen: list[nn.Module] = []
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
             counts = Counter(type(c) for c in children)
-            chosen = [c for c in children if counts[type(c)] > 1 and _has_parameters(c)]
+            chosen = [c for c in children if counts[type(c)] > 1 and _has_parameters(c) and not _container(c)]
             for c in chosen:
                 found.setdefault(id(c), c)
         stack.extend(reversed([c for c in children if all(c is not k for k in chosen)]))
@@ -99,6 +101,10 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
 
 def _has_parameters(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None
+
+
+def _container(module: nn.Module) -> bool:
+    return isinstance(module, (nn.ModuleList, nn.ModuleDict))
 
 
 def resolve_units(model: nn.Module, units: Sequence[UnitSpec] | None, tree: _Tree | None = None) -> list[nn.Module]:
