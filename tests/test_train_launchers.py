@@ -715,7 +715,7 @@ def test_several_spmd_hosts_without_a_process_group_are_refused_before_anything_
     # DCP over no process group would have every host write as the only rank, over each other.
     from tiekit.backends.torch_distributed import TorchBackend
     from tiekit.collective import Ranks
-    from tiekit.dcp.saving import process_group_needed
+    from tiekit.dcp.ranks import process_group_needed
     from tiekit.train.config import FitConfig, Job
     from tiekit.train.coordinate import join
 

@@ -34,14 +34,8 @@ from tiekit.collective import collective_gather, ranks
 from tiekit.dcp.chunks import Located, locate_rows, row_chunks
 from tiekit.dcp.damage import Region, damaged_structure
 from tiekit.dcp.layout import Marker, committed_save_id, read_marker
+from tiekit.dcp.ranks import distributed, folder_names, process_group_needed, raise_anywhere, refuse_different_folders
 from tiekit.dcp.records import as_source, dcp_load, save_metadata
-from tiekit.dcp.saving import (
-    _distributed,
-    _raise_anywhere,
-    folder_names,
-    process_group_needed,
-    refuse_different_folders,
-)
 from tiekit.dcp.state import destination, parameters_by_name, xla_spmd
 from tiekit.errors import CheckpointError
 from tiekit.header import FileIdentity
@@ -103,7 +97,7 @@ def load_sharded(
     removed files.
     """
     root = Path(os.path.abspath(os.fspath(path)))
-    needed = process_group_needed(ranks(), _distributed(), "load_sharded", root, "The model is untouched")
+    needed = process_group_needed(ranks(), distributed(), "load_sharded", root, "The model is untouched")
     if needed is not None:
         raise needed
     inner = unwrap(model)
@@ -184,7 +178,7 @@ def _read(inner: nn.Module, root: Path, optimizer: torch.optim.Optimizer | None,
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         error = exc
     share = (folder_names(root), reading[0] if reading else None, optimizer is not None)
-    shared = _raise_anywhere(error, f"{root}: load", share=share, operation="load_sharded")
+    shared = raise_anywhere(error, f"{root}: load", share=share, operation="load_sharded")
     refuse_different_folders([p for p, _, _ in shared], "load_sharded")
     _refuse_some_optimizers(root, [o for _, _, o in shared])
     found = [s for _, s, _ in shared]
@@ -212,7 +206,7 @@ def _read(inner: nn.Module, root: Path, optimizer: torch.optim.Optimizer | None,
             raise damaged
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         error = exc
-    _raise_anywhere(error, f"{root}: load")
+    raise_anywhere(error, f"{root}: load")
     planner = _spmd_planner() if spmd else _weights_planner(targets.values())
     rest = {key: tensor for key, tensor in targets.items() if key not in streamed}
     dcp_load(rest, marker.folder, metadata, planner, single)  # every rank calls it, whatever it streams itself
@@ -226,7 +220,7 @@ def _read(inner: nn.Module, root: Path, optimizer: torch.optim.Optimizer | None,
             stream_rows_in_place(parts, identities)  # a shard file replaced since it was located is refused
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         error = exc
-    _raise_anywhere(error, f"{root}: load")  # what one rank streams, others may not: all learn of a failure
+    raise_anywhere(error, f"{root}: load")  # what one rank streams, others may not: all learn of a failure
     return _Read(marker, staged, fresh, extra, restore)
 
 

@@ -21,7 +21,7 @@ import functools
 import os
 import shutil
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -33,8 +33,19 @@ from tiekit.agreement import description, digest, disagreement
 from tiekit.checkpoint.deferred import DeferredCopies, deferrable_storages
 from tiekit.checkpoint.handle import SaveHandle, after_earlier_saves, register_pending
 from tiekit.checkpoint.layout import PathLike
-from tiekit.collective import Ranks, collective_gather, failure_message, ranks
+from tiekit.collective import collective_gather, ranks
 from tiekit.dcp.layout import SAVE_PREFIX, committed_save_id, new_save_id, remove_stale, write_marker
+from tiekit.dcp.ranks import (
+    distributed,
+    extra_keys,
+    folder_names,
+    process_group_needed,
+    raise_anywhere,
+    rank,
+    refuse_different_folders,
+    refuse_different_options,
+    world,
+)
 from tiekit.dcp.replay import collective_write_copies, recipe_for
 from tiekit.dcp.staging import host_copies, optimizer_entries
 from tiekit.dcp.state import SaveState, dcp_save, running_dcp, save_state, xla_spmd
@@ -96,18 +107,18 @@ def save_sharded_staged(
     from tiekit.dcp.writer import DurableWriter  # DCP's file system: loaded by the first save, not by import
 
     root = Path(os.path.abspath(os.fspath(path)))
-    needed = process_group_needed(ranks(), _distributed(), "save_sharded", root)
+    needed = process_group_needed(ranks(), distributed(), "save_sharded", root)
     if needed is not None:
         raise needed
     key = after_earlier_saves(root, stacklevel=3)  # 3: the caller of save_sharded
     inner = unwrap(model)
-    writes_marker = _rank() == 0
+    writes_marker = rank() == 0
     before = committed_save_id(root) if writes_marker else None  # what the commit may replace
     save_id, state, layout = _prepare(inner, root, optimizer, extra, blocking)
     folder = root / f"{SAVE_PREFIX}{save_id}"
     # DCP coordinates through the process group only where there are ranks to coordinate: with
     # one, its gathers and scatters would only pickle the plans and hand them to gloo and back.
-    distributed = _distributed() and _world() > 1
+    coordinated = distributed() and world() > 1
     spmd = xla_spmd(state.tensors.values())
     planner = _spmd_planner() if spmd else None
     if blocking:
@@ -115,7 +126,7 @@ def save_sharded_staged(
         try:
             tensors = _spmd_writable(state.tensors) if spmd else state.tensors
             with running_dcp(folder, reading=False):
-                dcp_save(tensors, storage_writer=DurableWriter(folder), planner=planner, no_dist=not distributed)
+                dcp_save(tensors, storage_writer=DurableWriter(folder), planner=planner, no_dist=not coordinated)
         except Exception as exc:  # noqa: BLE001 - reported on every rank below
             conflict = _writer_conflict(root, save_id, before, exc) if writes_marker else None
             error = conflict or exc
@@ -127,14 +138,14 @@ def save_sharded_staged(
         # Rank 0 tells whether its marker names this save despite an error (a commit that failed
         # after its rename); every rank then removes its own part of a save that failed anywhere.
         committed = writes_marker and error is not None and committed_save_id(root) == save_id
-        _raise_anywhere(
+        raise_anywhere(
             error,
             f"{root}: save {save_id}",
             share=committed,
             on_failure=lambda shares: None if any(shares) else remove_failed_save(folder),
         )
         return SaveHandle(root, save_id, None), {}, None
-    group = _async_group() if distributed else None
+    group = _async_group() if coordinated else None
     copies: DeferredCopies | None = None
     if spmd:
         from tiekit.backends.xla_spmd import spmd_host_copy
@@ -146,7 +157,7 @@ def save_sharded_staged(
         hosts, copies = host_copies(state.tensors, staging, deferrable, entries)
     # The copies are made in DCP's planning step, written, then checked against the training
     # thread's `settle` before this rank reports its write: a torn copy fails the save on every rank.
-    recipe = None if spmd else recipe_for(hosts, getattr(staging, "recipe", None), layout, _world())
+    recipe = None if spmd else recipe_for(hosts, getattr(staging, "recipe", None), layout, world())
     writer = DurableWriter(
         folder,
         None if copies is None else copies.copy,
@@ -163,16 +174,16 @@ def save_sharded_staged(
         )
         # DCP over a destroyed group does not fail cleanly (torch 2.14 ran on and had both ranks
         # write the metadata), so a save whose group is gone does not start.
-        if distributed and not torch.distributed.is_initialized():
+        if coordinated and not torch.distributed.is_initialized():
             raise CheckpointError(destroyed)
         try:
             with running_dcp(folder, reading=False):
-                collective_write_copies((save_id, layout), hosts, writer, recipe, planner, group, distributed)
+                collective_write_copies((save_id, layout), hosts, writer, recipe, planner, group, coordinated)
         except Exception as exc:
             # DCP raised on every rank (it hands each rank every rank's failure), after all of them
             # stopped writing: each removes its own part of the folder.
             remove_failed_save(folder)
-            if distributed and not torch.distributed.is_initialized():
+            if coordinated and not torch.distributed.is_initialized():
                 raise CheckpointError(f"{destroyed}: {type(exc).__name__}: {exc}") from exc
             if writes_marker and (conflict := _writer_conflict(root, save_id, before, exc)):
                 raise conflict from exc
@@ -220,22 +231,16 @@ def _prepare(model: nn.Module, root: Path, optimizer: Any, extra: Any, blocking:
     # and rank 0's id.
     options = {"blocking": blocking, "extra's keys": extra_keys(extra)}
     found = collective_gather(
-        (folder_names(root), options, new_save_id() if _rank() == 0 else None), operation="save_sharded"
+        (folder_names(root), options, new_save_id() if rank() == 0 else None), operation="save_sharded"
     )
     refuse_different_folders([p for p, _, _ in found], "save_sharded")
-    for option in options:
-        if any(o[option] != options[option] for _, o, _ in found):
-            shown = "; ".join(f"rank {r}: {o[option]}" for r, (_, o, _) in enumerate(found))
-            raise CheckpointError(
-                f"{root}: save_sharded needs the same {option} on every rank ({shown}); "
-                f"{_DIFFERENT[option]}. Nothing was written"
-            )
+    refuse_different_options(root, [o for _, o, _ in found])
     save_id = str(found[0][2])
     state: SaveState | None = None
     error: Exception | None = None
     made = False
     try:
-        if _rank() == 0:
+        if rank() == 0:
             made = not root.exists()
             root.mkdir(parents=True, exist_ok=True)
         state = save_state(model, optimizer, extra)
@@ -246,7 +251,7 @@ def _prepare(model: nn.Module, root: Path, optimizer: Any, extra: Any, blocking:
     except Exception as exc:  # noqa: BLE001 - reported on every rank below
         error = exc
     side = None if state is None else description(state.plan, state.record["tensors"])
-    digests = _raise_anywhere(error, f"{root}: save {save_id}", share=None if side is None else digest(side))
+    digests = raise_anywhere(error, f"{root}: save {save_id}", share=None if side is None else digest(side))
     assert state is not None
     if len(set(digests)) > 1:  # every rank sees it: all take part in the gather below
         differences = disagreement(collective_gather(side))
@@ -261,20 +266,6 @@ def _prepare(model: nn.Module, root: Path, optimizer: Any, extra: Any, blocking:
     return save_id, state, digests[0]
 
 
-#: Why an option of `save_sharded` must be alike on every rank.
-_DIFFERENT = {
-    "blocking": "a blocking rank would wait in DCP's collectives for ranks writing in the background",
-    "extra's keys": "only rank 0's extra is stored (tensors are written by every rank, other values by rank 0)",
-}
-
-
-def extra_keys(extra: Any) -> list[str]:
-    """The keys of ``extra`` when it is a dict. Values are not compared (they may differ by rank,
-    a timer), nor the keys of dicts inside (``fit``'s RNG states hold numpy's only where numpy
-    was imported). Local."""
-    return sorted(map(str, extra)) if isinstance(extra, dict) else []
-
-
 def _commit(root: Path, save_id: str, state: SaveState | None, before: str | None) -> None:
     """Publish the save (rank 0), unless another writer committed into the folder since it began
     (``before``: the save committed then): replacing theirs would remove their save's files, and
@@ -285,7 +276,7 @@ def _commit(root: Path, save_id: str, state: SaveState | None, before: str | Non
     if conflict is not None:
         raise conflict
     record = dict(state.record)
-    record["world_size"] = _world()
+    record["world_size"] = world()
     record["torch"] = torch.__version__
     write_marker(root, folder, save_id, state.plan, record)
     remove_stale(root, keep=folder.name)
@@ -327,87 +318,6 @@ def _writer_conflict(
         f"{root}: save {now} was committed into this folder by another writer while save {save_id} was written"
         f"{told}; not committed (save {now} stays the checkpoint). Give each run its own folder."
     )
-
-
-def _raise_anywhere(
-    error: BaseException | None,
-    what: str,
-    share: Any = None,
-    on_failure: Callable[[list[Any]], None] | None = None,
-    operation: str | None = None,
-) -> list[Any]:
-    """Collective: raise on every rank if any rank failed (the failing rank's own error there),
-    after calling ``on_failure`` (local) with every rank's ``share``; else every rank's ``share``,
-    in rank order (sent in the same exchange). ``operation``: as in `collective_gather`."""
-    text = None if error is None else f"{type(error).__name__}: {error}"
-    gathered = collective_gather((text, share), operation=operation)
-    errors = [e for e, _ in gathered]
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if not failed:
-        return [shared for _, shared in gathered]
-    if on_failure is not None:
-        on_failure([shared for _, shared in gathered])
-    if isinstance(error, CheckpointError) and all(e == text for _, e in failed):
-        raise error  # the same failure everywhere (a bad checkpoint): this rank's own error says it all
-    raise CheckpointError(failure_message(what, errors)) from error
-
-
-def folder_names(root: Path) -> tuple[str, str]:
-    """``root`` (absolute) as this rank names it and with its symbolic links resolved: what the
-    ranks compare (`refuse_different_folders`). Local."""
-    return os.fspath(root), os.path.realpath(root)
-
-
-def refuse_different_folders(paths: list[tuple[str, str]], what: str) -> None:
-    """`CheckpointError` unless every rank's folder (``paths``: each rank's `folder_names`, in rank
-    order, as gathered) is the same: the same absolute path on every rank, or the same folder
-    once symbolic links are resolved (one rank reaching it through a link). Local."""
-    if len({named for named, _ in paths}) > 1 and len({real for _, real in paths}) > 1:
-        shown = "; ".join(f"rank {r}: {p}" for r, (p, _) in enumerate(paths))
-        raise CheckpointError(f"{what} needs the same folder on every rank ({shown})")
-
-
-def process_group_needed(
-    where: Ranks, distributed: bool, what: str, root: Path, unchanged: str = "Nothing was written"
-) -> CheckpointError | None:
-    """The error for a sharded save or load among ranks DCP cannot coordinate: several ranks and
-    no torch.distributed process group (each would write or read as the only rank), ending with
-    ``unchanged`` (what the refusal left as it was). Local: every rank finds the same, so all
-    raise before any collective."""
-    if where.world == 1 or distributed:
-        return None
-    start = f"{root}: {what} runs torch.distributed.checkpoint"
-    if where.kind == "xla-threads":
-        instead = (
-            "save them once, with tiekit.collective_save_checkpoint (one file), instead"
-            if what.startswith("save")
-            else "load the folder in one replica (devices=1), or convert it to one file with tiekit.convert "
-            "and load that"
-        )
-        return CheckpointError(
-            f"{start}, which needs one process per rank; the {where.world} replicas here are threads of "
-            f"one process (torch_xla.launch on XLA:CPU). They hold the same weights: {instead}. {unchanged}"
-        )
-    who = "hosts of this SPMD run" if where.kind == "spmd-hosts" else "XLA processes"
-    return CheckpointError(
-        f"{start}, which coordinates the {where.world} {who} through a torch.distributed process group, "
-        "and there is none: call torch.distributed.init_process_group('gloo', init_method='xla://') in "
-        "every process first (torch_xla's rendezvous; import torch_xla.distributed.xla_backend). "
-        f"{unchanged}"
-    )
-
-
-def _distributed() -> bool:
-    dist = torch.distributed
-    return bool(dist.is_available() and dist.is_initialized())
-
-
-def _rank() -> int:
-    return int(torch.distributed.get_rank()) if _distributed() else 0
-
-
-def _world() -> int:
-    return int(torch.distributed.get_world_size()) if _distributed() else 1
 
 
 # The background saves' group of each live default group, held no longer than that group: a

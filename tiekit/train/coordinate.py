@@ -50,7 +50,8 @@ from tiekit.collective import (
     failure_message,
 )
 from tiekit.dcp import SaveHandle
-from tiekit.dcp.saving import process_group_needed, save_sharded_staged
+from tiekit.dcp.ranks import process_group_needed
+from tiekit.dcp.saving import save_sharded_staged
 from tiekit.errors import CheckpointError, TieError, TiekitError
 from tiekit.plan import TiePlan
 from tiekit.train import agreements, resuming, state
