@@ -1,7 +1,7 @@
-"""What the ranks of one `tiekit.fit` run must have built alike, and how a difference is
-told: local judgements over values every rank gathered (`tiekit.train.coordinate.Coordinator`'s
-``agree_on_*`` collectives gather them, then call these on every rank, so every rank raises the
-same `TiekitError`)."""
+"""What the ranks of one `tiekit.fit` run must have passed and built alike, and how a difference
+is told: local judgements over values every rank gathered (`tiekit.train.coordinate.join` and the
+``Coordinator.agree_on_*`` collectives gather them, then call these on every rank, so every rank
+raises the same `TiekitError`)."""
 
 from __future__ import annotations
 
@@ -53,6 +53,26 @@ def refuse_different_data(gathered: list[dict[str, tuple[int, int]]]) -> None:
                 f"{shown}. Pass the same dataset on every rank: fit gives each rank its share (a "
                 "DistributedSampler); ranks whose epochs end at different steps would wait for each other "
                 "for good"
+            )
+
+
+def refuse_different_options(gathered: list[dict[str, Any]], shared_folder: str | None) -> None:
+    """Local: ``gathered`` holds every rank's options of `tiekit.fit` (strategy first), in rank
+    order; a `TiekitError` naming the first that differs and the ranks. ``shared_folder``: the
+    strategy whose every rank writes into one ``checkpoint_dir`` (compared as an absolute path)."""
+    first = gathered[0]
+    for name in first:
+        differ = [r for r, other in enumerate(gathered) if other[name] != first[name]]
+        if differ:
+            shown = "; ".join(f"rank {r}: {gathered[r][name]!r}" for r in [0, *differ[:7]])
+            why = (
+                f" (strategy={shared_folder!r} has every rank write its part into one folder; a relative path "
+                "names a folder in each rank's working directory)"
+                if name == "checkpoint_dir" and shared_folder is not None
+                else ""
+            )
+            raise TiekitError(
+                f"the ranks of this run passed fit different {name} ({shown}); it must be the same on every rank{why}"
             )
 
 

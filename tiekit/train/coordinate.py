@@ -396,20 +396,8 @@ def _agree_on_run(job: Job, backend: Backend, refused: TiekitError | None) -> st
         if refused is not None:
             raise refused
         raise TiekitError(held)
-    first = gathered[0][1]
-    for name in options:
-        differ = [r for r, (_, other, _) in enumerate(gathered) if other[name] != first[name]]
-        if differ:
-            shown = "; ".join(f"rank {r}: {gathered[r][1][name]!r}" for r in [0, *differ[:7]])
-            why = (
-                f" (strategy={backend.name!r} has every rank write its part into one folder; a relative path "
-                "names a folder in each rank's working directory)"
-                if name == "checkpoint_dir" and folder_shared
-                else ""
-            )
-            raise TiekitError(
-                f"the ranks of this run passed fit different {name} ({shown}); it must be the same on every rank{why}"
-            )
+    shared_folder = backend.name if folder_shared else None
+    agreements.refuse_different_options([other for _, other, _ in gathered], shared_folder)
     return str(gathered[0][0])
 
 
