@@ -18,7 +18,10 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from launching import BIN, EXAMPLES, audit_env, base_env, free_port, renames, run_ok, run_together
+
+import tiekit
 
 pytestmark = pytest.mark.slow
 
@@ -282,6 +285,10 @@ tell("model keyword on rank 1", lambda: tiekit.collective_save_model(
 tell("save_sharded blocking on rank 0", lambda: tiekit.save_sharded(model, out / "d", blocking=rank == 0))
 extra = {"a": 1, "b": 2} if rank else {"a": 1}
 tell("save_sharded extra keys", lambda: tiekit.save_sharded(model, out / "e", extra=extra))
+only_0 = {"a": 1} if rank == 0 else None
+tell("save_sharded extra on rank 0 only", lambda: tiekit.save_sharded(model, out / "h", extra=only_0))
+tell("model on the writer only", lambda: tiekit.collective_save_checkpoint(
+    out / "i.safetensors", timeout=wait, **({"model": model, "step": 2} if rank == 0 else {})))
 tiekit.save_sharded(model, out / "f")
 if rank == 0:
     tell("saving while rank 1 loads", lambda: tiekit.save_sharded(model, out / "f"))
@@ -318,13 +325,17 @@ def test_one_rank_with_wrong_arguments_fails_every_rank_without_waiting(tmp_path
             "same blocking on every rank (rank 0: True; rank 1: False)"
         ) in lines, output
         assert (
-            f"rank {rank}: save_sharded extra keys: CheckpointError: {out / 'e'}: save_sharded needs the same "
-            "extra's keys on every rank (rank 0: ['a']; rank 1: ['a', 'b'])"
+            f"rank {rank}: save_sharded extra keys: CheckpointError: {out / 'e'}: save_sharded was given extra keys "
+            "that rank 0's extra lacks (rank 1: ['b']; rank 0: ['a']); only rank 0's extra is stored"
         ) in lines, output
+        # Not refused: what rank 0 alone passes is stored; a rank that writes nothing needs no model.
+        assert f"rank {rank}: save_sharded extra on rank 0 only: returned" in lines, output
+        assert f"rank {rank}: model on the writer only: returned" in lines, output
         assert (
             f"rank {rank}: saving while rank 1 loads: TiekitError: rank {rank}: the ranks are in different tiekit "
             "collectives (rank 0: save_sharded; rank 1: load_sharded)"
         ) in lines, output
         assert f"rank {rank}: after: returned" in lines, output
     # Nothing was written by the refused calls; the last collective save was.
-    assert sorted(p.name for p in out.iterdir()) == ["f", "g.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["f", "g.safetensors", "h", "i.safetensors"]
+    assert tiekit.load_sharded(torch.nn.Linear(2, 2), out / "h").extra == {"a": 1}

@@ -234,10 +234,11 @@ def collective_save_checkpoint(
 
 
 def _unknown_keywords(function: Callable[..., Any], *args: Any, **kwargs: Any) -> TypeError | None:
-    """The `TypeError` calling ``function`` with these arguments would raise, checked on every rank
-    (only the writer calls it: another rank's misspelled keyword went unnoticed)."""
+    """The `TypeError` for a keyword ``function`` does not take, checked on every rank (only the
+    writer calls it: another rank's misspelled keyword went unnoticed). Missing arguments are the
+    writer's to report: a rank that writes nothing may leave them out."""
     try:
-        inspect.signature(function).bind(*args, **kwargs)
+        inspect.signature(function).bind_partial(*args, **kwargs)
     except TypeError as exc:
         return TypeError(f"{function.__name__}() {exc}")
     return None

@@ -99,13 +99,6 @@ def world() -> int:
     return int(torch.distributed.get_world_size()) if distributed() else 1
 
 
-#: Why an option of `save_sharded` must be alike on every rank.
-SAVE_OPTIONS_WHY = {
-    "blocking": "a blocking rank would wait in DCP's collectives for ranks writing in the background",
-    "extra's keys": "only rank 0's extra is stored (tensors are written by every rank, other values by rank 0)",
-}
-
-
 def extra_keys(extra: Any) -> list[str]:
     """The keys of ``extra`` when it is a dict. Values are not compared (they may differ by rank,
     a timer), nor the keys of dicts inside (``fit``'s RNG states hold numpy's only where numpy
@@ -114,11 +107,24 @@ def extra_keys(extra: Any) -> list[str]:
 
 
 def refuse_different_options(root: Path, options: list[dict[str, Any]]) -> None:
-    """`CheckpointError` naming the first `SAVE_OPTIONS_WHY` option the ranks' ``options`` (in
-    rank order, as gathered) differ in. Local."""
-    for option, why in SAVE_OPTIONS_WHY.items():
-        if any(o[option] != options[0][option] for o in options):
-            shown = "; ".join(f"rank {r}: {o[option]}" for r, o in enumerate(options))
-            raise CheckpointError(
-                f"{root}: save_sharded needs the same {option} on every rank ({shown}); {why}. Nothing was written"
-            )
+    """`CheckpointError` when the ranks' ``options`` of `save_sharded` (in rank order, as
+    gathered: ``blocking`` and `extra_keys`) do not go together: ``blocking`` differs (a blocking
+    rank would wait in DCP's collectives for ranks writing in the background), or a rank's
+    ``extra`` has keys rank 0's lacks (only rank 0's is stored: they would be lost; ``extra`` on
+    rank 0 alone is fine). Local."""
+    if any(o["blocking"] != options[0]["blocking"] for o in options):
+        shown = "; ".join(f"rank {r}: {o['blocking']}" for r, o in enumerate(options))
+        raise CheckpointError(
+            f"{root}: save_sharded needs the same blocking on every rank ({shown}); a blocking rank would wait in "
+            "DCP's collectives for ranks writing in the background. Nothing was written"
+        )
+    stored = set(options[0]["extra's keys"])
+    lost = {r: sorted(set(o["extra's keys"]) - stored) for r, o in enumerate(options)}
+    lost = {r: keys for r, keys in lost.items() if keys}
+    if lost:
+        shown = "; ".join(f"rank {r}: {keys}" for r, keys in lost.items())
+        raise CheckpointError(
+            f"{root}: save_sharded was given extra keys that rank 0's extra lacks ({shown}; rank 0: "
+            f"{sorted(stored)}); only rank 0's extra is stored (tensors are written by every rank, other values by "
+            "rank 0), so they would be lost. Nothing was written"
+        )
