@@ -119,3 +119,37 @@ def test_a_second_run_in_a_folder_another_run_holds_is_refused_on_every_rank(tmp
     result = tiekit.fit(Tied, data(), devices="cpu", resume="last", shuffle=False, **{**kw, "max_steps": 6})
     assert result.checkpoint == folder / "step-00000006.safetensors"
     assert not (folder / LOCK_NAME).exists()
+
+
+def test_the_lock_is_held_until_a_failed_runs_background_save_is_written(tmp_path: Path) -> None:
+    """A run that fails goes on writing its last background save into the folder after fit raised;
+    its lock was released at once, and another run could take the folder meanwhile (probe)."""
+    from concurrent.futures import Future
+
+    from tiekit.checkpoint.handle import SaveHandle
+    from tiekit.collective import Ranks
+    from tiekit.train.coordinate import Coordinator
+    from tiekit.train.folder_lock import lock_checkpoint_dir
+
+    folder = tmp_path / "ckpt"
+    writing: Future[None] = Future()
+    pending = SaveHandle(folder / "step-00000002.safetensors", "", writing)
+    run = Coordinator(Ranks(0, 1, "single"), "run-a", pending=pending, folder_lock=lock_checkpoint_dir(folder, "run-a"))
+    run.release()  # fit's end, the save still being written
+    with pytest.raises(tiekit.TiekitError, match=re.escape('in use by another tiekit.fit run ({"run": "run-a"')):
+        lock_checkpoint_dir(folder, "run-b")
+    writing.set_result(None)  # written: the folder is free
+    lock_checkpoint_dir(folder, "run-b").release()
+    assert not folder.exists()  # made by the first lock, empty: removed by the last release
+
+
+def test_a_run_that_wrote_nothing_leaves_no_folder_the_lock_made(tmp_path: Path) -> None:
+    from tiekit.train.folder_lock import lock_checkpoint_dir
+
+    lock_checkpoint_dir(tmp_path / "runs" / "exp1" / "ckpt", "run").release()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # the parents it made went too (probe: they stayed)
+    (tmp_path / "runs").mkdir()
+    kept = lock_checkpoint_dir(tmp_path / "runs" / "exp1" / "ckpt", "run")
+    (tmp_path / "runs" / "exp1" / "ckpt" / "step-00000002.safetensors").write_text("written")
+    kept.release()
+    assert [p.name for p in (tmp_path / "runs" / "exp1" / "ckpt").iterdir()] == ["step-00000002.safetensors"]

@@ -101,9 +101,16 @@ class Coordinator:
     folder_lock: FolderLock | None = None  # the writer's hold on checkpoint_dir (one run at a time)
 
     def release(self) -> None:
-        """Local: let go of the ``checkpoint_dir`` lock (at the end of the run, however it ends)."""
-        if self.folder_lock is not None:
-            self.folder_lock.release()
+        """Local: let go of the ``checkpoint_dir`` lock (at the end of the run, however it ends);
+        once this rank's background save is written, if one still is (a failed run's last save
+        goes on writing into the folder after fit raised)."""
+        lock, self.folder_lock = self.folder_lock, None
+        if lock is None:
+            return
+        if self.pending is not None and not self.pending.done():
+            self.pending._when_finished(lambda _: lock.release())
+        else:
+            lock.release()
 
     def gather(self, value: Any) -> list[Any]:
         """Collective: every rank's ``value`` in rank order (``[value]`` in a run of one rank)."""

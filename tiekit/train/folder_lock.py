@@ -33,7 +33,7 @@ class FolderLock:
 
     folder: Path
     file: IO[str] | None
-    made: bool = False  # the lock made the folder: removed again if the run wrote nothing there
+    made: Path | None = None  # the outermost folder the lock made: removed again if the run wrote nothing
 
     def release(self) -> None:
         """Local: remove the lock file (and the folder, if it made it and it is empty) and let the
@@ -45,9 +45,14 @@ class FolderLock:
                 (self.folder / LOCK_NAME).unlink(missing_ok=True)
             self.file.close()  # closing the descriptor drops the flock
             self.file = None
-            if self.made:
-                with contextlib.suppress(OSError):
-                    self.folder.rmdir()  # only if empty: a run that failed before its first save
+            if self.made is not None:
+                folder = self.folder
+                with contextlib.suppress(OSError):  # only empty ones: a run that failed before its first save
+                    while True:
+                        folder.rmdir()
+                        if folder == self.made:
+                            break
+                        folder = folder.parent
 
 
 def lock_checkpoint_dir(folder: Path, run_id: str) -> FolderLock:
@@ -57,7 +62,11 @@ def lock_checkpoint_dir(folder: Path, run_id: str) -> FolderLock:
         import fcntl
     except ImportError:  # not a POSIX system: nothing to lock with
         return FolderLock(folder, None)
-    made = not folder.exists()
+    made = None
+    for ancestor in (folder, *folder.parents):
+        if ancestor.exists():
+            break
+        made = ancestor
     while True:
         try:
             folder.mkdir(parents=True, exist_ok=True)
