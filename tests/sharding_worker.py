@@ -255,7 +255,9 @@ def errors() -> dict[str, Any]:
     )
     out["again_tied"] = wrapped.head.weight is wrapped.embed.weight
     record("again_other_options", lambda: tiekit.shard(wrapped, reshard_after_forward=False))
-    record("again_other_units", lambda: tiekit.shard(wrapped, units=["blocks.*"]))
+    record("again_other_units", lambda: tiekit.shard(wrapped, units=["blocks.0"]))
+    # The same sharding said otherwise: the default units named.
+    record("again_equivalent", lambda: tiekit.shard(wrapped, units=["blocks.*"]))
     yours = TiedLM()
     fully_shard(yours)
     record("already_wrapped", lambda: tiekit.shard(yours))

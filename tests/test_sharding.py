@@ -140,7 +140,11 @@ def test_errors_name_the_modules(ranks: list[dict[str, Any]]) -> None:
         "but FSDP is already applied to <root>; to check a model you wrapped yourself"
         in (errors["already_wrapped"]["message"])
     )
-    for key, shown in [("again_other_options", "'reshard_after_forward': False"), ("again_other_units", "'blocks.*'")]:
+    assert errors["again_equivalent"] is None
+    for key, shown in [
+        ("again_other_options", "options={'reshard_after_forward': False})"),
+        ("again_other_units", "units=['blocks.0', '<root>'], options={})"),
+    ]:
         assert errors[key]["type"] == "TiekitError", key
         message = errors[key]["message"]
         assert "tiekit.shard already sharded this model with other arguments" in message, message

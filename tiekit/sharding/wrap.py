@@ -3,6 +3,7 @@ one unit."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -83,11 +84,11 @@ def shard(
         )
     if mesh is None:
         mesh = _default_mesh()
-    sharding = _Sharding(mesh, None if units is None else tuple(units), dict(fully_shard_kwargs))
-    if wrapped:
-        return _sharded_before(model, sharding, plan)
     plan = find_ties(model) if plan is None else plan
     plan_units = shard_units(model, units, plan=plan)  # validates before anything changes
+    sharding = _Sharding(mesh, tuple(u.label for u in plan_units), _with_defaults(fully_shard, fully_shard_kwargs))
+    if wrapped:
+        return _sharded_before(model, sharding, plan)
     retie(model, plan)
     for unit in plan_units:
         target: Any = unit.modules[0] if len(unit.modules) == 1 else list(unit.modules)
@@ -108,10 +109,12 @@ _SHARDED = "_tiekit_sharding"
 
 @dataclass(frozen=True)
 class _Sharding:
-    """The arguments one `shard` call wrapped a model with (the mesh as built)."""
+    """What one `shard` call wrapped a model with: the mesh as built, the units as resolved (their
+    labels), ``fully_shard``'s options with its defaults filled in (so that ``units=None`` and
+    the same units named, or ``reshard_after_forward=True`` given or not, are the same)."""
 
     mesh: Any
-    units: tuple[UnitSpec, ...] | None
+    units: tuple[str, ...]
     options: dict[str, Any]
 
     def same_as(self, other: _Sharding) -> bool:
@@ -121,22 +124,35 @@ class _Sharding:
             return False
 
 
-def _sharded_before(model: nn.Module, sharding: _Sharding, plan: TiePlan | None) -> nn.Module:
+def _sharded_before(model: nn.Module, sharding: _Sharding, plan: TiePlan) -> nn.Module:
     """A second `shard` call on a model it wrapped, with the same arguments, changes nothing:
     Lightning calls ``configure_model`` again for every stage (fit, then validate, test...)."""
     before: _Sharding = model.__dict__[_SHARDED]
     if not before.same_as(sharding):
+        differ = {k: v for k, v in sharding.options.items() if before.options.get(k) != v}
         raise TiekitError(
             "tiekit.shard already sharded this model with other arguments (mesh, units or fully_shard options); "
-            f"a second call may only repeat the first (before: {_shown(before)}; now: {_shown(sharding)})"
+            f"a second call may only repeat the first (before: {_shown(before, differ)}; "
+            f"now: {_shown(sharding, differ)})"
         )
-    check_sharding(model, find_ties(model) if plan is None else plan)
+    check_sharding(model, plan)
     return model
 
 
-def _shown(sharding: _Sharding) -> str:
-    units = "default" if sharding.units is None else list(sharding.units)
-    return f"mesh={sharding.mesh}, units={units}, options={sharding.options}"
+def _shown(sharding: _Sharding, options: dict[str, Any]) -> str:
+    shown = {k: sharding.options.get(k) for k in options}
+    return f"mesh={sharding.mesh}, units={list(sharding.units)}, options={shown}"
+
+
+def _with_defaults(function: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` of ``function`` with the defaults of those not given (not ``mesh``, compared
+    on its own); as given when its signature cannot be read or does not take them."""
+    try:
+        bound = inspect.signature(function).bind_partial(**options)
+    except (TypeError, ValueError):
+        return dict(options)
+    bound.apply_defaults()
+    return {k: v for k, v in bound.arguments.items() if k not in ("module", "mesh")}
 
 
 def _refuse_pinning_without_an_accelerator(offload_policy: Any) -> None:
