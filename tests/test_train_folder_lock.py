@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from launching import ROOT, base_env
-from torch import nn
+from models import WeightSharingModule
 from torch.utils.data import TensorDataset
 
 import tiekit
@@ -30,12 +31,14 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
+import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 import tiekit
 
-folder, started, go = (Path(a) for a in sys.argv[1:4])
+folder, started, go, tests = (Path(a) for a in sys.argv[1:5])
+sys.path.insert(0, str(tests))
+from models import WeightSharingModule
 
 
 class Paused(Dataset):
@@ -48,47 +51,25 @@ class Paused(Dataset):
             while not go.exists():  # held here until the test has tried its runs
                 time.sleep(0.05)
         g = torch.Generator().manual_seed(i)
-        return torch.randn(8, generator=g), torch.randn(8, generator=g)
+        return torch.randn(32, generator=g), torch.randn(10, generator=g)
 
 
-class Tied(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(8, 8)
-        self.b = nn.Linear(8, 8)
-        self.b.weight = self.a.weight
-
-    def forward(self, x, y):
-        return torch.nn.functional.mse_loss(self.b(torch.relu(self.a(x))), y)
-
-
-tiekit.fit(Tied, Paused(), batch_size=4, max_steps=4, checkpoint_dir=folder, checkpoint_every=2,
-           devices="cpu", progress=False, shuffle=False)
+tiekit.fit(WeightSharingModule, Paused(), loss_fn=F.mse_loss, batch_size=4, max_steps=4, checkpoint_dir=folder,
+           checkpoint_every=2, devices="cpu", progress=False, shuffle=False)
 print("run A finished", flush=True)
 """
 
 
-class Tied(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(8, 8)
-        self.b = nn.Linear(8, 8)
-        self.b.weight = self.a.weight
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return nn.functional.mse_loss(self.b(torch.relu(self.a(x))), y)
-
-
 def data() -> TensorDataset:
     g = torch.Generator().manual_seed(1)
-    return TensorDataset(torch.randn(16, 8, generator=g), torch.randn(16, 8, generator=g))
+    return TensorDataset(torch.randn(16, 32, generator=g), torch.randn(16, 10, generator=g))
 
 
 def test_a_second_run_in_a_folder_another_run_holds_is_refused_on_every_rank(tmp_path: Path) -> None:
     folder, started, go = tmp_path / "ckpt", tmp_path / "started", tmp_path / "go"
     (tmp_path / "run_a.py").write_text(RUN_A)
     a = subprocess.Popen(
-        [sys.executable, str(tmp_path / "run_a.py"), str(folder), str(started), str(go)],
+        [sys.executable, str(tmp_path / "run_a.py"), str(folder), str(started), str(go), str(ROOT / "tests")],
         cwd=ROOT,
         env=base_env(),
         stdout=subprocess.PIPE,
@@ -96,6 +77,7 @@ def test_a_second_run_in_a_folder_another_run_holds_is_refused_on_every_rank(tmp
         text=True,
     )
     kw = {"batch_size": 4, "max_steps": 2, "checkpoint_dir": folder, "checkpoint_every": 2, "progress": False}
+    kw["loss_fn"] = F.mse_loss
     try:
         deadline = time.monotonic() + 120
         while not started.exists():
@@ -104,11 +86,11 @@ def test_a_second_run_in_a_folder_another_run_holds_is_refused_on_every_rank(tmp
             time.sleep(0.1)
         held = re.escape('ckpt: checkpoint_dir is in use by another tiekit.fit run ({"run": ')
         with pytest.raises(tiekit.TiekitError, match=held + f'.*"pid": {a.pid}') as one:
-            tiekit.fit(Tied, data(), devices="cpu", **kw)
+            tiekit.fit(WeightSharingModule, data(), devices="cpu", **kw)
         assert "give each run its own checkpoint_dir" in str(one.value)
         # Two DDP processes: the writer holds the lock for the run; every rank raises, none waits.
         with pytest.raises(tiekit.TiekitError, match=held):
-            tiekit.fit(Tied, data(), strategy="ddp", devices=2, **kw)
+            tiekit.fit(WeightSharingModule, data(), strategy="ddp", devices=2, **kw)
         assert sorted(p.name for p in folder.iterdir()) == [LOCK_NAME]  # B wrote nothing
     finally:
         go.write_text("go")
@@ -116,7 +98,9 @@ def test_a_second_run_in_a_folder_another_run_holds_is_refused_on_every_rank(tmp
     assert a.returncode == 0 and "run A finished" in output, output
     # A's checkpoints are its own; its lock file went with it, and the folder is free again.
     assert sorted(p.name for p in folder.iterdir()) == ["step-00000002.safetensors", "step-00000004.safetensors"]
-    result = tiekit.fit(Tied, data(), devices="cpu", resume="last", shuffle=False, **{**kw, "max_steps": 6})
+    result = tiekit.fit(
+        WeightSharingModule, data(), devices="cpu", resume="last", shuffle=False, **{**kw, "max_steps": 6}
+    )
     assert result.checkpoint == folder / "step-00000006.safetensors"
     assert not (folder / LOCK_NAME).exists()
 
