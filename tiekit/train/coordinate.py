@@ -6,7 +6,8 @@ nowhere else. Its methods are collectives over the backend's ranks (every rank c
 the same order, in `tiekit.train.loop`); a run of one rank decides alone and waits for nobody:
 
 1. `join`: rank 0's run id (the key of the run's XLA compile gate) and the options that must be
-   equal on every rank (``checkpoint_dir``, ``resume``, ``max_steps``...), checked.
+   equal on every rank (``checkpoint_dir``, ``resume``, ``max_steps``...), checked; the writer
+   locks ``checkpoint_dir`` for the run (`tiekit.train.folder_lock`).
 2. `Coordinator.agree_on_model`: every rank built the same model (names, shapes, dtypes, ties),
    checked before it is moved or sharded: a rank whose model differs is a `TiekitError` on
    every rank naming what differs (FSDP2 would pair tensors of different sizes); then
