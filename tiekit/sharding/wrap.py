@@ -159,14 +159,7 @@ def _refuse_pinning_without_an_accelerator(offload_policy: Any) -> None:
     """`TiekitError` for ``CPUOffloadPolicy()`` (``pin_memory=True``, its default) where there is no
     accelerator: torch's pinning fails inside the first ``fully_shard`` call ("Found no NVIDIA
     driver"), leaving the model partly wrapped; refused before anything changes."""
-    if not getattr(offload_policy, "pin_memory", False):
-        return
-    available = getattr(torch, "accelerator", None)
-    if available is not None and hasattr(available, "is_available"):
-        present = bool(available.is_available())
-    else:  # torch 2.6 has no torch.accelerator.is_available
-        present = torch.cuda.is_available()
-    if not present:
+    if getattr(offload_policy, "pin_memory", False) and _accelerator_type() == "cpu":
         raise TiekitError(
             "tiekit.shard: offload_policy=CPUOffloadPolicy() pins host memory (pin_memory=True, its default), "
             "which needs an accelerator; this machine has none: pass CPUOffloadPolicy(pin_memory=False)"
@@ -190,11 +183,15 @@ def _default_mesh() -> Any:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    return init_device_mesh(_accelerator_type(), (dist.get_world_size(),))
+
+
+def _accelerator_type() -> str:
+    """The device type of this machine's accelerator, ``"cpu"`` where there is none."""
     # current_accelerator() without check_available names CUDA in a CUDA build on a machine
     # without a GPU; torch 2.6 lacks the argument, and fully_shard itself asks torch._C.
     try:
         accelerator = torch.accelerator.current_accelerator(check_available=True)
-        device_type = accelerator.type if accelerator is not None else "cpu"
+        return accelerator.type if accelerator is not None else "cpu"
     except TypeError:
-        device_type = torch._C._get_accelerator().type
-    return init_device_mesh(device_type, (dist.get_world_size(),))
+        return str(torch._C._get_accelerator().type)

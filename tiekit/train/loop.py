@@ -26,6 +26,7 @@ from tiekit.checkpoint.direct import host_bytes
 from tiekit.errors import TiekitError
 from tiekit.plan import TiePlan
 from tiekit.retie import retie, verify
+from tiekit.slots import slot_table
 from tiekit.train import coordinate, state
 from tiekit.train.config import Job, LossFn, Outcome
 from tiekit.train.data import ReplicaLoader, derived_seed, make_loader
@@ -295,7 +296,7 @@ def _build(job: Job, backend: Backend, *, own: bool = True) -> tuple[nn.Module, 
 
 def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Every parameter and buffer by each of its names."""
-    return [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    return [(name, slot[2]) for name, slot in slot_table(model).items()]
 
 
 def _floating_dtypes(model: nn.Module) -> dict[str, torch.dtype]:

@@ -32,6 +32,7 @@ from tiekit.dcp import MARKER_NAME, is_sharded_checkpoint, load_sharded
 from tiekit.dcp.layout import is_save_folder, read_marker
 from tiekit.errors import CheckpointError
 from tiekit.plan import TiePlan
+from tiekit.slots import slot_table
 
 _STEP_FILE = re.compile(r"step-(\d+)\.safetensors")
 _STEP_FOLDER = re.compile(r"step-(\d+)")
@@ -130,8 +131,7 @@ def _refuse_ties_the_model_lacks(path: Path, saved: TiePlan | None, model: nn.Mo
     planned and failed at its end."""
     if saved is None:
         return
-    held = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    held |= {name for name, _ in model.named_buffers(remove_duplicate=False)}
+    held = slot_table(model)  # every parameter and buffer name
     together = {name: i for i, group in enumerate(plan.groups) for name in group.names}
     for group in saved.groups:
         names = [n for n in group.names if n in held]
