@@ -114,8 +114,9 @@ def save_sharded_staged(
     inner = unwrap(model)
     writes_marker = rank() == 0
     before = committed_save_id(root) if writes_marker else None  # what the commit may replace
-    save_id, state, layout = _prepare(inner, root, optimizer, extra, blocking)
+    save_id, state, layout, made = _prepare(inner, root, optimizer, extra, blocking)
     folder = root / f"{SAVE_PREFIX}{save_id}"
+    remove_failed = functools.partial(remove_failed_save, folder, made)
     # DCP coordinates through the process group only where there are ranks to coordinate: with
     # one, its gathers and scatters would only pickle the plans and hand them to gloo and back.
     coordinated = distributed() and world() > 1
@@ -142,7 +143,7 @@ def save_sharded_staged(
             error,
             f"{root}: save {save_id}",
             share=committed,
-            on_failure=lambda shares: None if any(shares) else remove_failed_save(folder),
+            on_failure=lambda shares: None if any(shares) else remove_failed(),
         )
         return SaveHandle(root, save_id, None), {}, None
     group = _async_group() if coordinated else None
@@ -182,7 +183,7 @@ def save_sharded_staged(
         except Exception as exc:
             # DCP raised on every rank (it hands each rank every rank's failure), after all of them
             # stopped writing: each removes its own part of the folder.
-            remove_failed_save(folder)
+            remove_failed()
             if coordinated and not torch.distributed.is_initialized():
                 raise CheckpointError(f"{destroyed}: {type(exc).__name__}: {exc}") from exc
             if writes_marker and (conflict := _writer_conflict(root, save_id, before, exc)):
@@ -193,7 +194,7 @@ def save_sharded_staged(
                 copies.lent.close()  # written or failed: the training thread takes nothing aside
 
     future = _background_writer().submit(write)
-    commit = functools.partial(_commit_or_remove, root, save_id, state, before) if writes_marker else None
+    commit = functools.partial(_commit_or_remove, root, save_id, state, before, made) if writes_marker else None
     handle = SaveHandle(root, save_id, future, commit)
     register_pending(root, handle, key)
     return handle, hosts, copies
@@ -223,10 +224,13 @@ def _background_writer() -> ThreadPoolExecutor:
     return _writer
 
 
-def _prepare(model: nn.Module, root: Path, optimizer: Any, extra: Any, blocking: bool) -> tuple[str, SaveState, str]:
+def _prepare(
+    model: nn.Module, root: Path, optimizer: Any, extra: Any, blocking: bool
+) -> tuple[str, SaveState, str, bool]:
     """Collective: agree on the folder, the call's options and the save id; build this rank's
-    state; fail everywhere if any rank failed. The save id, the state, and the digest of its
-    description (every name's shape and dtype, the plan: the same on every rank)."""
+    state; fail everywhere if any rank failed. The save id, the state, the digest of its
+    description (every name's shape and dtype, the plan: the same on every rank), and whether
+    this rank made the folder."""
     # One gather for all (each costs a round trip of every rank): the folders, what must be alike,
     # and rank 0's id.
     options = {"blocking": blocking, "extra's keys": extra_keys(extra)}
@@ -263,7 +267,7 @@ def _prepare(model: nn.Module, root: Path, optimizer: Any, extra: Any, blocking:
             "so no checkpoint describes them all: "
             f"{differences}. Nothing was written; the previous checkpoint stays the one loaded."
         )
-    return save_id, state, digests[0]
+    return save_id, state, digests[0], made
 
 
 def _commit(root: Path, save_id: str, state: SaveState | None, before: str | None) -> None:
@@ -282,7 +286,7 @@ def _commit(root: Path, save_id: str, state: SaveState | None, before: str | Non
     remove_stale(root, keep=folder.name)
 
 
-def _commit_or_remove(root: Path, save_id: str, state: SaveState | None, before: str | None) -> None:
+def _commit_or_remove(root: Path, save_id: str, state: SaveState | None, before: str | None, made: bool) -> None:
     """`_commit` of a background save (rank 0, on the writing thread); a commit that fails takes
     the save's folder with it, unless the marker names it already (a failure after the rename).
     The other ranks have finished by then: on a shared filesystem their parts go with it."""
@@ -290,16 +294,20 @@ def _commit_or_remove(root: Path, save_id: str, state: SaveState | None, before:
         _commit(root, save_id, state, before)
     except BaseException:
         if committed_save_id(root) != save_id:
-            remove_failed_save(root / f"{SAVE_PREFIX}{save_id}")
+            remove_failed_save(root / f"{SAVE_PREFIX}{save_id}", made)
         raise
 
 
-def remove_failed_save(folder: Path) -> None:
+def remove_failed_save(folder: Path, made_parent: bool = False) -> None:
     """Local, best effort: remove the folder of a save that failed, this process's view of it (on
     hosts without a shared filesystem, each rank's own part). Left behind, it would hold the
     space a retry needs (a full disk stays full) until the next commit. Only this save's own
-    folder: its id is new, no marker names it."""
+    folder: its id is new, no marker names it. ``made_parent``: the save made the checkpoint
+    folder too, which goes if nothing else is in it (a failed first save leaves no empty folder)."""
     shutil.rmtree(folder, ignore_errors=True)
+    if made_parent:
+        with contextlib.suppress(OSError):
+            folder.parent.rmdir()  # only if empty: another rank's part may still be going
 
 
 def _writer_conflict(

@@ -206,13 +206,15 @@ def _processes(job: Job, requested: int | str) -> tuple[list[Outcome], nn.Module
         try:
             with _picklable(job.strategy), _generators_sent_by_value():
                 start_processes(_process_entry, args=(spawned, world, free_port()), nprocs=world, start_method="spawn")
-        except ProcessException as exc:  # torch stopped the other processes when this one failed
+        # torch stopped the other processes when this one failed; it reads the failed one's error
+        # file after that, and a file cut short (a full disk) fails to unpickle.
+        except (ProcessException, pickle.UnpicklingError, EOFError) as exc:
             if not reports.died_after_reporting(spawned, world, exc):
                 with contextlib.suppress(Warning):  # a warning made an error (-W error) must not hide the failure
                     relayed_warnings.relay(Path(folder))
-                raise reports.failure(spawned, exc) from exc
+                raise reports.failure(spawned, world, exc) from exc
             warnings.warn(
-                f"replica {exc.error_index} was killed by signal {getattr(exc, 'signal_name', '?')} while exiting, "
+                f"replica {getattr(exc, 'error_index', '?')} was killed by signal {getattr(exc, 'signal_name', '?')} while exiting, "
                 "after every replica had reported its result: the run is complete. (torch's gloo process groups "
                 "can abort a process at interpreter exit: pytorch/pytorch#179291)",
                 RuntimeWarning,

@@ -73,8 +73,8 @@ def collect(job: Job) -> tuple[list[Outcome], nn.Module]:
         # (its spawn wrapper exits 0 on KeyboardInterrupt): their error files say why.
         errors = _replica_errors(job)
         if errors:
-            index, pid, kind, how = _first_failure(errors)
-            raise kind(f"replica {index} (process {pid}) {how}")
+            who, kind, how = _first_failure(errors)
+            raise kind(f"{who} {how}")
         raise TiekitError(f"the {job.strategy!r} replicas exited without reporting (see their output above)")
     outcomes = []
     for path in files:
@@ -100,13 +100,20 @@ def _replica_errors(job: Job) -> dict[int, dict[str, Any]]:
     return dict(sorted(found.items(), key=lambda item: item[1]["time"]))
 
 
-def _first_failure(errors: dict[int, dict[str, Any]]) -> tuple[int, Any, type[TiekitError], str]:
-    """The replica that failed first (`_replica_errors`), its process id, the class to raise (a
-    tiekit error keeps its own) and ``failed: <its error> (then replica ... failed too)``."""
+def _first_failure(errors: dict[int, dict[str, Any]]) -> tuple[str, type[TiekitError], str]:
+    """``replica <r> (process <pid>)``, the replica that failed first (`_replica_errors`), the class
+    to raise (a tiekit error keeps its own) and ``failed: <its error> (then replica ... failed too)``.
+    Replicas that all raised the same error are named together: a collective raises one error on
+    every rank (its text names the rank where it began), and whichever wrote first is chance."""
+    kind = _TIEKIT_ERRORS.get(next(iter(errors.values()))["type"], TiekitError)
+    if len(errors) > 1 and len({_described(e) for e in errors.values()}) == 1:
+        ranks = sorted(errors)
+        who = f"replicas {', '.join(map(str, ranks))} (processes {', '.join(str(errors[r]['pid']) for r in ranks)})"
+        return who, kind, f"all failed with: {_described(errors[ranks[0]])}"
     index, error = next(iter(errors.items()))
     later = [str(r) for r in errors if r != index]
     how = f"failed: {_described(error)}" + (f" (then replica {', '.join(later)} failed too)" if later else "")
-    return index, error["pid"], _TIEKIT_ERRORS.get(error["type"], TiekitError), how
+    return f"replica {index} (process {error['pid']})", kind, how
 
 
 def _described(error: dict[str, Any]) -> str:
@@ -114,34 +121,45 @@ def _described(error: dict[str, Any]) -> str:
     return f"{error['type']}: {error['message']}" if error["message"] else str(error["type"])
 
 
-def failure(job: Job, exc: Exception) -> TiekitError:
-    """The error `fit` raises when a spawned replica failed (``exc``: torch's report) and torch
-    stopped the others: which replica, how (its error, the signal that killed it), and the last
-    checkpoint. A tiekit error of the replica keeps its class (`CheckpointError`...).
+def failure(job: Job, world: int, exc: Exception) -> TiekitError:
+    """The error `fit` raises when one of its ``world`` spawned replicas failed (``exc``: torch's
+    report, or the error reading it) and torch stopped the others: which replica, how (its error, the signal that
+    killed it), and the last checkpoint. A tiekit error of the replica keeps its class
+    (`CheckpointError`...).
 
     The replica named is the first to report an error: once one fails, the others fail in the
     broken group ("Connection closed by peer"), and torch reports whichever exit it saw first.
     A replica killed by a signal is named as torch reports it (it could not report)."""
     from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
-    assert isinstance(exc, ProcessException)
     errors = _replica_errors(job)
     kind = TiekitError
-    index, pid = exc.error_index, getattr(exc, "error_pid", getattr(exc, "pid", "?"))  # renamed in torch 2.10
+    if isinstance(exc, ProcessException):
+        index, pid = exc.error_index, getattr(exc, "error_pid", getattr(exc, "pid", "?"))  # renamed in torch 2.10
+        who = f"replica {index} (process {pid})"
+    else:  # torch's record of the error, cut short: it unpickles it only after stopping every replica
+        index, who = -1, "a replica"
     if isinstance(exc, ProcessExitedException) and exc.signal_name:
         how = f"was killed by signal {exc.signal_name}"
         others = [f"replica {r}: {_described(e)}" for r, e in errors.items() if r != index]
         how += f" (replicas reported errors too: {'; '.join(others)})" if others else ""
     elif errors:
-        index, pid, kind, how = _first_failure(errors)
+        who, kind, how = _first_failure(errors)
     elif isinstance(exc, ProcessExitedException):
         how = f"exited with code {exc.exit_code} without reporting an error (its output above says why)"
-    else:  # raised before its replica ran (joining the group)
+    elif isinstance(exc, ProcessException):  # raised before its replica ran (joining the group)
         how = "failed: see its traceback above"
+    else:
+        how = (
+            f"failed, and the error torch recorded for it cannot be read ({type(exc).__name__}: {exc}): "
+            "its file was cut short (a full disk or a file size limit?); its traceback is above"
+        )
+    everyone = who.startswith("replicas ") and len(errors) == world
+    stopped = "" if everyone else "; the run stopped its other replicas"
     folder = job.config.checkpoint_dir
     last = None if folder is None or not folder.is_dir() else state.last_checkpoint(folder)
     saved = "" if folder is None else f"; the last checkpoint: {last or 'none written'}"
-    return kind(f"replica {index} (process {pid}) {how}; the run stopped its other replicas{saved}")
+    return kind(f"{who} {how}{stopped}{saved}")
 
 
 _TIEKIT_ERRORS: dict[str, type[TiekitError]] = {e.__name__: e for e in (TiekitError, CheckpointError, TieError)}
