@@ -217,6 +217,58 @@ def test_fit_under_torchrun_uses_its_processes(tmp_path: Path) -> None:
     assert renames(audit, tmp_path / "out") == {"step-00000002.safetensors": [0], "step-00000004.safetensors": [0]}
 
 
+def without_local_rank(commands: list[list[str]]) -> list[list[str]]:
+    """`plain_processes` as a launcher that sets RANK and WORLD_SIZE only (docs/launching.md's
+    "no launcher" form)."""
+    return [[part for part in command if not part.startswith("LOCAL_RANK=")] for command in commands]
+
+
+def test_fit_joins_processes_started_without_local_rank(tmp_path: Path) -> None:
+    """Without LOCAL_RANK, fit took each process for a run of its own: with devices=2 each spawned
+    two replicas more, and the second run in the folder was refused by the first's lock."""
+    audit = tmp_path / "audit"
+    commands = without_local_rank(plain_processes([str(EXAMPLES / "launch_fit.py"), "out"], free_port()))
+    assert not any("LOCAL_RANK" in " ".join(c) for c in commands)
+    runs = run_ok(commands, env=base_env(**audit_env(audit)), cwd=tmp_path)
+    for run in runs:
+        assert "ddp on 2: ['step-00000002.safetensors', 'step-00000004.safetensors']" in run.output, run.output
+    assert renames(audit, tmp_path / "out") == {"step-00000002.safetensors": [0], "step-00000004.safetensors": [0]}
+
+
+OWN_GROUP = """
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+import tiekit
+
+sys.path.insert(0, sys.argv[3])
+from models import WeightSharingModule
+
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=int(sys.argv[1]), world_size=2)
+data = TensorDataset(torch.randn(64, 32, generator=torch.Generator().manual_seed(0)), torch.randn(64, 10))
+kw = {"batch_size": 4, "max_steps": 3, "progress": False}
+result = tiekit.fit(WeightSharingModule, data, loss_fn=F.mse_loss, strategy="ddp", **kw)
+print(f"rank {dist.get_rank()}: world {result.world_size}, identical {result.replicas_identical}", flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_fit_trains_in_the_group_a_script_made_itself(tmp_path: Path) -> None:
+    """Processes that made their group with init_process_group (as mp.spawn scripts do), without
+    torchrun's variables: each trained alone on the whole dataset, world size 1, silently."""
+    (tmp_path / "own_group.py").write_text(OWN_GROUP)
+    port, tests = free_port(), str(Path(__file__).parent)
+    commands = [[str(BIN / "python"), str(tmp_path / "own_group.py"), str(rank), str(port), tests] for rank in range(2)]
+    env = {k: v for k, v in base_env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    output = "\n".join(r.output for r in run_ok(commands, env=env, cwd=tmp_path))
+    assert "rank 0: world 2, identical True" in output and "rank 1: world 2, identical True" in output, output
+
+
 MISSING_RANK = """
 import sys, time
 from pathlib import Path

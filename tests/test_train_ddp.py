@@ -222,6 +222,29 @@ def test_a_checkpoint_failing_on_one_replica_names_every_replica_and_where_it_be
     assert not list(tmp_path.glob("step-*")), list(tmp_path.iterdir())
 
 
+def loss_on_this_replicas_share_of_the_cores(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """MSE, raising in a replica whose torch threads are not its share of the host's cores."""
+    share = max(1, (os.cpu_count() or 1) // 2)
+    if torch.get_num_threads() != share:
+        raise ValueError(f"replica {torch.distributed.get_rank()} runs {torch.get_num_threads()} threads, not {share}")
+    return F.mse_loss(output, target)
+
+
+@pytest.mark.newest_torch_only  # fit's own logic, the same on both stacks: one run keeps CI short
+def test_replicas_fit_spawns_ignore_the_local_rank_they_inherit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A LOCAL_RANK left in the caller's environment reached both spawned replicas: each took
+    itself for local rank 1 of a host of unknown size, and all of the host's cores (on a GPU
+    host, both would have taken cuda:1)."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # fit divides the cores only when it is unset
+    data = TensorDataset(torch.randn(32, 32), torch.randn(32, 10))
+    kw: dict[str, Any] = {"max_steps": 2, "batch_size": 4, "progress": False}
+    result = tiekit.fit(
+        WeightSharingModule, data, loss_fn=loss_on_this_replicas_share_of_the_cores, strategy="ddp", devices=2, **kw
+    )
+    assert result.world_size == 2 and result.steps == 2
+
+
 def interrupted_at_the_third_batch(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """A loss every replica is interrupted in, as by a SIGINT sent to the replicas alone."""
     if interrupted_at_the_third_batch.calls == 2:  # type: ignore[attr-defined]

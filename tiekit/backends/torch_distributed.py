@@ -76,12 +76,31 @@ def local_ranks(rank: int, world: int, env: Mapping[str, str]) -> tuple[int, int
     return rank, world
 
 
+def launched_rank(env: Mapping[str, str]) -> tuple[int, int] | None:
+    """Local: (rank, world size) of this process when something else started the run's
+    processes: the process group your script made (``init_process_group`` with several ranks),
+    else torchrun's or ``env://``'s ``RANK`` and ``WORLD_SIZE`` (``LOCAL_RANK`` may be missing: a
+    launcher that sets only those); None when nothing did, and `fit` starts the processes."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.get_rank(), dist.get_world_size()
+    if "RANK" in env and "WORLD_SIZE" in env:
+        try:
+            return int(env["RANK"]), int(env["WORLD_SIZE"])
+        except ValueError as exc:
+            raise TiekitError(
+                f"RANK={env['RANK']!r} and WORLD_SIZE={env['WORLD_SIZE']!r} in the environment must be numbers"
+            ) from exc
+    return None
+
+
 def join_process_group(rank: int, world: int, port: int | None) -> torch.device:
     """Collective: this process's device, after joining the run's process group (under torchrun:
     its store, see `collective_store_of_this_launch`; else ``tcp://127.0.0.1:<port>``) unless one
     is up already; waits for every process. A process spawned here (``port`` given) without
     ``OMP_NUM_THREADS`` uses its share of the host's cores for torch's threads."""
-    local_rank, local_world = local_ranks(rank, world, os.environ)
+    # A process fit spawned (``port``) is rank ``rank`` of this host whatever LOCAL_RANK it
+    # inherited from the caller's environment (both replicas would take that GPU and core share).
+    local_rank, local_world = local_ranks(rank, world, os.environ if port is None else {})
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     device, group_backend = process_device(local_rank, local_world, cuda_count)
     if device.type == "cuda":

@@ -45,6 +45,7 @@ from tiekit.backends.torch_distributed import (
     collective_close_process_group,
     free_port,
     join_process_group,
+    launched_rank,
 )
 from tiekit.backends.xla_replicas import XlaReplicaBackend, xla_launch
 from tiekit.backends.xla_spmd import SpmdBackend
@@ -55,8 +56,6 @@ from tiekit.train import relayed_warnings, reports
 from tiekit.train.config import Job, Outcome
 from tiekit.train.loop import run_replica
 
-_TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-
 
 def resolve_strategy(strategy: str, requested: int | str) -> str:
     """The concrete strategy for ``"auto"``: XLA when configured, DDP on several GPUs, else single."""
@@ -66,7 +65,7 @@ def resolve_strategy(strategy: str, requested: int | str) -> str:
         return "single"  # one named device
     if devices.xla_wanted():
         return "xla"
-    if all(k in os.environ for k in _TORCHRUN) or (torch.cuda.is_available() and torch.cuda.device_count() > 1):
+    if launched_rank(os.environ) is not None or (torch.cuda.is_available() and torch.cuda.device_count() > 1):
         return "ddp"
     return "single"
 
@@ -176,12 +175,11 @@ def _xla_entry(ordinal: int, job: Job) -> None:
 def _processes(job: Job, requested: int | str) -> tuple[list[Outcome], nn.Module]:
     """``"ddp"`` or ``"fsdp"``: one torch.distributed process per device, spawned here, or this
     process when torchrun started it."""
-    if all(k in os.environ for k in _TORCHRUN):  # started by torchrun: this process is one rank
+    launched = launched_rank(os.environ)
+    if launched is not None:  # torchrun, or your own group: this process is one rank
         created = not dist.is_initialized()
         try:
-            outcomes = _here(
-                job, _process_backend(job.strategy, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None)
-            )
+            outcomes = _here(job, _process_backend(job.strategy, *launched, None))
         except BaseException as exc:
             if created and dist.is_initialized():
                 collective_close_process_group(exc)
@@ -213,8 +211,9 @@ def _processes(job: Job, requested: int | str) -> tuple[list[Outcome], nn.Module
                 with contextlib.suppress(Warning):  # a warning made an error (-W error) must not hide the failure
                     relayed_warnings.relay(Path(folder))
                 raise reports.failure(spawned, world, exc) from exc
+            index, signal = getattr(exc, "error_index", "?"), getattr(exc, "signal_name", "?")
             warnings.warn(
-                f"replica {getattr(exc, 'error_index', '?')} was killed by signal {getattr(exc, 'signal_name', '?')} while exiting, "
+                f"replica {index} was killed by signal {signal} while exiting, "
                 "after every replica had reported its result: the run is complete. (torch's gloo process groups "
                 "can abort a process at interpreter exit: pytorch/pytorch#179291)",
                 RuntimeWarning,
