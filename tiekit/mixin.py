@@ -19,45 +19,16 @@ from torch import nn
 
 from tiekit.analyze import find_ties
 from tiekit.mixin_loading import before_load, enclosing_mixin_loads, finish_interrupted_load
-from tiekit.moving import once_per_tensor
+from tiekit.mixin_plans import confirm_kept_plan, keep_plan, kept_plan
+from tiekit.mixin_plans import forget_plans as forget_plans  # documented as tiekit.mixin.forget_plans
+from tiekit.moving import once_per_tensor, retied_if_interrupted
 from tiekit.plan import TiePlan
-from tiekit.retie import fitting_plan, retie, still_holds, verify
+from tiekit.retie import fitting_plan, retie, verify
 from tiekit.sharding.check import refuse_conversion_after_first_forward
 
 # torch_xla.launch runs one replica per thread in a single process, so "already inside a
 # tiekit conversion" must be per thread, not a module attribute or a global.
 _state = threading.local()
-
-# A plan stays valid until some module registers a parameter, buffer or submodule (which is
-# how ties are made and unmade: `a.weight = b.weight`, `add_module`, `register_buffer`).
-# torch's global registration hooks bump this counter, so a mixin model can reuse its plan
-# across moves instead of walking the whole tree before each one. Memory changes without a
-# registration (`w.data = new` leaves w's view buffers apart), so a plan is reused only after
-# a look-up per tied name shows its ties still hold (`still_holds`).
-_registrations = [0]
-_hooks_installed = threading.Lock()
-_hook_handles: list[Any] = []
-
-
-def _count_registration(*_: Any) -> None:
-    _registrations[0] += 1
-
-
-def _watch_registrations() -> None:
-    if _hook_handles:
-        return
-    from torch.nn.modules import module as torch_module
-
-    with _hooks_installed:
-        if not _hook_handles:
-            _hook_handles.extend(
-                register(_count_registration)
-                for register in (
-                    torch_module.register_module_parameter_registration_hook,
-                    torch_module.register_module_buffer_registration_hook,
-                    torch_module.register_module_module_registration_hook,
-                )
-            )
 
 
 @contextmanager
@@ -70,20 +41,6 @@ def outermost_conversion() -> Iterator[bool]:
         yield depth == 0
     finally:
         _state.depth = depth
-
-
-def forget_plans() -> None:
-    """Invalidate every cached mixin plan: call it after writing into ``_parameters`` by hand,
-    and after ``.data =`` assignments that make tensors share memory.
-
-    A cached plan is re-checked only for the ties it knows (`tiekit.retie.still_holds`, one
-    look-up per tied name). Sharing made without a registration (``m.b.weight.data =
-    m.a.weight.data``) is a tie it does not know, and seeing one would take a walk of every
-    tensor, the cost the cache saves on each move; so a model whose plan was cached before
-    such an assignment would convert a and b into two copies on its next move (a model never
-    moved before keeps them sharing: its first plan sees it), unless this is called first.
-    """
-    _registrations[0] += 1
 
 
 class TPUMixin:
@@ -108,22 +65,19 @@ class TPUMixin:
     def tie_plan(self) -> TiePlan:
         """The current plan of this module: detected ties merged with ``tied_weights``.
 
-        Cached until any module registers a parameter, buffer or submodule, and as long as the
-        model still holds the plan's ties (`tiekit.retie.still_holds`: a source given new memory
-        with ``w.data = ...`` has no views any more); code that writes into
-        ``module._parameters`` directly, or makes tensors share memory with ``.data =``,
-        should call ``tie_plan`` only after ``tiekit.mixin.forget_plans()``.
+        Kept between conversions while nothing registered in this model changes (a parameter,
+        buffer or submodule) and the model still holds the plan's ties (`tiekit.retie.still_holds`:
+        a source given new memory with ``w.data = ...`` has no views any more); code that writes
+        into ``module._parameters`` directly, or makes tensors share memory with ``.data =``,
+        should call ``tie_plan`` only after ``tiekit.mixin.forget_plans()``
+        (`tiekit.mixin_plans`).
         """
         assert isinstance(self, nn.Module)
-        _watch_registrations()
         finish_interrupted_load(self)  # a load left half done: its plan still knows the ties
-        key = (_registrations[0], id(self.tied_weights))
-        cached = self.__dict__.get("_tiekit_plan")
-        if cached is not None and cached[0] == key and still_holds(self, cached[1]):
-            plan: TiePlan = cached[1]
-            return plan
-        plan = find_ties(self, declared=self.tied_weights)
-        self.__dict__["_tiekit_plan"] = (key, plan)
+        plan = kept_plan(self, self.tied_weights)
+        if plan is None:
+            plan = find_ties(self, declared=self.tied_weights)
+            keep_plan(self, plan, self.tied_weights)
         return plan
 
     def tie_weights(self, *args: Any, **kwargs: Any) -> None:
@@ -142,10 +96,12 @@ class TPUMixin:
             assert isinstance(self, nn.Module)
             plan = fitting_plan(self, self.tie_plan())  # refused before anything converts
             refuse_conversion_after_first_forward(self, fn)  # an FSDP2 dtype fixed at its first forward
-            result = super()._apply(once_per_tensor(fn), recurse)  # type: ignore[misc]
+            with retied_if_interrupted(self, plan):
+                result = super()._apply(once_per_tensor(fn), recurse)  # type: ignore[misc]
             assert isinstance(self, nn.Module)
             retie(self, plan)
             verify(self, plan)
+            confirm_kept_plan(self)  # new tensors, the same ties: a plan made now could miss XLA's views
             return result
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:

@@ -17,6 +17,7 @@ from torch import nn
 
 from tiekit import devices
 from tiekit.errors import TieError
+from tiekit.mixin_plans import confirm_kept_plan
 from tiekit.plan import TieGroup, TiePlan
 from tiekit.retie import fitting_plan, member_holds, retie, verify
 from tiekit.slots import assign, resolve
@@ -92,6 +93,7 @@ def finish_interrupted_load(model: nn.Module) -> None:
         return
     with contextlib.suppress(TieError):
         _retie_loaded(model, load)
+        confirm_kept_plan(model)
 
 
 def _end_current(model: nn.Module) -> None:
@@ -123,6 +125,7 @@ def _after_load(model: nn.Module, incompatible_keys: Any) -> None:
     if load.assign:
         _retie_loaded(model, load)
         verify(model, load.plan)
+        confirm_kept_plan(model)  # new tensors, the same ties: a plan made now could miss XLA's views
     missing = incompatible_keys.missing_keys  # torch's own list: it reports and returns this one
     if missing:
         filled = {load.prefix + name for name in _filled_names(model, load.plan, load.given)}

@@ -5,6 +5,7 @@ converting each tensor once (`once_per_tensor`) and re-binding an optimizer (`re
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -16,6 +17,7 @@ from torch import nn
 from tiekit import devices
 from tiekit.analyze import find_ties, reinterpreting_views
 from tiekit.errors import TieError, TieWarning
+from tiekit.mixin_plans import confirm_kept_plan
 from tiekit.plan import TiePlan
 from tiekit.retie import OnError, fitting_plan, retie, verify
 from tiekit.sharding.check import refuse_cast_after_first_forward
@@ -60,8 +62,14 @@ def move(
     if dtype is not None:
         kwargs["dtype"] = dtype
         refuse_cast_after_first_forward(model, dtype)
-    with converting_once(model):
-        model.to(**kwargs)  # type: ignore[call-overload]
+    try:
+        with retied_if_interrupted(model, plan), converting_once(model):
+            model.to(**kwargs)  # type: ignore[call-overload]
+    except Exception as exc:
+        raise TieError(
+            f"tiekit.move: converting the model failed half way ({type(exc).__name__}: {exc}); its ties were "
+            "restored, and the tensors converted before the failure stay converted"
+        ) from exc
     retie(model, plan)
     verify(model, plan, on_error=on_error)
     if optimizer is not None:
@@ -126,6 +134,21 @@ def once_per_tensor(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[tor
 
 
 @contextmanager
+def retied_if_interrupted(model: nn.Module, plan: TiePlan) -> Iterator[None]:
+    """Inside: a conversion that raises half way (a tensor it refuses, a KeyboardInterrupt) has
+    given new tensors to the members it reached and not to the others, splitting their ties; the
+    error goes on once ``model`` is tied again by ``plan``, as far as it can be. Tied again, the
+    next move (whose plan would see two tensors) keeps them one."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(TieError):
+            retie(model, plan)
+            confirm_kept_plan(model)
+        raise
+
+
+@contextmanager
 def converting_once(model: nn.Module) -> Iterator[None]:
     """Within the block, ``model``'s conversions (``.to``, ``.to_empty``, ``.bfloat16()``...) go
     through `once_per_tensor`; ``nn.Module._apply`` passes the wrapped function on to every
@@ -177,7 +200,7 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, names: 
             if keeper[id(new)] != id(p):
                 continue  # the duplicate of a tied parameter, and its stale state
             if old_state is not None:
-                state[new] = {k: _state_to(v, new, k) for k, v in old_state.items()}
+                state[new] = {k: _state_to(v, new, k, group) for k, v in old_state.items()}
             rebound.append(new)
         group["params"] = rebound
     if unknown:
@@ -189,13 +212,16 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, names: 
         )
 
 
-def _state_to(value: object, param: torch.Tensor, key: str) -> object:
-    # Same policy as Optimizer.load_state_dict: a CPU scalar `step` stays put; other
-    # floating state follows the parameter's device and dtype.
+def _state_to(value: object, param: torch.Tensor, key: str, group: Mapping[str, object]) -> object:
+    # Optimizer.load_state_dict's policy: `step` stays a float32 counter (on the parameter's
+    # device for a capturable or fused optimizer, else where it is: a CPU scalar); other floating
+    # state follows the parameter's device and dtype. A step cast to bfloat16 stops counting.
     if not isinstance(value, torch.Tensor):
         return value
-    if key == "step" and value.dim() == 0 and value.device.type == "cpu":
-        return value
+    if key == "step":
+        if group.get("capturable") or group.get("fused"):
+            return value.to(device=param.device, dtype=torch.float32)
+        return value if value.device.type == "cpu" else value.to(device=param.device)
     dtype = param.dtype if value.is_floating_point() else None
     return value.to(device=param.device, dtype=dtype)
 
@@ -211,10 +237,11 @@ def preserve_ties(
     """Plan on entry; retie and verify on a normal exit. Yields the plan.
 
     For code that replaces tensors behind the model's back: ``.to(xla)``, ``to_empty``,
-    ``load_state_dict(assign=True)``, third-party wrappers.
+    ``load_state_dict(assign=True)``, third-party wrappers. When the block raises, the ties are
+    restored as far as they can be (a conversion stopped half way) and the error goes on.
     """
     plan = fitting_plan(model, _moving_plan(model, declared) if plan is None else _given_plan(model, plan))
-    with converting_once(model):
+    with retied_if_interrupted(model, plan), converting_once(model):
         yield plan
     refuse_cast_after_first_forward(model)  # your cast happened: what it breaks, and how to undo it
     retie(model, plan)
