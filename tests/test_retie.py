@@ -202,6 +202,13 @@ def test_move_takes_a_dtype_in_place_of_the_device_as_module_to_does() -> None:
     assert model.layer_1.weight.dtype == torch.float64  # untouched
     with pytest.raises(tiekit.TieError, match="is not a device"):
         tiekit.move(model, torch.float32, dtype=torch.float16)
+    # torch's own TypeError before (an integer dtype is no cast .to() makes)
+    for dtype in (torch.int8, "float16"):
+        with pytest.raises(
+            tiekit.TieError, match=f"dtype must be a floating point or complex torch.dtype .*, not {dtype!r}"
+        ):
+            tiekit.move(model, "cpu", dtype)  # type: ignore[arg-type]
+    assert model.layer_1.weight.dtype == torch.float64 and model.layer_3.weight is model.layer_1.weight
 
 
 def test_a_declared_tie_applied_by_a_move_leaves_the_optimizer_one_parameter_with_the_sources_state(

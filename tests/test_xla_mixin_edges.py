@@ -110,9 +110,12 @@ def test_a_move_failing_half_way_leaves_the_ties_whole(xla_device: torch.device)
     assert model.layer_1.weight is model.layer_3.weight and len(list(model.parameters())) == 2
 
     moved = with_meta_buffer(WeightSharingModule())
-    with pytest.raises(tiekit.TieError, match=r"tiekit.move: converting the model failed half way \(NotImplemented"):
+    with pytest.raises(tiekit.TieError, match=r"tiekit.move: converting the model failed \(NotImplemented"):
         tiekit.move(moved, "xla")
     assert moved.layer_1.weight is moved.layer_3.weight
+
+    with pytest.raises(tiekit.TieError, match="'xla:7' is not a device"):  # torch_xla's IndexError before
+        tiekit.move(moved, "xla:7")
 
     preserved = with_meta_buffer(WeightSharingModule())
     with pytest.raises(NotImplementedError), tiekit.preserve_ties(preserved):

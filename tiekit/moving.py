@@ -49,8 +49,12 @@ def move(
         if isinstance(device, torch.dtype):
             raise TypeError("a dtype, and dtype= is given too")
         target = devices.resolve_device(device)
-    except (RuntimeError, TypeError, ValueError) as exc:
+    except (RuntimeError, TypeError, ValueError, IndexError) as exc:
         raise TieError(f"tiekit.move: {device!r} is not a device ({exc}); a dtype goes in dtype=") from exc
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and (dtype.is_floating_point or dtype.is_complex)):
+        raise TieError(
+            f"tiekit.move: dtype must be a floating point or complex torch.dtype (as for .to()), not {dtype!r}"
+        )
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TieError(f"tiekit.move: optimizer must be a torch.optim.Optimizer, not a {type(optimizer).__name__}")
     # A plan made here is checked too: one retie could not apply must refuse before anything moves.
@@ -67,8 +71,8 @@ def move(
             model.to(**kwargs)  # type: ignore[call-overload]
     except Exception as exc:
         raise TieError(
-            f"tiekit.move: converting the model failed half way ({type(exc).__name__}: {exc}); its ties were "
-            "restored, and the tensors converted before the failure stay converted"
+            f"tiekit.move: converting the model failed ({type(exc).__name__}: {exc}); its ties hold, and the "
+            "tensors converted before the failure, if any, stay converted"
         ) from exc
     retie(model, plan)
     verify(model, plan, on_error=on_error)
