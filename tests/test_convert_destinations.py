@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import warnings
 from pathlib import Path
 
@@ -45,15 +46,33 @@ def test_convert_and_save_sharded_remove_only_the_save_folders_tiekit_names(tmp_
     runs = tmp_path / "runs"
     (runs / "save-best").mkdir(parents=True)
     (runs / "save-best" / "weights.bin").write_text("the user's")
-    killed = runs / "save-0123456789abcdef"  # what a save killed before its commit leaves
-    killed.mkdir()
     tiekit.convert(tmp_path / "model.safetensors", runs)
-    assert (runs / "save-best" / "weights.bin").read_text() == "the user's" and not killed.exists()
+    assert (runs / "save-best" / "weights.bin").read_text() == "the user's"
     converted = committed_save_id(runs)
     tiekit.save_sharded(model, runs)  # its commit removes the converted save, not the user's folder
     assert (runs / "save-best" / "weights.bin").read_text() == "the user's"
     assert sorted(p.name for p in runs.glob("save-*")) == sorted(["save-best", f"save-{committed_save_id(runs)}"])
     assert converted != committed_save_id(runs)
+
+
+@pytest.mark.parametrize("source", ["model.safetensors", "ck"])
+def test_convert_refuses_a_destination_holding_save_folders_without_a_marker(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], source: str
+) -> None:
+    """A save_sharded under way in another process (or save folders copied without their marker)
+    was removed by convert's commit, as stale saves of the checkpoint it wrote, and exit code 0."""
+    tiekit.save_model(Tied(), tmp_path / "model.safetensors")
+    tiekit.save_sharded(Tied(), tmp_path / "ck")
+    live = tmp_path / "dst" / f"save-{committed_save_id(tmp_path / 'ck')}"
+    shutil.copytree(next((tmp_path / "ck").glob("save-*")), live)  # a save not committed yet
+    said = (
+        f"{live}: exists, the save folder of a sharded checkpoint with no marker (a save_sharded under way, or a "
+        f"checkpoint whose tiekit-dcp.json is gone); convert writes a new checkpoint and {tmp_path / 'dst'} holds"
+    )
+    refused(tmp_path / source, tmp_path / "dst", re.escape(said))
+    code = main(["convert", str(tmp_path / source), str(tmp_path / "dst")])
+    assert code == 1 and said in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "dst").iterdir()] == [live.name]
 
 
 @pytest.mark.parametrize(

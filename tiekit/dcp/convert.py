@@ -42,7 +42,6 @@ from tiekit.dcp.layout import (
     is_sharded_checkpoint,
     new_save_id,
     reading_committed,
-    remove_stale,
     write_marker,
 )
 from tiekit.dcp.stream import Spec, Value, nbytes, write_dcp, write_safetensors
@@ -272,5 +271,6 @@ def _to_dcp(
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)  # this convert's own new folder, named by no marker
             raise
-    remove_stale(root, keep=folder.name)
+    # No removal of other save folders, as a save's commit does: convert wrote into a folder that
+    # held none (`refuse_held_checkpoint`), so any there now is another process's, still writing.
     return [root / MARKER_NAME, *sorted(folder.iterdir())]

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from tiekit.checkpoint.layout import INDEX_SUFFIX, WEIGHTS_NAME, shards_beside
-from tiekit.dcp.layout import DCP_METADATA, MARKER_NAME
+from tiekit.dcp.layout import DCP_METADATA, MARKER_NAME, is_save_folder
 from tiekit.errors import CheckpointError
 
 
@@ -64,13 +64,26 @@ CHECKPOINT_FILES = (MARKER_NAME, DCP_METADATA, WEIGHTS_NAME, WEIGHTS_NAME + INDE
 
 def refuse_held_checkpoint(folder: Path) -> None:
     """`CheckpointError` naming the file when the destination folder holds a checkpoint: a second
-    one beside it would leave the folder two checkpoints, read by different loaders."""
+    one beside it would leave the folder two checkpoints, read by different loaders.
+
+    A save folder without a marker (``save-<16 hex digits>``: a `save_sharded` under way in
+    another process, or a checkpoint whose marker is gone) is refused too: a sharded destination's
+    commit would make it a stale save of the new checkpoint, which the next save removes, and
+    the other process's commit would replace the converted checkpoint."""
     for name in CHECKPOINT_FILES:
         if (folder / name).exists():
             raise CheckpointError(
                 f"{folder / name}: exists; convert writes a new checkpoint and {folder} holds one already "
                 "(remove it first, or convert into a new folder)"
             )
+    saves = sorted(entry.name for entry in folder.iterdir() if is_save_folder(entry)) if folder.is_dir() else []
+    if saves:
+        more = f" (and {len(saves) - 1} more)" if len(saves) > 1 else ""
+        raise CheckpointError(
+            f"{folder / saves[0]}: exists{more}, the save folder of a sharded checkpoint with no marker (a "
+            f"save_sharded under way, or a checkpoint whose {MARKER_NAME} is gone); convert writes a new "
+            f"checkpoint and {folder} holds that one's files (remove them first, or convert into a new folder)"
+        )
 
 
 def refuse_existing_files(file: Path, *, sharded: bool) -> None:
