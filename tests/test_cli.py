@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -362,5 +363,24 @@ def test_a_sharded_folder_without_its_marker_is_named_so_by_inspect_convert_and_
         code, _, err = run(capsys, *argv)
         assert code == 1 and err.startswith(f"tiekit: error: {said}"), (argv, err)
     code, out, _ = run(capsys, "verify", str(folder), "--model", f"{factories}:tied")
+    assert code == 1 and f"FAIL  file: {said}" in out, out
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_a_save_folder_given_for_its_checkpoint_is_refused_by_inspect_convert_and_verify(
+    factories: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """They read it as a plain DCP folder (convert wrote its optimizer/... keys as a model's, with
+    no tie plan), where load_sharded refuses it."""
+    model = gpt2()
+    tiekit.save_sharded(model, tmp_path / "ck", optimizer=torch.optim.AdamW(model.parameters()))
+    save = next((tmp_path / "ck").glob("save-*"))
+    said = f"{save}: a save folder inside a checkpoint; load its parent {tmp_path / 'ck'}"
+    with pytest.raises(tiekit.CheckpointError, match=re.escape(said)):
+        tiekit.load_sharded(gpt2(), save)
+    for argv in (["inspect", str(save)], ["convert", str(save), str(tmp_path / "out.safetensors")]):
+        code, _, err = run(capsys, *argv)
+        assert code == 1 and err.startswith(f"tiekit: error: {said}"), (argv, err)
+    code, out, _ = run(capsys, "verify", str(save), "--model", f"{factories}:tied")
     assert code == 1 and f"FAIL  file: {said}" in out, out
     assert not (tmp_path / "out.safetensors").exists()

@@ -17,7 +17,14 @@ from tiekit.checkpoint.layout import INDEX_SUFFIX, WEIGHTS_NAME
 from tiekit.checkpoint.reads import read_tensors
 from tiekit.checkpoint.source import open_source, training_record
 from tiekit.dcp.chunks import read_rows, row_chunks
-from tiekit.dcp.layout import DCP_METADATA, MARKER_NAME, file_ends, lost_its_marker, read_marker
+from tiekit.dcp.layout import (
+    file_ends,
+    is_plain_dcp_folder,
+    is_sharded_checkpoint,
+    lost_its_marker,
+    read_marker,
+    refuse_save_folder,
+)
 from tiekit.dcp.records import dcp_metadata, save_metadata
 from tiekit.dcp.state import running_dcp
 from tiekit.dcp.stream import Spec, Value
@@ -64,13 +71,14 @@ NON_TENSOR_ENTRIES = "non-tensor entries"
 def open_convert_source(path: Path) -> ConvertSource:
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or folder")
-    if (path / MARKER_NAME).is_file() or lost_its_marker(path):
+    refuse_save_folder(path)  # a plain DCP folder to DCP, but read through its checkpoint's marker only
+    if is_sharded_checkpoint(path) or lost_its_marker(path):
         marker = read_marker(path)  # without a marker: "no tiekit-dcp.json", as load_sharded says
         metadata = save_metadata(marker)
         stored = metadata.state_dict_metadata
         specs = [(k, marker.tensors[k][0], stored[k].properties.dtype) for k in marker.model_keys()]
         return ConvertSource(marker.where, specs, marker.plan, dcp_read(marker.folder), _training_state(marker.record))
-    if (path / DCP_METADATA).is_file():  # a plain DCP folder: torch's reader unpickles its metadata
+    if is_plain_dcp_folder(path):  # a plain DCP folder: torch's reader unpickles its metadata
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         metadata = plain_dcp_metadata(path)

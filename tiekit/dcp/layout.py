@@ -9,6 +9,7 @@ load believes: it names the save folder, the size of every file in it and the SH
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
@@ -50,15 +51,39 @@ def is_save_folder(entry: Path) -> bool:
     return SAVE_FOLDER_PATTERN.fullmatch(entry.name) is not None and entry.is_dir() and not entry.is_symlink()
 
 
+def holds_file(folder: Path, name: str) -> bool:
+    """True when ``folder`` holds a file ``name``; False when the file or the folder is not there.
+    `CheckpointError` ``<folder>: cannot read: Permission denied`` when the file system will not
+    say (a folder without search permission), where ``Path.is_file`` raised the raw `OSError`."""
+    try:
+        return S_ISREG(os.stat(folder / name).st_mode)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EBADF):  # as Path.is_file
+            return False
+        raise CheckpointError(f"{folder}: cannot read: {exc.strerror or exc}") from exc
+
+
 def is_sharded_checkpoint(path: PathLike) -> bool:
-    """True when ``path`` is a folder holding a sharded checkpoint's marker (local, reads nothing else)."""
-    return (Path(path) / MARKER_NAME).is_file()
+    """True when ``path`` is a folder holding a sharded checkpoint's marker (local, reads nothing
+    else; `CheckpointError` when the folder cannot be read)."""
+    return holds_file(Path(path), MARKER_NAME)
 
 
 def is_plain_dcp_folder(path: PathLike) -> bool:
     """True when ``path`` is a folder DCP saved without tiekit (its ``.metadata``, no marker).
-    Local, reads nothing."""
-    return not is_sharded_checkpoint(path) and (Path(path) / DCP_METADATA).is_file()
+    Local, reads nothing; `CheckpointError` when the folder cannot be read."""
+    return not is_sharded_checkpoint(path) and holds_file(Path(path), DCP_METADATA)
+
+
+def refuse_save_folder(path: PathLike) -> None:
+    """`CheckpointError` when ``path`` is a save folder inside a sharded checkpoint (a ``save-``
+    folder beside the marker): a plain DCP folder to DCP's reader, but of the de-duplicated state
+    with tiekit's keys (the optimizer's too), which only the checkpoint's marker describes. Every
+    reader (`load_sharded`, `convert`, `tiekit inspect` and `verify`) refuses it alike. Local."""
+    root = Path(os.path.abspath(path))  # "." inside the save folder has a name too
+    if root.name.startswith(SAVE_PREFIX) and root.is_dir() and holds_file(root.parent, MARKER_NAME):
+        parent = Path(path).parent if Path(path).name == root.name else root.parent
+        raise CheckpointError(f"{path}: a save folder inside a checkpoint; load its parent {parent}")
 
 
 def lost_its_marker(path: PathLike) -> bool:
@@ -69,7 +94,10 @@ def lost_its_marker(path: PathLike) -> bool:
     root = Path(path)
     if not root.is_dir() or is_sharded_checkpoint(root) or is_plain_dcp_folder(root):
         return False
-    entries = list(root.iterdir())
+    try:
+        entries = list(root.iterdir())
+    except OSError as exc:
+        raise CheckpointError(f"{root}: cannot read: {exc.strerror or exc}") from exc
     if any(entry.name.endswith((".safetensors", ".safetensors.index.json")) for entry in entries):
         return False
     return any(is_save_folder(entry) for entry in entries)
@@ -249,9 +277,8 @@ def read_marker(path: PathLike) -> Marker:
     root = Path(path)
     marker_path = root / MARKER_NAME
     where = os.fspath(marker_path)
-    if not marker_path.is_file():
-        if root.name.startswith(SAVE_PREFIX) and (root.parent / MARKER_NAME).is_file():
-            raise CheckpointError(f"{root}: a save folder inside a checkpoint; load its parent {root.parent}")
+    if not holds_file(root, MARKER_NAME):
+        refuse_save_folder(root)
         found = "no such folder" if not root.exists() else f"no {MARKER_NAME} (not a committed sharded checkpoint)"
         if is_plain_dcp_folder(root):
             from tiekit.checkpoint.source import PLAIN_DCP_HINT
@@ -289,7 +316,7 @@ def read_marker(path: PathLike) -> Marker:
     if any("/" in name or "\\" in name or name in ("", ".", "..") for name in files):
         raise CheckpointError(f"{where}: key 'files' names a file outside the save folder")
     metadata = folder / DCP_METADATA
-    if DCP_METADATA not in files or not metadata.is_file():
+    if DCP_METADATA not in files or not holds_file(folder, DCP_METADATA):
         raise CheckpointError(f"{metadata}: missing (the DCP metadata of save {raw.get('save_id')!r})")
     if _readable_sha256(metadata, raw.get("save_id")) != raw.get("metadata_sha256"):
         raise CheckpointError(

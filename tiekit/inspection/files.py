@@ -161,8 +161,9 @@ def inspect_file(path: str | os.PathLike[str], *, check_values: bool = False) ->
     ``check_values`` also reads the data of tensors that share a dtype and shape and reports the
     byte-identical ones. Raises `CheckpointError` naming the file for anything unreadable.
     """
-    from tiekit.dcp.layout import is_plain_dcp_folder, is_sharded_checkpoint, lost_its_marker
+    from tiekit.dcp.layout import is_plain_dcp_folder, is_sharded_checkpoint, lost_its_marker, refuse_save_folder
 
+    refuse_save_folder(path)  # a plain DCP folder to DCP, but read through its checkpoint's marker only
     # A save_sharded folder: its marker and DCP's metadata (without its marker, named as missing).
     if is_sharded_checkpoint(path) or lost_its_marker(path):
         from tiekit.dcp.report import inspect_sharded
