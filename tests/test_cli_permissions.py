@@ -94,3 +94,18 @@ def test_an_unreadable_checkpoint_folder_is_named_by_inspect_verify_and_convert(
     assert result.returncode == 1 and f"FAIL  file: {said}" in result.stdout, (result.stdout, result.stderr)
     assert not (shared / "home" / "out.safetensors").exists()
 
+
+def test_an_unreadable_shard_file_is_named_unreadable_not_damaged(shared: Path) -> None:
+    """verify said the file's "bytes were changed in place". inspect reads no shard file (only
+    the marker and DCP's metadata), so it still describes the checkpoint."""
+    shard = next((shared / "ck").glob("save-*/__0_0.distcp"))
+    shard.chmod(0)
+    named = shard.relative_to(shared)
+    result = tiekit_command(shared, "verify", "ck", "--model", "tiny:build")
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert f"FAIL  load: {shard}: cannot read: Permission denied (it holds key " in result.stdout, result.stdout
+    assert "damaged" not in result.stdout
+    result = tiekit_command(shared, "convert", "ck", "home/out.safetensors")
+    assert result.returncode == 1 and f"tiekit: error: {named}: unreadable (Permission denied)" in result.stderr
+    assert not (shared / "home" / "out.safetensors").exists()
+    assert tiekit_command(shared, "inspect", "ck").returncode == 0

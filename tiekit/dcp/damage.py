@@ -61,14 +61,24 @@ def damaged_record(folder: Path, metadata: Any, keys: Collection[str]) -> Checkp
                 f"{file}: gone while the load read the checkpoint (it holds key {key!r}): removed, or its save "
                 "replaced and deleted by another writer; load again"
             )
+        except OSError as exc:
+            if exc.errno is None:  # raised by _read_record: the record is cut short, which is damage
+                return _damaged(file, key, offset, length, exc)
+            # The file's, not the record's (permissions, EIO): no byte was seen, none is blamed.
+            return CheckpointError(f"{file}: cannot read: {exc.strerror or exc} (it holds key {key!r})")
         except Exception as exc:  # noqa: BLE001 - any failure to read it is the damage reported
-            cause = _cause(exc)
-            return CheckpointError(
-                f"{file}: key {key!r} (bytes {offset} to {offset + length}) is damaged, its record does not "
-                f"read ({cause}); the file has the size the save wrote, so its bytes were "
-                "changed in place"
-            )
+            return _damaged(file, key, offset, length, exc)
     return None
+
+
+def _damaged(file: Path, key: str, offset: int, length: int, exc: Exception) -> CheckpointError:
+    """The error of `damaged_record` for the record of ``key`` at ``offset`` that raised ``exc``."""
+    cause = _cause(exc)
+    return CheckpointError(
+        f"{file}: key {key!r} (bytes {offset} to {offset + length}) is damaged, its record does not "
+        f"read ({cause}); the file has the size the save wrote, so its bytes were "
+        "changed in place"
+    )
 
 
 def damaged_structure(
