@@ -304,6 +304,16 @@ def test_console_script_error_is_one_line_and_debug_shows_the_traceback(tmp_path
     assert result.stderr.splitlines()[0] == f"tiekit: error: {os.devnull}: not a regular file"
 
 
+@pytest.mark.parametrize("command", ["inspect", "verify", "convert"])
+def test_debug_after_the_command_shows_the_traceback(tmp_path: Path, command: str) -> None:
+    """Every error's hint says "run again with --debug", and `tiekit inspect x --debug` was
+    argparse's "unrecognized arguments" (exit code 2)."""
+    missing = str(tmp_path / "nothing.safetensors")
+    argv = {"inspect": [missing], "verify": [missing, "--model", "m:f"], "convert": [missing, str(tmp_path / "o")]}
+    with pytest.raises(tiekit.TiekitError, match=r"nothing\.safetensors: no such file|cannot import 'm'"):
+        main([command, *argv[command], "--debug"])
+
+
 def test_file_errors_version_and_usage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     garbage = tmp_path / "garbage.safetensors"
     garbage.write_bytes(b"\xff" * 64)

@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"tiekit {tiekit.__version__}")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo_parser = sub.add_parser("demo", help="the main job: see README")
+    demo_parser = sub.add_parser("demo", parents=[_debug_option()], help="the main job: see README")
     demo_parser.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
     demo_parser.add_argument("--batch-size", type=int, default=16, help="per device (default 16)")
     demo_parser.add_argument("--precision", default="bf16-mixed", help="default bf16-mixed")
@@ -110,9 +110,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _debug_option() -> argparse.ArgumentParser:
+    """``--debug`` for a command's own options: every error's hint says "run again with --debug",
+    which ``tiekit inspect x --debug`` then is. Its default SUPPRESS leaves the main parser's
+    value (False, or True when given before the command) when the command's options lack it."""
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
+    return options
+
+
 def _add_convert(sub: Any) -> None:
     convert_parser = sub.add_parser(
         "convert",
+        parents=[_debug_option()],
         help="convert a sharded (DCP) checkpoint folder to tied safetensors, or back, one tensor at a time",
         description="SRC is a tiekit.save_sharded folder, a plain torch.distributed.checkpoint folder, or a "
         ".safetensors file, index or folder. A DCP source becomes DST.safetensors (or a folder holding "
@@ -154,6 +164,7 @@ def convert_command(args: argparse.Namespace) -> int:
 def _add_inspect_and_verify(sub: Any) -> None:
     inspect_parser = sub.add_parser(
         "inspect",
+        parents=[_debug_option()],
         help="show the ties, tensors and sizes of a checkpoint, or the tie plan of a model",
         description="TARGET is a .safetensors file, a *.safetensors.index.json, a folder holding one, "
         "a tiekit.save_sharded folder or a plain torch.distributed.checkpoint one, or module:factory (e.g. "
@@ -168,6 +179,7 @@ def _add_inspect_and_verify(sub: Any) -> None:
     inspect_parser.set_defaults(func=inspect_command)
     verify_parser = sub.add_parser(
         "verify",
+        parents=[_debug_option()],
         help="load a checkpoint into a fresh model and check every key, shape and tie (exit 0 or 1)",
         description="Builds the model with --model module:factory, loads PATH into it with tiekit.load_model "
         "(strict; tiekit.load_sharded for a save_sharded folder) and checks every key, shape, dtype and tie. "
