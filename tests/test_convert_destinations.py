@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import re
+import resource
 import shutil
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
 import pytest
+from launching import TIMEOUT, base_env
 from torch import nn
 
 import tiekit
@@ -256,3 +260,26 @@ def test_writing_safetensors_names_a_folder_it_cannot_create(tmp_path: Path) -> 
     said = re.escape(f"{tmp_path / TOO_LONG}: cannot create the folder of model.safetensors: File name too long")
     with pytest.raises(tiekit.CheckpointError, match=said):
         write_safetensors(target, [("w", (2,), torch.float32)], None, tensors)
+
+
+def test_a_convert_to_a_sharded_folder_that_cannot_write_names_the_file_and_the_cause(tmp_path: Path) -> None:
+    """It said DCP's "rank 0: RuntimeError: [enforce fail at inline_container.cc:664] . unexpected
+    pos 704 vs 598": torch's zip writer's report of the write the file system refused."""
+    tiekit.save_model(nn.Embedding(256, 64), tmp_path / "model.safetensors")  # a 64 KiB tensor
+    _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+
+    def limited() -> None:  # the kernel refuses writes past 32 KiB with EFBIG, as a full disk with ENOSPC
+        resource.setrlimit(resource.RLIMIT_FSIZE, (32 << 10, hard))
+
+    result = subprocess.run(
+        [sys.executable, "-m", "tiekit", "convert", "model.safetensors", "out"],
+        cwd=tmp_path,
+        env=base_env(),
+        preexec_fn=limited,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    said = r"tiekit: error: out/save-[0-9a-f]{16}/__0_\d+\.distcp: cannot write: File too large\n"
+    assert result.returncode == 1 and re.match(said, result.stderr), result.stderr
+    assert not (tmp_path / "out").exists()

@@ -18,7 +18,7 @@ def drop_library_locals(failure: BaseException) -> None:
     """Local: clear the locals of tiekit's and torch's finished frames in ``failure``'s traceback
     and in those of its causes (see `tiekit.backends.torch_distributed.collective_close_process_group`
     and `SaveHandle`)."""
-    for exc in _chain(failure):
+    for exc in chained(failure):
         for frame, _ in traceback.walk_tb(exc.__traceback__):
             if frame.f_code.co_filename.startswith(_LIBRARY_CODE):
                 with contextlib.suppress(RuntimeError):  # a frame still running (the caller's)
@@ -37,12 +37,12 @@ def without_frames(failure: BaseException) -> str:
 def drop_frames(failure: BaseException) -> None:
     """Local: drop the traceback of ``failure`` and of every exception it was raised from or
     during (a cause's frames hold what its function held: a DCP writer's, the tensors written)."""
-    for exc in _chain(failure):
+    for exc in chained(failure):
         exc.__traceback__ = None
 
 
-def _chain(failure: BaseException) -> Iterator[BaseException]:
-    """``failure`` and every exception it was raised from or during, each once."""
+def chained(failure: BaseException) -> Iterator[BaseException]:
+    """``failure`` and every exception it was raised from or during, each once (local)."""
     seen: set[int] = set()
     pending: list[BaseException | None] = [failure]
     while pending:

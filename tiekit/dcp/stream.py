@@ -27,6 +27,7 @@ from tiekit.checkpoint.layout import INDEX_SUFFIX, PLAN_KEY, SAVE_ID_KEY, shard_
 from tiekit.errors import CheckpointError
 from tiekit.header import DTYPE_CODES
 from tiekit.plan import TiePlan
+from tiekit.tracebacks import chained
 
 #: (key, shape, dtype) of each tensor to write, in order.
 Spec = tuple[str, tuple[int, ...], torch.dtype]
@@ -210,7 +211,7 @@ def write_dcp(folder: Path, specs: Sequence[Spec], read: Callable[[str], torch.T
     An error of ``read`` (the source's: a refusal naming it, a file of it gone) is raised as it is
     (an `OSError` as a `CheckpointError` naming its file), not as DCP's failure to write ``folder``."""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
     from tiekit.dcp.state import dcp_save, running_dcp
 
@@ -237,13 +238,42 @@ def write_dcp(folder: Path, specs: Sequence[Spec], read: Callable[[str], torch.T
             unreclaimed += value.numel() * value.element_size()
             return value
 
+    class NamingFileSystem(FileSystem):
+        """DCP's local file system, remembering the last file it opened for writing (one at a
+        time: one process, DCP's one writing thread): the file a failed write names."""
+
+        writing: str | None = None
+
+        @contextlib.contextmanager
+        def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+            if "w" in mode:
+                self.writing = os.fspath(path)
+            with super().create_stream(path, mode) as stream:
+                yield stream
+
     placeholders = {key: torch.empty(shape, dtype=dtype, device="meta") for key, shape, dtype in specs}
+    files = NamingFileSystem()
     try:
         with running_dcp(folder, reading=False):
             # A file per tensor: torch's writer holds every tensor of a file until the file is done.
             writer = FileSystemWriter(folder, single_file_per_rank=False)
+            writer.fs = files
             dcp_save(placeholders, storage_writer=writer, planner=Streaming(), no_dist=True)
-    except CheckpointError:
+    except CheckpointError as exc:
         if failed_reads:
             raise failed_reads[0] from None  # the source's error; DCP's message blamed the write
+        refused = _write_error(exc)
+        if refused is not None and files.writing is not None:
+            raise CheckpointError(f"{files.writing}: cannot write: {refused.strerror or refused}") from exc
         raise
+
+
+def _write_error(failure: CheckpointError) -> OSError | None:
+    """The `OSError` (a full disk, a file size limit) under DCP's failure to write, which
+    `running_dcp` raised as ``failure``: torch's zip writer reports it as its own RuntimeError
+    ("unexpected pos 704 vs 598"), the `OSError` only its context."""
+    for error in getattr(failure.__cause__, "failures", {}).values():
+        for exc in chained(error[0] if isinstance(error, tuple) else error):  # DCP keeps (error, traceback)
+            if isinstance(exc, OSError) and exc.errno is not None:
+                return exc
+    return None
