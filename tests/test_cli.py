@@ -288,8 +288,9 @@ def test_console_script_error_is_one_line_and_debug_shows_the_traceback(tmp_path
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.splitlines() == [
         f"tiekit: error: {missing}: no such file or folder, and not module:factory",
-        "hint: TARGET is a .safetensors file, a *.safetensors.index.json, a folder holding one, or module:factory; "
-        "run again with --debug for the full traceback",
+        "hint: TARGET is a .safetensors file, a *.safetensors.index.json, a folder holding one, a tiekit.save_sharded "
+        "folder or a plain torch.distributed.checkpoint one, or module:factory; run again with --debug for the full "
+        "traceback",
     ]
     result = subprocess.run(
         [TIEKIT, "--debug", "inspect", str(missing)], capture_output=True, text=True, env=env, timeout=120

@@ -32,7 +32,10 @@ FACTORY_HINT = (
 class TargetError(TiekitError):
     """``tiekit inspect`` was given something that is neither an existing path nor ``module:factory``."""
 
-    hint = "TARGET is a .safetensors file, a *.safetensors.index.json, a folder holding one, or module:factory"
+    hint = (
+        "TARGET is a .safetensors file, a *.safetensors.index.json, a folder holding one, a tiekit.save_sharded "
+        "folder or a plain torch.distributed.checkpoint one, or module:factory"
+    )
 
 
 class FactoryError(TiekitError):
