@@ -92,6 +92,11 @@ def test_resume_continues_bit_identically(tmp_path: Path) -> None:
     assert resumed.losses == straight.losses[7:]
     assert same(weights(resumed.model), weights(straight.model))
     assert resumed.model.c.weight is resumed.model.a.weight
+    assert resumed.checkpoint == tmp_path / "step-00000023.safetensors"
+    # Resumed by path, without a folder to write in: no checkpoint holds the model (fit named the
+    # one it resumed from, 16 steps behind the model it returned).
+    by_path = tiekit.fit(DropoutNet, data(), max_steps=23, resume=first.checkpoint, **kw)
+    assert by_path.checkpoint is None and same(weights(by_path.model), weights(straight.model))
 
     # The control: weights and optimizer state alone, without the saved data position and RNG
     # states, do not continue the run.

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
 import os
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -209,3 +211,85 @@ def test_spmd_on_four_devices_matches_the_cpu_with_the_global_batch() -> None:
     assert (out["strategy"], out["world"], out["steps"], out["cpu_steps"]) == ("spmd", 4, 16, 16)
     assert out["ties_kept"] and out["tied"]
     assert out["max_diff"] < 1e-5
+
+
+SLOW_RUN = """
+import sys, time
+import torch, torch.nn.functional as F
+from torch.utils.data import Dataset
+from models import WeightSharingModule
+import tiekit
+
+
+class Slow(Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        time.sleep(0.05)
+        return torch.randn(32), torch.randn(10)
+
+
+if __name__ == "__main__":
+    tiekit.fit(WeightSharingModule, Slow(), loss_fn=F.mse_loss, strategy="xla", devices=2, batch_size=4,
+               max_steps=500, checkpoint_dir=sys.argv[1], checkpoint_every=1, progress=False)
+"""
+
+
+def test_the_replicas_end_when_the_process_that_called_fit_is_killed(tmp_path: Path) -> None:
+    """torch_xla.launch's replica process outlived a killed caller: it trained on, wrote
+    checkpoints and held the folder's lock against the run started again in its place (the
+    lock named the orphan), then waited forever to hand back its result."""
+    import psutil
+
+    script, folder = tmp_path / "slow_run.py", tmp_path / "run"
+    script.write_text(SLOW_RUN)
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    caller = subprocess.Popen([sys.executable, str(script), str(folder)], env=env, stderr=subprocess.PIPE)
+    family: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 300
+        while not list(folder.glob("step-*")):  # the replicas are training
+            assert caller.poll() is None, caller.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no checkpoint within 300 s"
+            time.sleep(0.2)
+        family = psutil.Process(caller.pid).children(recursive=True)
+        assert family, "fit runs its replicas in a process of their own"
+        caller.kill()
+        caller.wait(timeout=60)
+        _, alive = psutil.wait_procs(family, timeout=60)
+        assert not alive, f"still running after the caller was killed: {alive}"
+        steps = sorted(folder.glob("step-*"))
+        time.sleep(2)
+        assert sorted(folder.glob("step-*")) == steps  # nobody writes any more
+    finally:
+        for process in [*family, psutil.Process(caller.pid) if caller.poll() is None else None]:
+            if process is not None:
+                with contextlib.suppress(psutil.Error):
+                    process.kill()
+
+
+def test_a_killed_replica_process_is_reported_with_the_last_checkpoint(tmp_path: Path) -> None:
+    """fit said the replicas' process "died before they finished (XLA prints why above)", where
+    nothing was printed (a SIGKILL), and did not say where to resume from."""
+    import psutil
+
+    script, folder = tmp_path / "slow_run.py", tmp_path / "run"
+    script.write_text(SLOW_RUN)
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    caller = subprocess.Popen([sys.executable, str(script), str(folder)], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not list(folder.glob("step-*")):
+            assert caller.poll() is None and time.monotonic() < deadline, "no checkpoint within 300 s"
+            time.sleep(0.2)
+        replicas = [p for p in psutil.Process(caller.pid).children() if "resource_tracker" not in " ".join(p.cmdline())]
+        assert len(replicas) == 1, replicas
+        replicas[0].kill()
+        _, error = caller.communicate(timeout=120)
+    finally:
+        caller.kill()
+    assert "TiekitError: the process running the 2 replicas ended before they finished: killed" in error, error[-3000:]
+    assert f"the last checkpoint: {folder}{os.sep}step-" in error, error[-3000:]

@@ -3,7 +3,10 @@ of XLA:CPU: one process, one thread per device), gradients all-reduced in the st
 
 from __future__ import annotations
 
+import functools
 import os
+import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -51,7 +54,23 @@ def xla_launch(fn: Callable[..., object], args: tuple[Any, ...], num_devices: in
         if count > 1 and "XLA_ENABLE_PARAM_ALIASING" not in os.environ:
             env["XLA_ENABLE_PARAM_ALIASING"] = "0"
     with _environ(env):
-        torch_xla.launch(fn, args=args)
+        torch_xla.launch(functools.partial(_ending_with_caller, os.getpid(), fn), args=args)
+
+
+def _ending_with_caller(caller: int, fn: Callable[..., object], ordinal: int, *args: Any) -> None:
+    """``fn(ordinal, *args)`` in a launched process that ends when the process that launched it
+    (``caller``) ends, killed too, as torch's spawn arranges for the processes it starts.
+    Otherwise, with nobody to collect its result, the replica trained on, wrote checkpoints and
+    held the checkpoint folder's lock against the run started again in the caller's place; then
+    it waited forever to hand its result back."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1  # <sys/prctl.h>
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+        if os.getppid() != caller:  # the caller ended before this process asked
+            os.kill(os.getpid(), signal.SIGKILL)
+    fn(ordinal, *args)
 
 
 class _CompileGate:

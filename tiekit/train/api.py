@@ -25,6 +25,8 @@ class FitResult:
     validation loss after each epoch (over every replica's share). ``replica_digests`` hold a
     SHA-256 of each replica's final weights (rank order): equal digests, bit-identical replicas.
     ``ties_kept`` says every replica still had its ties on the device after training.
+    ``checkpoint`` is the checkpoint holding ``model`` (written at the last step; None without
+    ``checkpoint_dir``, also after a resume from a checkpoint given by path).
     ``compilations`` and ``xla_report`` come from ``torch_xla.debug.metrics`` (XLA only).
     """
 

@@ -153,9 +153,11 @@ def _xla(job: Job, requested: int | str) -> tuple[list[Outcome], nn.Module]:
         try:
             with _picklable(job.strategy):
                 xla_launch(_xla_entry, (spawned,), count)
-        except BrokenProcessPool as exc:  # XLA aborts the process on a fatal error (printed above)
+        except BrokenProcessPool as exc:  # the process ended: nothing of it reports how
             raise TiekitError(
-                f"the process running the {count or 'XLA'} replicas died before they finished (XLA prints why above)"
+                f"the process running the {count or 'XLA'} replicas ended before they finished: killed (by a "
+                "signal, or the out-of-memory killer), or aborted by XLA, which then prints why above"
+                f"{reports.last_checkpoint_note(spawned)}"
             ) from exc
         return reports.collect(spawned)
 

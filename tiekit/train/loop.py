@@ -268,7 +268,11 @@ def _trained(
         val_losses=tuple(log.val_losses),
         samples_per_second=log.samples_per_second,
         seconds=time.perf_counter() - started,
-        checkpoint=None if coordinator.last_saved is None else str(coordinator.last_saved),
+        # The checkpoint holding the trained model: the one written at the last step. Without a
+        # checkpoint_dir nothing was written, and the checkpoint resumed from is an earlier step.
+        checkpoint=None
+        if coordinator.last_saved is None or cfg.checkpoint_dir is None
+        else str(coordinator.last_saved),
         compilations=None if counters is None else counters.compilations,
         xla_report=None if counters is None else counters.report(),
     )

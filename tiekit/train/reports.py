@@ -156,10 +156,15 @@ def failure(job: Job, world: int, exc: Exception) -> TiekitError:
         )
     everyone = who.startswith("replicas ") and len(errors) == world
     stopped = "" if everyone else "; the run stopped its other replicas"
+    return kind(f"{who} {how}{stopped}{last_checkpoint_note(job)}")
+
+
+def last_checkpoint_note(job: Job) -> str:
+    """``; the last checkpoint: <path or 'none written'>`` of a run that failed ('' without a
+    checkpoint folder): where its next run resumes from."""
     folder = job.config.checkpoint_dir
     last = None if folder is None or not folder.is_dir() else state.last_checkpoint(folder)
-    saved = "" if folder is None else f"; the last checkpoint: {last or 'none written'}"
-    return kind(f"{who} {how}{stopped}{saved}")
+    return "" if folder is None else f"; the last checkpoint: {last or 'none written'}"
 
 
 _TIEKIT_ERRORS: dict[str, type[TiekitError]] = {e.__name__: e for e in (TiekitError, CheckpointError, TieError)}
