@@ -13,8 +13,9 @@ Format (version 1) of a checkpoint folder ``CKPT/``::
     CKPT/save-<id>/__<rank>_0.distcp   DCP's shard files, one per writing rank
 
 The marker holds ``format``/``version``, the ``save_id`` and its ``folder``, the size of every
-file of that folder, the SHA-256 of ``.metadata`` (checked before torch unpickles it), the
-`TiePlan` (``plan``), every stored key's global shape and dtype (``tensors``), the optimizer
+file of that folder, the SHA-256 of ``.metadata`` (checked before it is unpickled, with only
+the globals DCP's records need: `tiekit.dcp.metadata_pickle`), the `TiePlan` (``plan``), every
+stored key's global shape and dtype (``tensors``), the optimizer
 record (param groups and non-tensor state by parameter source name) and ``extra`` as JSON; their
 tensors are DCP keys under ``optimizer/...`` and ``extra/...`` (the codec of `tiekit.checkpoint`).
 

@@ -25,6 +25,7 @@ from tiekit.dcp.layout import (
     read_marker,
     refuse_save_folder,
 )
+from tiekit.dcp.metadata_pickle import metadata_reader
 from tiekit.dcp.records import dcp_metadata, save_metadata
 from tiekit.dcp.state import running_dcp
 from tiekit.dcp.stream import Spec, Value
@@ -78,7 +79,7 @@ def open_convert_source(path: Path) -> ConvertSource:
         stored = metadata.state_dict_metadata
         specs = [(k, marker.tensors[k][0], stored[k].properties.dtype) for k in marker.model_keys()]
         return ConvertSource(marker.where, specs, marker.plan, dcp_read(marker.folder), _training_state(marker.record))
-    if is_plain_dcp_folder(path):  # a plain DCP folder: torch's reader unpickles its metadata
+    if is_plain_dcp_folder(path):  # a plain DCP folder: its metadata read as `dcp_metadata` reads it
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         metadata = plain_dcp_metadata(path)
@@ -105,7 +106,7 @@ def open_convert_source(path: Path) -> ConvertSource:
 
 def plain_dcp_metadata(folder: Path) -> Metadata:
     """DCP's metadata of a plain folder (``dcp.save``, no tiekit marker); `CheckpointError`
-    naming the file when torch's reader cannot unpickle it. Local."""
+    naming the file when it cannot be read or names a global DCP's records do not (`dcp_metadata`). Local."""
     metadata = dcp_metadata(folder)
     _check_plain_files(folder, metadata)
     return metadata
@@ -146,7 +147,6 @@ def _training_state(record: Any) -> tuple[str, ...]:
 
 def dcp_read(folder: Path) -> Callable[[list[str]], dict]:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.state_dict_loader import load
 
@@ -169,7 +169,7 @@ def dcp_read(folder: Path) -> Callable[[list[str]], dict]:
             # (a full pass took 0.3 s per batch in a process holding GPT-2 small and transformers).
             planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
             with running_dcp(folder, reading=True):
-                load(dict(out), storage_reader=FileSystemReader(folder), planner=planner, no_dist=True)
+                load(dict(out), storage_reader=metadata_reader(folder), planner=planner, no_dist=True)
             planner.state_dict.clear()
             planner.original_state_dict.clear()
         got.update(out)

@@ -3,7 +3,7 @@
 A folder holds ``tiekit-dcp.json`` (the marker) and one ``save-<id>/`` folder of DCP files per
 committed save (older ones are removed after the next commit). The marker is the only thing a
 load believes: it names the save folder, the size of every file in it and the SHA-256 of DCP's
-``.metadata`` (a pickle), which is checked before torch ever unpickles it.
+``.metadata`` (a pickle), which is checked before it is unpickled (`tiekit.dcp.metadata_pickle`).
 """
 
 from __future__ import annotations
@@ -171,9 +171,9 @@ def write_marker(root: Path, folder: Path, save_id: str, plan: TiePlan | None, r
             files[entry.name] = entry.stat().st_size
     if DCP_METADATA not in files:
         raise CheckpointError(f"{folder}: DCP wrote no {DCP_METADATA} file; the save did not finish")
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from tiekit.dcp.metadata_pickle import read_dcp_metadata
 
-    metadata = FileSystemReader(folder).read_metadata()
+    metadata = read_dcp_metadata(folder / DCP_METADATA)  # as every read of tiekit: see its module
     absent = _not_here(files, file_ends(metadata))
     if absent:
         # This rank (rank 0, the committing one) wrote its own files into this folder and saw them

@@ -17,6 +17,7 @@ from tiekit.analyze import dtype_name
 from tiekit.checkpoint.source import Source
 from tiekit.dcp.damage import damaged_record
 from tiekit.dcp.layout import DCP_METADATA, MARKER_NAME, Marker, check_files, file_ends
+from tiekit.dcp.metadata_pickle import metadata_reader, read_dcp_metadata
 from tiekit.dcp.state import running_dcp
 from tiekit.errors import CheckpointError
 from tiekit.header import TensorEntry
@@ -29,14 +30,18 @@ def dcp_load(state: dict[str, torch.Tensor], folder: Path, metadata: Any, planne
     """Collective (DCP's load): read ``state``'s keys from the save ``folder``. When DCP fails, a
     `CheckpointError` naming the damaged record's shard file and key if one is (found by reading
     each record of those keys, `tiekit.dcp.damage`, the same on every rank: DCP raises its failure
-    on every rank), else DCP's failure (`running_dcp`)."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    on every rank), else DCP's failure (`running_dcp`). DCP reads the metadata again, restricted
+    as `dcp_metadata` reads it (`metadata_reader`): a file replaced since by one it refuses is
+    that refusal."""
     from torch.distributed.checkpoint.state_dict_loader import load
 
+    reader = metadata_reader(folder)
     try:
         with running_dcp(folder, reading=True):
-            load(state, storage_reader=FileSystemReader(folder), planner=planner, no_dist=single)
+            load(state, storage_reader=reader, planner=planner, no_dist=single)
     except CheckpointError as exc:
+        if reader.refusal is not None:
+            raise reader.refusal from exc
         damaged = damaged_record(folder, metadata, set(state))
         if damaged is None:
             raise
@@ -44,15 +49,16 @@ def dcp_load(state: dict[str, torch.Tensor], folder: Path, metadata: Any, planne
 
 
 def dcp_metadata(folder: Path) -> Metadata:
-    """DCP's metadata of ``folder``, as torch's reader unpickles it (check a `save_sharded` save's
-    against its marker first: `read_marker`). `CheckpointError` naming the file when it is gone
-    (a newer save removed the folder meanwhile: `reading_committed` then reads the new save) or
-    unreadable. Local."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-
+    """DCP's metadata of ``folder``, unpickled with the globals DCP's records need only
+    (`read_dcp_metadata`: a crafted pickle runs nothing; check a `save_sharded` save's against its
+    marker first: `read_marker`). `CheckpointError` naming the file when it is gone (a newer save
+    removed the folder meanwhile: `reading_committed` then reads the new save), names another
+    global, or is unreadable. Local."""
     file = folder / DCP_METADATA
     try:
-        return FileSystemReader(folder).read_metadata()
+        return read_dcp_metadata(file)
+    except CheckpointError:
+        raise
     except FileNotFoundError as exc:
         raise CheckpointError(f"{file}: missing (the DCP metadata of {folder}): {exc.strerror or exc}") from exc
     except Exception as exc:
@@ -127,11 +133,10 @@ def as_source(marker: Marker, metadata: Any) -> Source:
 def _read_whole(folder: Path, metadata: Any, key: str) -> torch.Tensor:
     """Local: the stored value of tensor ``key``, every chunk of it, read by DCP in this process
     alone (``no_dist``: no collective), for the loader to compare two copies of a tie."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.state_dict_loader import load
 
     info = metadata.state_dict_metadata[key]
     value = torch.empty(tuple(info.size), dtype=info.properties.dtype)
     with running_dcp(folder, reading=True):
-        load({key: value}, storage_reader=FileSystemReader(folder), no_dist=True)
+        load({key: value}, storage_reader=metadata_reader(folder), no_dist=True)
     return value
