@@ -103,6 +103,23 @@ def test_plain_dcp_folder_whose_metadata_runs_a_command_is_refused_naming_the_gl
     assert not ran.exists() and not (tmp_path / "out.safetensors").exists()
 
 
+def test_a_chunk_placed_in_a_file_outside_the_folder_is_refused(tmp_path: Path) -> None:
+    """A metadata whose only "global" is DCP's own records can still name the file of a chunk:
+    DCP joins it to the folder, so ``../secret`` was read as the tensor's bytes, and convert
+    copied them into its output."""
+    folder, secret = tmp_path / "plain", tmp_path / "secret"
+    dcp.save({"w": torch.ones(4)}, checkpoint_id=folder, no_dist=True)
+    metadata = pickle.loads((folder / ".metadata").read_bytes())
+    [(index, where)] = metadata.storage_data.items()
+    secret.write_bytes((folder / where.relative_path).read_bytes().replace(b"\x00\x00\x80\x3f", b"\x00\x00\x40\x40"))
+    metadata.storage_data[index] = type(where)("../secret", where.offset, where.length)
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    plain = tmp_path / "plain.safetensors"
+    with pytest.raises(tiekit.CheckpointError, match=r"key 'w' is stored in '../secret', not a file of the"):
+        tiekit.convert(folder, plain)
+    assert not plain.exists()
+
+
 def test_save_sharded_folder_whose_marker_vouches_for_a_crafted_metadata_runs_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

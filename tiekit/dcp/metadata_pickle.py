@@ -131,7 +131,23 @@ def read_dcp_metadata(file: Path | str) -> Metadata:
         )
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{file}: holds a {type(metadata).__name__}, not DCP's Metadata")
+    _refuse_files_outside(file, metadata)
     return metadata
+
+
+def _refuse_files_outside(file: Path | str, metadata: Metadata) -> None:
+    """`CheckpointError` when the metadata places a chunk in a file outside its folder: DCP joins
+    each chunk's ``relative_path`` to the folder, so ``../../home/x/.ssh/id_rsa`` would be read as
+    a tensor's bytes (and `convert` would copy them into its output). DCP's writers name files in
+    the folder itself (``__0_0.distcp``)."""
+    for index, where in (getattr(metadata, "storage_data", None) or {}).items():
+        name = getattr(where, "relative_path", None)
+        if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
+            key = getattr(index, "fqn", index)
+            raise CheckpointError(
+                f"{file}: key {key!r} is stored in {name!r}, not a file of the checkpoint's folder (DCP's writers "
+                "name only files in it; a file from someone you do not trust?)"
+            )
 
 
 def _restore(obj: Any, saved: dict[str, Any]) -> str:
