@@ -142,6 +142,8 @@ def load_into_fresh(target: Path) -> tuple[nn.Module, torch.optim.Optimizer, Any
         # Found by the fuzzer: torch takes these and fails at the first step (float(None), None.lerp_).
         (lambda o: with_state(o, "step", None), "optimizer state 'step' of 'layer_1.weight' is None"),
         (lambda o: with_state(o, "exp_avg", 0.5), "optimizer state 'exp_avg' of 'layer_1.weight' is 0.5"),
+        # Found by a probe: AdamW's bias correction divided by zero at the first step.
+        (lambda o: with_state(o, "step", -1), "optimizer state 'step' of 'layer_1.weight' is -1, not a count"),
         (lambda o: with_options(o, amsgrad=True), "built with amsgrad=True, this one with amsgrad=False"),
         # Found by the fuzzer: torch checks options when an optimizer is built, not when they are loaded,
         # and the first step failed ("result type ComplexFloat can't be cast to ... Float").
@@ -160,17 +162,18 @@ def test_malformed_optimizer_entries(
     assert not optimizer.state
 
 
+@pytest.mark.parametrize("stored", [(3, 3), ()], ids=["3x3", "0-dim"])  # a 0-dim one was taken for a scalar
 def test_optimizer_state_of_the_wrong_shape_is_refused_at_load(
-    tmp_path: Path, training_checkpoint: tuple[Path, dict[str, str], dict[str, Any]]
+    tmp_path: Path, training_checkpoint: tuple[Path, dict[str, str], dict[str, Any]], stored: tuple[int, ...]
 ) -> None:
     path, metadata, record = training_checkpoint
     tensors = load_file(path)
     key = next(k for k in tensors if k.endswith("layer_1.weight/exp_avg"))
-    tensors[key] = torch.zeros(3, 3)
+    tensors[key] = torch.zeros(stored)
     rewrite(path, metadata, record, tmp_path / "bad.safetensors", tensors)
     model, optimizer, before, error = load_into_fresh(tmp_path / "bad.safetensors")
     assert isinstance(error, CheckpointError) and not optimizer.state
-    assert "optimizer state 'exp_avg' of 'layer_1.weight' has shape (3, 3), the parameter (10, 32)" in str(error)
+    assert f"optimizer state 'exp_avg' of 'layer_1.weight' has shape {stored}, the parameter (10, 32)" in str(error)
     assert_unchanged(model, before)
     # Without the check this loaded and the first step failed: torch itself does not look.
     plain = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -44,7 +44,7 @@ def move(
     if isinstance(device, torch.dtype) and dtype is None:
         device, dtype = None, device  # move(model, torch.bfloat16), as nn.Module.to takes it
     if device is None and dtype is None:
-        raise ValueError("tiekit.move needs a device, a dtype or both")
+        raise TieError("tiekit.move needs a device, a dtype or both")
     try:
         if isinstance(device, torch.dtype):
             raise TypeError("a dtype, and dtype= is given too")

@@ -235,7 +235,7 @@ def verify(model: nn.Module, plan: TiePlan, *, on_error: OnError = "raise") -> V
     On failure raises `TieError` (``on_error="raise"``) or warns with `TieWarning` ("warn").
     """
     if on_error not in ("raise", "warn"):
-        raise ValueError(f"on_error must be 'raise' or 'warn', not {on_error!r}")
+        raise TieError(f"on_error must be 'raise' or 'warn', not {on_error!r}")
     broken: list[str] = []
     for group in _a_plan(plan).groups:
         try:

@@ -239,12 +239,31 @@ def _check_state_shapes(kind: type, name: str, values: Mapping[str, Any], shape:
             raise CheckpointError(
                 f"{where}: optimizer state {key!r} of {name!r} is {value!r}, where {kind.__name__} keeps a tensor"
             )
-        if not isinstance(value, torch.Tensor) or value.dim() == 0 or tuple(value.shape) == shape:
+        if strict and key == "step" and not _counts(value):
+            # Adam's bias correction divides by 1 - beta ** step: a step of -1 failed at the first step.
+            raise CheckpointError(f"{where}: optimizer state 'step' of {name!r} is {value!r}, not a count of steps")
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) == shape:
+            continue
+        if value.dim() == 0 and (not strict or key in _SCALAR_STATE):
             continue
         if value.numel() == numel or strict:
             raise CheckpointError(
                 f"{where}: optimizer state {key!r} of {name!r} has shape {tuple(value.shape)}, the parameter {shape}"
             )
+
+
+# The scalar state of torch.optim's parameter-shaped optimizers (ASGD keeps eta and mu so): any
+# other state of theirs has the parameter's shape, also a 0-dim one (which failed at the first step).
+_SCALAR_STATE = frozenset({"step", "eta", "mu"})
+
+
+def _counts(step: Any) -> bool:
+    """Whether ``step`` (a number or a one-element tensor) is a finite count, at least 0."""
+    if isinstance(step, torch.Tensor):
+        if step.numel() != 1 or step.is_complex():
+            return False
+        step = step.item()
+    return isinstance(step, int | float) and not isinstance(step, bool) and math.isfinite(step) and step >= 0
 
 
 def _state_value_fits(key: str, value: Any) -> bool:
