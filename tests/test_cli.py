@@ -395,3 +395,7 @@ def test_a_save_folder_given_for_its_checkpoint_is_refused_by_inspect_convert_an
     code, out, _ = run(capsys, "verify", str(save), "--model", f"{factories}:tied")
     assert code == 1 and f"FAIL  file: {said}" in out, out
     assert not (tmp_path / "out.safetensors").exists()
+    link = tmp_path / "link"  # a link to the save folder, named otherwise: read as a plain DCP folder
+    link.symlink_to(save)
+    code, _, err = run(capsys, "inspect", str(link))
+    assert code == 1 and "a save folder inside a checkpoint; load its parent" in err, err

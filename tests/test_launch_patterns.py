@@ -235,6 +235,39 @@ def test_fit_joins_processes_started_without_local_rank(tmp_path: Path) -> None:
     assert renames(audit, tmp_path / "out") == {"step-00000002.safetensors": [0], "step-00000004.safetensors": [0]}
 
 
+@pytest.mark.newest_torch_only  # fit's own reading of the environment, the same on both stacks
+@pytest.mark.timeout(120)  # a rank outside the world waited in the rendezvous
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"RANK": "0", "WORLD_SIZE": "1"}, "single"),  # no launcher set these: not a launched run
+        ({"RANK": "3", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, "rank must be"),
+        ({"RANK": "-1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, "rank must be"),
+        ({"RANK": "0", "WORLD_SIZE": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, "rank must be"),
+    ],
+)
+def test_fit_reads_a_launchers_variables_only_when_a_launcher_set_them(
+    env: dict[str, str], expected: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RANK and WORLD_SIZE alone (a world of 1, left in a shell) made fit join a group at
+    env://, which failed with torch's raw "MASTER_ADDR expected"; a rank outside the world hung
+    in the rendezvous."""
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    data = TensorDataset(torch.randn(16, 4), torch.randn(16, 4))
+    kw = {"loss_fn": F.mse_loss, "max_steps": 1, "batch_size": 4, "progress": False}
+    if expected == "single":
+        assert tiekit.fit(torch.nn.Linear(4, 4), data, **kw).strategy == "single"
+    else:
+        with pytest.raises(tiekit.TiekitError, match=f"in the environment: the {expected}"):
+            tiekit.fit(torch.nn.Linear(4, 4), data, strategy="ddp", **kw)
+
+
 OWN_GROUP = """
 import sys
 
@@ -253,6 +286,10 @@ data = TensorDataset(torch.randn(64, 32, generator=torch.Generator().manual_seed
 kw = {"batch_size": 4, "max_steps": 3, "progress": False}
 result = tiekit.fit(WeightSharingModule, data, loss_fn=F.mse_loss, strategy="ddp", **kw)
 print(f"rank {dist.get_rank()}: world {result.world_size}, identical {result.replicas_identical}", flush=True)
+try:
+    tiekit.fit(WeightSharingModule, data, loss_fn=F.mse_loss, strategy="ddp", devices=4, **kw)
+except tiekit.TiekitError as error:
+    print(f"rank {dist.get_rank()}: {error}", flush=True)
 dist.barrier()
 dist.destroy_process_group()
 """
@@ -267,6 +304,8 @@ def test_fit_trains_in_the_group_a_script_made_itself(tmp_path: Path) -> None:
     env = {k: v for k, v in base_env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     output = "\n".join(r.output for r in run_ok(commands, env=env, cwd=tmp_path))
     assert "rank 0: world 2, identical True" in output and "rank 1: world 2, identical True" in output, output
+    for rank in range(2):  # devices=4 in a group of 2 was ignored: it trained on 2
+        assert f"rank {rank}: devices=4, but this run has 2 processes, started by torchrun or your script" in output
 
 
 MISSING_RANK = """

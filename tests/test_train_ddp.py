@@ -224,9 +224,11 @@ def test_a_checkpoint_failing_on_one_replica_names_every_replica_and_where_it_be
 
 def loss_on_this_replicas_share_of_the_cores(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """MSE, raising in a replica whose torch threads are not its share of the host's cores."""
-    share = max(1, (os.cpu_count() or 1) // 2)
+    share, rank = max(1, (os.cpu_count() or 1) // 2), torch.distributed.get_rank()
     if torch.get_num_threads() != share:
-        raise ValueError(f"replica {torch.distributed.get_rank()} runs {torch.get_num_threads()} threads, not {share}")
+        raise ValueError(f"replica {rank} runs {torch.get_num_threads()} threads, not {share}")
+    if os.environ.get("LOCAL_RANK") != str(rank):  # for code that reads it, as under torchrun
+        raise ValueError(f"replica {rank} has LOCAL_RANK={os.environ.get('LOCAL_RANK')}")
     return F.mse_loss(output, target)
 
 

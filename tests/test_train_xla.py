@@ -293,3 +293,33 @@ def test_a_killed_replica_process_is_reported_with_the_last_checkpoint(tmp_path:
         caller.kill()
     assert "TiekitError: the process running the 2 replicas ended before they finished: killed" in error, error[-3000:]
     assert f"the last checkpoint: {folder}{os.sep}step-" in error, error[-3000:]
+
+
+UNDER_TORCHRUN = """
+import torch, torch.nn.functional as F
+from torch.utils.data import TensorDataset
+from models import WeightSharingModule
+import tiekit
+
+if __name__ == "__main__":
+    data = TensorDataset(torch.randn(32, 32), torch.randn(32, 10))
+    result = tiekit.fit(WeightSharingModule, data, loss_fn=F.mse_loss, strategy="xla", max_steps=2, batch_size=4,
+                        progress=False)
+    print("trained", result.strategy, result.world_size, result.steps, result.ties_kept, flush=True)
+"""
+
+
+def test_xla_replicas_under_torchrun_train_in_the_process_torchrun_started(tmp_path: Path) -> None:
+    """Under torchrun, torch_xla.launch runs the replica in the caller itself: the parent-death
+    arrangement of a launched process took the caller for a dead parent and killed it (SIGKILL,
+    no message)."""
+    script = tmp_path / "under_torchrun.py"
+    script.write_text(UNDER_TORCHRUN)
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2", "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    torchrun = Path(sys.executable).parent / "torchrun"
+    done = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node=1", str(script)],
+        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0 and "trained xla 1 2 True" in done.stdout, (done.stdout + done.stderr)[-3000:]

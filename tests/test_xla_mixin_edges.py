@@ -149,3 +149,37 @@ def test_a_cast_keeps_a_capturable_optimizers_step_a_float32_counter(xla_device:
     steps = [state["step"] for state in optimizer.state.values()]
     assert all(s.dtype == torch.float32 and float(s) == 304.0 for s in steps), steps
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+class ValueEqualLinear(nn.Linear):
+    """A module class that compares and hashes by value, as config-keyed modules may."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ValueEqualLinear) and other.in_features == self.in_features
+
+    def __hash__(self) -> int:
+        return hash(("ValueEqualLinear", self.in_features))
+
+
+class MixinWithValueEqualHead(tiekit.TPUMixin, nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4, bias=False)
+        self.head = ValueEqualLinear(4, 4, bias=False)
+
+
+def test_a_tie_made_in_a_module_that_hashes_by_value_is_planned(xla_device: torch.device) -> None:
+    """The module's registration was kept under a key equal to another module's, and went with that
+    one: the kept plan (no ties) was reused, and the tie made since was split by the next move."""
+    import gc
+
+    model = MixinWithValueEqualHead()
+    model.to(xla_device)
+    model.to("cpu")  # the plan (no ties) is kept
+    other = ValueEqualLinear(4, 4, bias=False)  # equal to model.head
+    model.head.weight = model.a.weight
+    del other
+    gc.collect()
+    model.to(xla_device)
+    model.to("cpu")
+    assert model.head.weight is model.a.weight and len(list(model.parameters())) == 1

@@ -68,9 +68,9 @@ class TPUMixin:
         Kept between conversions while nothing registered in this model changes (a parameter,
         buffer or submodule) and the model still holds the plan's ties (`tiekit.retie.still_holds`:
         a source given new memory with ``w.data = ...`` has no views any more); code that writes
-        into ``module._parameters`` directly, or makes tensors share memory with ``.data =``,
-        should call ``tie_plan`` only after ``tiekit.mixin.forget_plans()``
-        (`tiekit.mixin_plans`).
+        into ``module._parameters`` or ``module._modules`` directly (``ModuleList.insert``), or
+        makes tensors share memory with ``.data =``, should call ``tie_plan`` only after
+        ``tiekit.mixin.forget_plans()`` (`tiekit.mixin_plans`).
         """
         assert isinstance(self, nn.Module)
         finish_interrupted_load(self)  # a load left half done: its plan still knows the ties

@@ -16,9 +16,7 @@ see a view tie (a buffer ``w.t()``) that the plan made before the move knows.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -29,9 +27,10 @@ from tiekit.plan import TiePlan
 from tiekit.retie import still_holds
 
 _registrations = [0]  # bumped by torch's registration hooks, in every thread
-# The count at each module's latest registration (a walk of a model's modules asks it only
-# after a registration somewhere: a conversion registers nothing, it writes torch's slots).
-_registered: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+# Each module keeps the count at its latest registration in its __dict__, under this name (by
+# identity: a module class may hash and compare by value). A model's modules are asked only after
+# a registration somewhere: a conversion registers nothing, it writes torch's slots.
+_STAMP = "_tiekit_registered"
 _forgotten = [0]  # bumped by forget_plans
 _hooks_installed = threading.Lock()
 _hook_handles: list[Any] = []
@@ -49,8 +48,9 @@ class _Kept:
 
 
 def forget_plans() -> None:
-    """Invalidate every cached mixin plan: call it after writing into ``_parameters`` by hand,
-    and after ``.data =`` assignments that make tensors share memory.
+    """Invalidate every cached mixin plan: call it after writing into ``_parameters`` or
+    ``_modules`` by hand (torch's ``ModuleList.insert`` and ``Sequential.insert`` do), and after
+    ``.data =`` assignments that make tensors share memory.
 
     A cached plan is re-checked only for the ties it knows (`tiekit.retie.still_holds`, one
     look-up per tied name). Sharing made without a registration (``m.b.weight.data =
@@ -91,18 +91,13 @@ def confirm_kept_plan(model: nn.Module) -> None:
 
 def _count_registration(module: nn.Module, *_: Any) -> None:
     _registrations[0] += 1
-    # A module class with __eq__ and no __hash__ cannot be a key: its registrations are
-    # counted as every model's (`_latest_registration`).
-    with contextlib.suppress(TypeError):
-        _registered[module] = _registrations[0]
+    module.__dict__[_STAMP] = _registrations[0]
 
 
 def _latest_registration(module: nn.Module) -> int:
-    """The count at ``module``'s latest registration (0: none seen; an unhashable module: now)."""
-    try:
-        return _registered.get(module, 0)
-    except TypeError:
-        return _registrations[0]
+    """The count at ``module``'s latest registration (0: none seen)."""
+    stamp: int = module.__dict__.get(_STAMP, 0)
+    return stamp
 
 
 def _watch_registrations() -> None:

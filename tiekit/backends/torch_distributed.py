@@ -79,17 +79,21 @@ def local_ranks(rank: int, world: int, env: Mapping[str, str]) -> tuple[int, int
 def launched_rank(env: Mapping[str, str]) -> tuple[int, int] | None:
     """Local: (rank, world size) of this process when something else started the run's
     processes: the process group your script made (``init_process_group`` with several ranks),
-    else torchrun's or ``env://``'s ``RANK`` and ``WORLD_SIZE`` (``LOCAL_RANK`` may be missing: a
-    launcher that sets only those); None when nothing did, and `fit` starts the processes."""
+    else torchrun's ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``, or a launcher's ``RANK``,
+    ``WORLD_SIZE`` and ``MASTER_ADDR`` (``env://``'s); None when nothing did, and `fit` starts
+    the processes. `TiekitError` for a rank outside the world size."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         return dist.get_rank(), dist.get_world_size()
-    if "RANK" in env and "WORLD_SIZE" in env:
+    # torchrun sets LOCAL_RANK; a launcher of its own sets where rank 0 listens (env://).
+    if "RANK" in env and "WORLD_SIZE" in env and ("LOCAL_RANK" in env or "MASTER_ADDR" in env):
+        shown = f"RANK={env['RANK']!r} and WORLD_SIZE={env['WORLD_SIZE']!r} in the environment"
         try:
-            return int(env["RANK"]), int(env["WORLD_SIZE"])
+            rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
         except ValueError as exc:
-            raise TiekitError(
-                f"RANK={env['RANK']!r} and WORLD_SIZE={env['WORLD_SIZE']!r} in the environment must be numbers"
-            ) from exc
+            raise TiekitError(f"{shown} must be numbers") from exc
+        if not 0 <= rank < world:
+            raise TiekitError(f"{shown}: the rank must be at least 0 and less than the world size")
+        return rank, world
     return None
 
 
@@ -99,8 +103,11 @@ def join_process_group(rank: int, world: int, port: int | None) -> torch.device:
     is up already; waits for every process. A process spawned here (``port`` given) without
     ``OMP_NUM_THREADS`` uses its share of the host's cores for torch's threads."""
     # A process fit spawned (``port``) is rank ``rank`` of this host whatever LOCAL_RANK it
-    # inherited from the caller's environment (both replicas would take that GPU and core share).
+    # inherited from the caller's environment (both replicas would take that GPU and core share);
+    # its environment says so as torchrun's would, for code of yours that reads it.
     local_rank, local_world = local_ranks(rank, world, os.environ if port is None else {})
+    if port is not None:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     device, group_backend = process_device(local_rank, local_world, cuda_count)
     if device.type == "cuda":

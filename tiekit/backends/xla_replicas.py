@@ -63,7 +63,8 @@ def _ending_with_caller(caller: int, fn: Callable[..., object], ordinal: int, *a
     Otherwise, with nobody to collect its result, the replica trained on, wrote checkpoints and
     held the checkpoint folder's lock against the run started again in the caller's place; then
     it waited forever to hand its result back."""
-    if sys.platform.startswith("linux"):
+    # Under torchrun, torch_xla.launch runs fn in the caller itself: nothing to arrange.
+    if sys.platform.startswith("linux") and os.getpid() != caller:
         import ctypes
 
         pr_set_pdeathsig = 1  # <sys/prctl.h>

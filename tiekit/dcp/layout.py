@@ -80,10 +80,10 @@ def refuse_save_folder(path: PathLike) -> None:
     folder beside the marker): a plain DCP folder to DCP's reader, but of the de-duplicated state
     with tiekit's keys (the optimizer's too), which only the checkpoint's marker describes. Every
     reader (`load_sharded`, `convert`, `tiekit inspect` and `verify`) refuses it alike. Local."""
-    root = Path(os.path.abspath(path))  # "." inside the save folder has a name too
-    if root.name.startswith(SAVE_PREFIX) and root.is_dir() and holds_file(root.parent, MARKER_NAME):
-        parent = Path(path).parent if Path(path).name == root.name else root.parent
-        raise CheckpointError(f"{path}: a save folder inside a checkpoint; load its parent {parent}")
+    for root in (Path(os.path.abspath(path)), Path(os.path.realpath(path))):  # ".", and a link to it
+        if root.name.startswith(SAVE_PREFIX) and root.is_dir() and holds_file(root.parent, MARKER_NAME):
+            parent = Path(path).parent if Path(path).name == root.name else root.parent
+            raise CheckpointError(f"{path}: a save folder inside a checkpoint; load its parent {parent}")
 
 
 def lost_its_marker(path: PathLike) -> bool:

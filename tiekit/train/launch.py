@@ -179,6 +179,12 @@ def _processes(job: Job, requested: int | str) -> tuple[list[Outcome], nn.Module
     process when torchrun started it."""
     launched = launched_rank(os.environ)
     if launched is not None:  # torchrun, or your own group: this process is one rank
+        local_world = os.environ.get("LOCAL_WORLD_SIZE")
+        if isinstance(requested, int) and str(requested) not in (str(launched[1]), local_world):
+            raise TiekitError(
+                f"devices={requested}, but this run has {launched[1]} processes, started by torchrun or your "
+                f'script: pass devices="auto" or {launched[1]} (the number of processes)'
+            )
         created = not dist.is_initialized()
         try:
             outcomes = _here(job, _process_backend(job.strategy, *launched, None))
