@@ -360,6 +360,18 @@ def test_inspect_of_a_folder_of_sharded_checkpoints_names_them(
     assert code == 0 and "transformer.wte.weight" in out, out
 
 
+def refused_by_inspect_convert_and_verify(
+    capsys: pytest.CaptureFixture[str], factories: str, path: Path, said: str, out_dir: Path
+) -> None:
+    """Each command fails on ``path`` with ``said`` (verify as its failed check), writing nothing."""
+    for argv in (["inspect", str(path)], ["convert", str(path), str(out_dir / "out.safetensors")]):
+        code, _, err = run(capsys, *argv)
+        assert code == 1 and err.startswith(f"tiekit: error: {said}"), (argv, err)
+    code, out, _ = run(capsys, "verify", str(path), "--model", f"{factories}:tied")
+    assert code == 1 and f"FAIL  file: {said}" in out, out
+    assert not (out_dir / "out.safetensors").exists()
+
+
 def test_a_sharded_folder_without_its_marker_is_named_so_by_inspect_convert_and_verify(
     factories: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -370,12 +382,7 @@ def test_a_sharded_folder_without_its_marker_is_named_so_by_inspect_convert_and_
     said = f"{folder}: no tiekit-dcp.json (not a committed sharded checkpoint)"
     with pytest.raises(tiekit.CheckpointError, match=r"no tiekit-dcp\.json \(not a committed sharded checkpoint\)"):
         tiekit.load_sharded(gpt2(), folder)
-    for argv in (["inspect", str(folder)], ["convert", str(folder), str(tmp_path / "out.safetensors")]):
-        code, _, err = run(capsys, *argv)
-        assert code == 1 and err.startswith(f"tiekit: error: {said}"), (argv, err)
-    code, out, _ = run(capsys, "verify", str(folder), "--model", f"{factories}:tied")
-    assert code == 1 and f"FAIL  file: {said}" in out, out
-    assert not (tmp_path / "out.safetensors").exists()
+    refused_by_inspect_convert_and_verify(capsys, factories, folder, said, tmp_path)
 
 
 def test_a_save_folder_given_for_its_checkpoint_is_refused_by_inspect_convert_and_verify(
@@ -389,12 +396,7 @@ def test_a_save_folder_given_for_its_checkpoint_is_refused_by_inspect_convert_an
     said = f"{save}: a save folder inside a checkpoint; load its parent {tmp_path / 'ck'}"
     with pytest.raises(tiekit.CheckpointError, match=re.escape(said)):
         tiekit.load_sharded(gpt2(), save)
-    for argv in (["inspect", str(save)], ["convert", str(save), str(tmp_path / "out.safetensors")]):
-        code, _, err = run(capsys, *argv)
-        assert code == 1 and err.startswith(f"tiekit: error: {said}"), (argv, err)
-    code, out, _ = run(capsys, "verify", str(save), "--model", f"{factories}:tied")
-    assert code == 1 and f"FAIL  file: {said}" in out, out
-    assert not (tmp_path / "out.safetensors").exists()
+    refused_by_inspect_convert_and_verify(capsys, factories, save, said, tmp_path)
     link = tmp_path / "link"  # a link to the save folder, named otherwise: read as a plain DCP folder
     link.symlink_to(save)
     code, _, err = run(capsys, "inspect", str(link))
