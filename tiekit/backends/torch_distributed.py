@@ -99,9 +99,10 @@ def launched_rank(env: Mapping[str, str]) -> tuple[int, int] | None:
 
 def join_process_group(rank: int, world: int, port: int | None) -> torch.device:
     """Collective: this process's device, after joining the run's process group (under torchrun:
-    its store, see `collective_store_of_this_launch`; else ``tcp://127.0.0.1:<port>``) unless one
-    is up already; waits for every process. A process spawned here (``port`` given) without
-    ``OMP_NUM_THREADS`` uses its share of the host's cores for torch's threads."""
+    its store, see `collective_store_of_this_launch`; spawned by fit: the caller's
+    `rendezvous_store` on ``port``; else ``env://``) unless one is up already; waits for every
+    process. A process spawned here (``port`` given) without ``OMP_NUM_THREADS`` uses its share
+    of the host's cores for torch's threads."""
     # A process fit spawned (``port``) is rank ``rank`` of this host whatever LOCAL_RANK it
     # inherited from the caller's environment (both replicas would take that GPU and core share);
     # its environment says so as torchrun's would, for code of yours that reads it.
@@ -118,8 +119,9 @@ def join_process_group(rank: int, world: int, port: int | None) -> torch.device:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // (local_world or 1)))
     if dist.is_initialized():
         return device
-    if port is not None:
-        dist.init_process_group(group_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if port is not None:  # the caller's `rendezvous_store`
+        caller = TCPStore("127.0.0.1", port, is_master=False, timeout=default_pg_timeout)
+        dist.init_process_group(group_backend, store=caller, rank=rank, world_size=world)
     elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         store, witness = collective_store_of_this_launch(rank, default_pg_timeout)
         dist.init_process_group(group_backend, store=store, rank=rank, world_size=world)
@@ -333,8 +335,9 @@ def _collective_meet(key: str, timeout: float) -> None:
             arrived = store.add(key, 0)
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for a spawned run's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def rendezvous_store() -> TCPStore:
+    """A store on 127.0.0.1 for the processes `fit` spawns to meet in, on a port the system chose
+    and this process holds: keep it until they are done (they connect to ``store.port``). A
+    port found free and handed to rank 0 to listen on could be taken meanwhile (by another run
+    spawning its processes: seen in CI, "EADDRINUSE"). Local."""
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=default_pg_timeout)

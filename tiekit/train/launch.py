@@ -43,9 +43,9 @@ from tiekit.backends.torch_distributed import (
     TorchBackend,
     clear_dtensor_caches,
     collective_close_process_group,
-    free_port,
     join_process_group,
     launched_rank,
+    rendezvous_store,
 )
 from tiekit.backends.xla_replicas import XlaReplicaBackend, xla_launch
 from tiekit.backends.xla_spmd import SpmdBackend
@@ -211,7 +211,8 @@ def _processes(job: Job, requested: int | str) -> tuple[list[Outcome], nn.Module
         spawned = dataclasses.replace(job, result_dir=Path(folder))
         try:
             with _picklable(job.strategy), _generators_sent_by_value():
-                start_processes(_process_entry, args=(spawned, world, free_port()), nprocs=world, start_method="spawn")
+                store = rendezvous_store()  # held here until the processes are done
+                start_processes(_process_entry, args=(spawned, world, store.port), nprocs=world, start_method="spawn")
         # torch stopped the other processes when this one failed; it reads the failed one's error
         # file after that, and a file cut short (a full disk) fails to unpickle.
         except (ProcessException, pickle.UnpicklingError, EOFError) as exc:
