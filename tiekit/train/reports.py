@@ -123,9 +123,9 @@ def _described(error: dict[str, Any]) -> str:
 
 def failure(job: Job, world: int, exc: Exception) -> TiekitError:
     """The error `fit` raises when one of its ``world`` spawned replicas failed (``exc``: torch's
-    report, or the error reading it) and torch stopped the others: which replica, how (its error, the signal that
-    killed it), and the last checkpoint. A tiekit error of the replica keeps its class
-    (`CheckpointError`...).
+    report, or the error reading it) and torch stopped the others: which replica, how (its
+    error, the signal that killed it), and the last checkpoint. A tiekit error of the replica
+    keeps its class (`CheckpointError`...).
 
     The replica named is the first to report an error: once one fails, the others fail in the
     broken group ("Connection closed by peer"), and torch reports whichever exit it saw first.
