@@ -117,6 +117,8 @@ def test_prepare_tied_applies_declared_ties_and_refuses_bad_ones(cpu_accelerator
 
     with pytest.raises(tiekit.TieError, match=r"'lm_head\.missing'"):
         prepare_tied(accelerator, gpt2(), declared={"lm_head.missing": "transformer.wte.weight"})
+    with pytest.raises(tiekit.TieError, match=r"prepare_tied: on_error must be 'raise' or 'warn', not 'skip'"):
+        prepare_tied(accelerator, gpt2(), on_error="skip")  # type: ignore[arg-type]
 
 
 def test_prepare_tied_of_a_model_compiled_before_prepare(cpu_accelerator: accelerate.Accelerator) -> None:

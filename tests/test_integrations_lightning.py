@@ -158,8 +158,17 @@ def test_keep_ties_with_a_plan_made_before_fit_restores_a_view_the_module_lost(t
     assert is_view_of_transpose(model.embed_t, model.embed.weight)
     assert torch.equal(model.embed_t, model.embed.weight.detach().t())  # it followed every step
 
-    with pytest.raises(TypeError, match="declared ties to find_ties"):
+    with pytest.raises(tiekit.TiekitError, match="declared ties to find_ties"):
         KeepTies(plan=plan, declared={"head.weight": "embed.weight"})
+
+
+def test_keep_ties_refuses_bad_arguments_when_made() -> None:
+    """A misspelt on_error or a plan that is no TiePlan failed only at the Trainer's setup (or its
+    last check, after training), as torch's TypeError or a ValueError from deep inside."""
+    with pytest.raises(tiekit.TieError, match=r"KeepTies: on_error must be 'raise' or 'warn', not 'ignore'"):
+        KeepTies(on_error="ignore")  # type: ignore[arg-type]
+    with pytest.raises(tiekit.TiekitError, match=r"KeepTies: plan must be a tiekit.TiePlan \(.*\), not a dict"):
+        KeepTies(plan={"groups": []})  # type: ignore[arg-type]
 
 
 def test_checkpoint_io_writes_tied_safetensors_and_resumes_exactly(tmp_path: Path) -> None:
@@ -348,8 +357,14 @@ def test_checkpoint_io_round_trips_lightning_entries_and_refuses_pickle(tmp_path
         io.load_checkpoint(tmp_path / "y.ckpt")
     again = TiedCheckpointIO(allow_pickle=True).load_checkpoint(tmp_path / "y.ckpt")
     assert again["hyper_parameters"]["args"] == argparse.Namespace(lr=0.1)
-    with pytest.raises(TypeError, match="storage_options"):
+    with pytest.raises(tiekit.TiekitError, match="storage_options"):
         io.save_checkpoint(checkpoint, tmp_path / "z.ckpt", storage_options={"compress": True})
+    assert not (tmp_path / "z.ckpt").exists()
+    # A device string torch does not know was torch's RuntimeError; a number was a TypeError.
+    with pytest.raises(tiekit.TiekitError, match=r"map_location 'gpu' is not a device"):
+        io.load_checkpoint(tmp_path / "x.ckpt", map_location="gpu")
+    with pytest.raises(tiekit.TiekitError, match=r"map_location must be a device or a string, not 3"):
+        io.load_checkpoint(tmp_path / "x.ckpt", map_location=3)
 
 
 def test_checkpoint_io_reads_files_of_the_earlier_encoding(tmp_path: Path) -> None:

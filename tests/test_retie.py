@@ -183,6 +183,18 @@ def test_verify_rejects_unknown_on_error() -> None:
         tiekit.verify(model, find_ties(model), on_error="ignore")  # type: ignore[arg-type]
 
 
+def test_move_and_preserve_ties_refuse_unknown_on_error_before_anything_moves() -> None:
+    """The final verify named it, after the model was cast already."""
+    model = WeightSharingModule()
+    with pytest.raises(tiekit.TieError, match=r"tiekit.move: on_error must be 'raise' or 'warn', not 'ignore'"):
+        tiekit.move(model, torch.float64, on_error="ignore")  # type: ignore[arg-type]
+    assert model.layer_1.weight.dtype == torch.float32 and model.layer_3.weight is model.layer_1.weight
+    refused = pytest.raises(tiekit.TieError, match=r"tiekit.preserve_ties: on_error must be")
+    with refused, tiekit.preserve_ties(model, on_error="ignore"):  # type: ignore[arg-type]
+        model.double()
+    assert model.layer_1.weight.dtype == torch.float32
+
+
 # -- move --------------------------------------------------------------------------------
 
 

@@ -19,7 +19,7 @@ from tiekit.analyze import find_ties, reinterpreting_views
 from tiekit.errors import TieError, TieWarning
 from tiekit.mixin_plans import confirm_kept_plan
 from tiekit.plan import TiePlan
-from tiekit.retie import OnError, fitting_plan, retie, verify
+from tiekit.retie import OnError, checked_on_error, fitting_plan, retie, verify
 from tiekit.sharding.check import refuse_cast_after_first_forward
 
 
@@ -41,6 +41,7 @@ def move(
     only, as ``model.to(torch.bfloat16)`` does. With ``optimizer``, its param groups and state
     are re-bound, by name, to the moved parameters.
     """
+    checked_on_error(on_error, "tiekit.move")
     if isinstance(device, torch.dtype) and dtype is None:
         device, dtype = None, device  # move(model, torch.bfloat16), as nn.Module.to takes it
     if device is None and dtype is None:
@@ -244,6 +245,7 @@ def preserve_ties(
     ``load_state_dict(assign=True)``, third-party wrappers. When the block raises, the ties are
     restored as far as they can be (a conversion stopped half way) and the error goes on.
     """
+    checked_on_error(on_error, "tiekit.preserve_ties")
     plan = fitting_plan(model, _moving_plan(model, declared) if plan is None else _given_plan(model, plan))
     with retied_if_interrupted(model, plan), converting_once(model):
         yield plan

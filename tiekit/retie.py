@@ -229,13 +229,20 @@ class VerifyReport:
         return "\n".join(lines)
 
 
+def checked_on_error(on_error: object, where: str) -> OnError:
+    """``on_error`` if it is "raise" or "warn"; a `TieError` naming ``where`` otherwise. Checked
+    before anything moves: a misspelling found by the final check would come after the move."""
+    if on_error not in ("raise", "warn"):
+        raise TieError(f"{where}: on_error must be 'raise' or 'warn', not {on_error!r}")
+    return on_error
+
+
 def verify(model: nn.Module, plan: TiePlan, *, on_error: OnError = "raise") -> VerifyReport:
     """Check that every group of ``plan`` is one tensor again and the parameter count is the plan's.
 
     On failure raises `TieError` (``on_error="raise"``) or warns with `TieWarning` ("warn").
     """
-    if on_error not in ("raise", "warn"):
-        raise TieError(f"on_error must be 'raise' or 'warn', not {on_error!r}")
+    checked_on_error(on_error, "tiekit.verify")
     broken: list[str] = []
     for group in _a_plan(plan).groups:
         try:

@@ -19,7 +19,7 @@ from torch import nn
 
 from tiekit.analyze import find_ties
 from tiekit.moving import move, rebind_optimizer
-from tiekit.retie import OnError, retie, verify
+from tiekit.retie import OnError, checked_on_error, retie, verify
 
 __all__ = ["prepare_tied"]
 
@@ -42,6 +42,7 @@ def prepare_tied(
     hold yet. A tie that cannot be restored raises `tiekit.TieError` (a `tiekit.TieWarning`
     with ``on_error="warn"``).
     """
+    checked_on_error(on_error, "prepare_tied")
     # The plan names tensors as the model prepare hands back unwrapped: without a torch.compile
     # wrapper, whose names carry "_orig_mod." (a model compiled before prepare).
     base = accelerator.unwrap_model(model, keep_torch_compile=False)

@@ -15,7 +15,7 @@ from tiekit.analyze import find_ties
 from tiekit.errors import TieError, TiekitError, TieWarning
 from tiekit.integrations.lightning.checkpoint_io import TiedCheckpointIO
 from tiekit.plan import TieGroup, TiePlan
-from tiekit.retie import OnError, retie, verify
+from tiekit.retie import OnError, checked_on_error, retie, verify
 from tiekit.sharding.check import check_sharding
 from tiekit.sharding.wrap import fsdp2
 from tiekit.slots import has_module, resolve
@@ -44,9 +44,13 @@ class KeepTies(Callback):
     ) -> None:
         super().__init__()
         if plan is not None and declared:
-            raise TypeError("KeepTies: pass declared ties to find_ties when making the plan, not with plan=")
+            raise TiekitError("KeepTies: pass declared ties to find_ties when making the plan, not with plan=")
+        if plan is not None and not isinstance(plan, TiePlan):
+            raise TiekitError(
+                f"KeepTies: plan must be a tiekit.TiePlan (tiekit.find_ties), not a {type(plan).__name__}"
+            )
         self.declared = dict(declared) if declared else None
-        self.on_error: OnError = on_error
+        self.on_error: OnError = checked_on_error(on_error, "KeepTies")
         self.plan: TiePlan | None = plan
         self._given = plan
         self._wrapped: tuple[Any, dict[str, Callable[..., Any]]] | None = None

@@ -17,7 +17,7 @@ from tiekit.checkpoint.codec import Fallback, Reader
 from tiekit.checkpoint.loading import read_training_checkpoint
 from tiekit.checkpoint.saving import write_training_checkpoint
 from tiekit.devices import storage_key
-from tiekit.errors import CheckpointError
+from tiekit.errors import CheckpointError, TiekitError
 
 
 class TiedCheckpointIO(CheckpointIO):
@@ -45,7 +45,7 @@ class TiedCheckpointIO(CheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Write ``checkpoint`` to ``path`` atomically (a crash leaves the previous file)."""
         if storage_options is not None:
-            raise TypeError(
+            raise TiekitError(
                 "TiedCheckpointIO does not support storage_options; got "
                 f"{storage_options!r}. Use a CheckpointIO that understands them."
             )
@@ -84,9 +84,7 @@ class TiedCheckpointIO(CheckpointIO):
             raise CheckpointError(f"{target}: not written by TiedCheckpointIO (no checkpoint entries)")
         checkpoint = {"state_dict": state, **rest}
         if map_location is not None:
-            if not isinstance(map_location, str | torch.device):
-                raise TypeError(f"TiedCheckpointIO: map_location must be a device or a string, not {map_location!r}")
-            checkpoint = cast(dict[str, Any], _map_tensors(checkpoint, torch.device(map_location)))
+            checkpoint = cast(dict[str, Any], _map_tensors(checkpoint, _device(map_location)))
         return checkpoint
 
     def remove_checkpoint(self, path: Any) -> None:
@@ -94,6 +92,16 @@ class TiedCheckpointIO(CheckpointIO):
         target = _target(path)
         if target.is_file():
             target.unlink()
+
+
+def _device(map_location: Any) -> torch.device:
+    # Checked after the read, as before: a file that is no checkpoint is the first thing to name.
+    if isinstance(map_location, str | torch.device):
+        try:
+            return torch.device(map_location)
+        except RuntimeError as exc:
+            raise TiekitError(f"TiedCheckpointIO: map_location {map_location!r} is not a device ({exc})") from None
+    raise TiekitError(f"TiedCheckpointIO: map_location must be a device or a string, not {map_location!r}")
 
 
 def _target(path: Any) -> Path:
