@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -44,11 +45,41 @@ class Finished:
     output: str
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that nothing listens on right now, below the system's ephemeral
+    range and not handed out before by this process.
+
+    The launcher binds it later. A port the system chose for ``bind(("", 0))`` comes from the
+    ephemeral range, where the system also picks the ports of every other socket opened
+    meanwhile (the other test stack runs beside this one): one took a port a test had been given
+    before its rendezvous bound it (EADDRINUSE, fit's own copy of this race was seen in CI).
+    Below that range only an explicit choice like this one can collide.
+    """
+    high = _ephemeral_start()
+    low = 20000 if high > 21000 else 1024
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(low, high)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free TCP port in {low}-{high} after 200 tries")
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def base_env(**extra: str) -> dict[str, str]:

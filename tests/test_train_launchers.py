@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -27,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from launching import free_port
 from models import WeightSharingModule
 from packaging.version import Version
 from torch.utils.data import Dataset, TensorDataset
@@ -42,6 +42,7 @@ WORKER = """
 import functools, json, os, sys, time
 import torch, torch.nn.functional as F
 import tiekit
+from launching import free_port
 from models import WeightSharingModule
 from test_train_launchers import FailsAfter, dataset
 
@@ -150,12 +151,6 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _start(command: list[str], cwd: Path) -> subprocess.Popen[str]:
     """Start ``command`` in ``cwd`` as the leader of its own session (so it can be killed whole)."""
     pipe = subprocess.PIPE
@@ -203,7 +198,7 @@ def torchrun_one_node(tmp_path: Path, name: str, options: dict[str, Any], timeou
     script = tmp_path / "worker.py"
     script.write_text(textwrap.dedent(WORKER))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    command += ["--master-port", str(_free_port()), str(script), str(out), json.dumps(options)]
+    command += ["--master-port", str(free_port()), str(script), str(out), json.dumps(options)]
     process = _start(command, cwd=tmp_path)
     output = _wait([process], timeout)[0]
     if process.returncode != 0 and _aborted_at_exit(output, out):
@@ -332,7 +327,7 @@ def test_two_torchrun_nodes_with_different_checkpoints_refuse_to_resume(tmp_path
     script = tmp_path / "worker.py"
     script.write_text(textwrap.dedent(WORKER))
     options = {"checkpoint_dir": LOCAL, "checkpoint_every": 5, "resume": "last", "max_steps": 15}
-    port = _free_port()
+    port = free_port()
     processes = []
     for node_rank, node in enumerate(("nodeA", "nodeB")):
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1"]
@@ -459,6 +454,7 @@ import functools, json, os, signal, sys, time
 import torch, torch.distributed as dist, torch.nn.functional as F
 from torch.utils.data import Dataset
 import tiekit
+from launching import free_port
 from models import WeightSharingModule
 from test_train_launchers import dataset
 
@@ -539,6 +535,7 @@ import datetime, functools, json, os, signal, sys, time
 import torch, torch.distributed as dist, torch.nn.functional as F
 from torch.utils.data import Dataset
 import tiekit
+from launching import free_port
 from models import WeightSharingModule
 from test_train_launchers import dataset
 
@@ -603,7 +600,7 @@ def test_fit_rejoins_and_resumes_when_torchrun_restarts_the_workers(tmp_path: Pa
         out = tmp_path / how
         out.mkdir()
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1"]
-        command += ["--master-port", str(_free_port()), str(script), str(out), how]
+        command += ["--master-port", str(free_port()), str(script), str(out), how]
         process = _start(command, cwd=out)
         output = _wait([process], timeout=150)[0]
         assert process.returncode == 0, _launch_failure(output, out)
@@ -671,6 +668,7 @@ import json, os, sys, torch.nn.functional as F
 import tiekit
 from tiekit.collective import ranks
 from tiekit.backends.xla_spmd import SpmdBackend
+from launching import free_port
 from models import WeightSharingModule
 from test_train_launchers import dataset
 
