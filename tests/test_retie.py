@@ -454,6 +454,34 @@ def test_a_plan_retie_cannot_apply_is_refused_before_anything_converts(how: str)
     assert model.a.w.untyped_storage().data_ptr() == model.b.w.untyped_storage().data_ptr() == shared
 
 
+@pytest.mark.parametrize("how", ["move", "preserve_ties"])
+def test_a_plan_of_a_model_with_a_layer_less_is_refused_before_anything_converts(how: str) -> None:
+    """Every name and shape of the plan fits; only the parameter count after the move told, and the
+    model was cast by then, the error saying a tie had broken (probe)."""
+
+    def built(extra_layer: bool) -> nn.Sequential:
+        layers = [nn.Embedding(10, 4), nn.Linear(4, 4), nn.Linear(4, 10, bias=False)]
+        model = nn.Sequential(*layers, *([nn.Linear(4, 4)] if extra_layer else []))
+        model[2].weight = model[0].weight
+        return model
+
+    plan, model = tiekit.find_ties(built(extra_layer=False)), built(extra_layer=True)
+    refused = pytest.raises(TieError, match=r"the plan counts 3 distinct parameters, Sequential would hold 5 .*another")
+    with refused:
+        if how == "move":
+            tiekit.move(model, dtype=torch.float64, plan=plan)
+        else:
+            with tiekit.preserve_ties(model, plan=plan):
+                pytest.fail("the block ran")
+    assert model[0].weight.dtype == torch.float32 and model[2].weight is model[0].weight
+
+    # A tie a plain move broke counts as it will be once tied again: the plan still fits.
+    plan = tiekit.find_ties(model)
+    model[2].weight = nn.Parameter(model[0].weight.detach().clone())
+    tiekit.move(model, dtype=torch.float64, plan=plan)
+    assert model[2].weight is model[0].weight and model[0].weight.dtype == torch.float64
+
+
 def test_move_refuses_an_optimizer_that_is_not_one_before_moving() -> None:
     model = WeightSharingModule()
     with pytest.raises(TieError, match=r"optimizer must be a torch\.optim\.Optimizer, not a list"):

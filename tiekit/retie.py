@@ -62,8 +62,8 @@ def fitting_plan(model: nn.Module, plan: TiePlan) -> TiePlan:
     """``plan``, checked against ``model`` before anything changes: every name resolves, shapes
     and dtypes fit (the checks `retie` makes, without re-pointing anything), and no tensor views
     a source's memory in another dtype (a conversion would make it a copy); `TieError` if not."""
-    for group in _a_plan(plan).groups:
-        lasting_tie_changes(model, group)
+    changes = [change for group in _a_plan(plan).groups for change in lasting_tie_changes(model, group)]
+    _refuse_another_models_plan(model, plan, changes)
     for view in plan.reinterpreting:
         raise TieError(
             f"{view.name!r} ({view.dtype}) views the memory of {view.source!r} ({view.source_dtype}) in another "
@@ -72,6 +72,29 @@ def fitting_plan(model: nn.Module, plan: TiePlan) -> TiePlan:
             f"make {view.name!r} a copy (.clone()) or view {view.source!r} again after the conversion"
         )
     return plan
+
+
+def _refuse_another_models_plan(
+    model: nn.Module, plan: TiePlan, changes: list[tuple[nn.Module, str, torch.Tensor, TieMember]]
+) -> None:
+    """`TieError` unless ``model`` holds ``plan.unique_count`` parameters once ``changes`` are made.
+
+    Names and shapes can fit a plan of a model with a layer more or less; the parameter count
+    after the move then tells, but only after the conversion."""
+    if not changes:
+        after = count_parameters(model)
+    else:
+        holders: dict[str, object] = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
+        for _, _, source, member in changes:
+            if member.kind == "parameter" and member.name in holders:
+                holders[member.name] = source if member.view is None else object()  # a view: a Parameter of its own
+        after = len({id(holder) for holder in holders.values()})
+    if after != plan.unique_count:
+        raise TieError(
+            f"the plan counts {plan.unique_count} distinct parameters, {type(model).__name__} would hold {after} "
+            "once tied as the plan says: a plan of another model, or of this one before parameters were added or "
+            "removed. Nothing was converted; plan again with tiekit.find_ties(model)"
+        )
 
 
 def tie_changes(
