@@ -482,6 +482,30 @@ def test_a_plan_of_a_model_with_a_layer_less_is_refused_before_anything_converts
     assert model[2].weight is model[0].weight and model[0].weight.dtype == torch.float64
 
 
+def test_preserve_ties_refuses_to_drop_values_an_assign_load_gave_a_tied_name_apart() -> None:
+    """A state dict whose tied names hold different values, loaded with assign=True inside the block:
+    the tie was made again from the source, the other values dropped silently (probe; the mixin
+    refuses the same load). Equal values, as a tied model's own state dict has, load tied."""
+    state = gpt2().state_dict()
+    state["lm_head.weight"] = state["transformer.wte.weight"] + 1.0  # a fine-tuned head, saved apart
+
+    plain = gpt2()
+    plain.load_state_dict(state, assign=True)  # without tiekit: the tie is gone
+    assert plain.lm_head.weight is not plain.transformer.wte.weight
+
+    model = gpt2()
+    refused = pytest.raises(TieError, match=r"inside the block 'lm_head.weight' was given values of its own")
+    with refused, tiekit.preserve_ties(model):
+        model.load_state_dict(state, assign=True)
+    assert torch.equal(model.lm_head.weight, state["lm_head.weight"])  # nothing dropped: left as loaded
+    assert torch.equal(model.transformer.wte.weight, state["transformer.wte.weight"])
+
+    same = gpt2()
+    with tiekit.preserve_ties(same):
+        same.load_state_dict(gpt2().state_dict(), assign=True)
+    assert same.lm_head.weight is same.transformer.wte.weight
+
+
 def test_move_refuses_an_optimizer_that_is_not_one_before_moving() -> None:
     model = WeightSharingModule()
     with pytest.raises(TieError, match=r"optimizer must be a torch\.optim\.Optimizer, not a list"):

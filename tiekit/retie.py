@@ -290,3 +290,39 @@ def verify(model: nn.Module, plan: TiePlan, *, on_error: OnError = "raise") -> V
             raise TieError(report.message)
         warnings.warn(report.message, TieWarning, stacklevel=2)
     return report
+
+
+def tensor_difference(entry: torch.Tensor, expected: torch.Tensor) -> str:
+    """How ``entry`` differs from ``expected`` ("" if not): dtype, shape, device or value."""
+    for what, a, b in (("dtype", entry.dtype, expected.dtype), ("shape", tuple(entry.shape), tuple(expected.shape))):
+        if a != b:
+            return f"{what} {a} and {b}"
+    if entry.device != expected.device:
+        return f"device {entry.device} and {expected.device}"
+    if entry.is_meta:
+        return ""  # a meta entry has no values to differ
+    if hasattr(entry, "to_local") or hasattr(expected, "to_local"):
+        # DTensors (FSDP2): this rank's shards, compared where both are sharded alike; a
+        # comparison of the whole tensors would wait for the other ranks.
+        layouts = [(getattr(t, "device_mesh", None), getattr(t, "placements", None)) for t in (entry, expected)]
+        if layouts[0] != layouts[1]:
+            return "sharding"
+        entry, expected = entry.to_local(), expected.to_local()  # type: ignore[attr-defined]
+    if _same_elements(entry, expected):
+        return ""
+    # Compared as bytes: tied weights holding NaN are still equal.
+    entry_bytes, expected_bytes = (t.detach().cpu().reshape(-1).view(torch.uint8) for t in (entry, expected))
+    return "" if torch.equal(entry_bytes, expected_bytes) else "values"
+
+
+def _same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (of one dtype and shape) lie on the same memory, as the entries of a
+    tied tensor in ``model.state_dict()`` do: equal without reading them. (A wrapper subclass
+    reports a data pointer of 0 whatever it wraps: that says nothing.)"""
+    return (
+        devices.memory_visible(a)
+        and devices.memory_visible(b)
+        and a.data_ptr() != 0
+        and a.data_ptr() == b.data_ptr()
+        and a.stride() == b.stride()
+    )
