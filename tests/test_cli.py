@@ -208,6 +208,13 @@ def test_inspect_factory_builds_on_meta_and_falls_back_to_cpu(
     assert "transformer.wte.weight  parameter  96x32  float32  lm_head.weight" in out
 
 
+def test_inspect_model_given_a_model_object_says_it_takes_a_factory_name() -> None:
+    from tiekit.inspection import inspect_model
+
+    with pytest.raises(tiekit.TiekitError, match=r"'module:factory' string, not given as a GPT2LMHeadModel"):
+        inspect_model(gpt2())  # type: ignore[arg-type]  # a TypeError from re before
+
+
 def test_verify_exit_codes_for_ci(factories: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "model.safetensors"
     tiekit.save_model(gpt2(), path)

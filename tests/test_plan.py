@@ -105,6 +105,8 @@ def view_member(data: dict, name: str) -> dict:  # type: ignore[type-arg]
         (lambda d: d["groups"][0].update(uses=["abc"]), "tie group 'w': field 'uses' has an entry 'abc'"),
         # bool("false") is True.
         (lambda d: member(d, "wt").update(requires_grad="false"), "member 'wt': field 'requires_grad' is 'false'"),
+        # Named "in two tie groups ('w' and 'w')" before.
+        (lambda d: d["groups"][0]["members"].append(member(d, "wt")), "'wt' is listed twice in the tie group of 'w'"),
     ],
 )
 def test_impossible_plans_are_refused_naming_the_field(mutate, field: str) -> None:  # type: ignore[no-untyped-def]

@@ -177,6 +177,28 @@ def test_verify_message_uses_lightning_counts_and_lists_groups() -> None:
     assert tiekit.verify(model, plan).ok
 
 
+def test_verify_fails_a_plan_whose_source_has_another_shape() -> None:
+    """retie refused the plan, verify passed it (probe): a plan of another model."""
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight
+    data = tiekit.find_ties(model).to_dict()
+    data["groups"][0]["shape"] = [4, 10]
+    plan = tiekit.TiePlan.from_dict(data)
+    with pytest.raises(TieError, match=r"0.weight has shape \(10, 4\), the plan expects \(4, 10\)"):
+        tiekit.verify(model, plan)
+
+
+def test_rebind_optimizer_names_an_argument_of_the_wrong_type() -> None:
+    model = WeightSharingModule()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TieError, match=r"rebind_optimizer: optimizer must be a torch.optim.Optimizer, not a"):
+        tiekit.rebind_optimizer(model, model, {})  # type: ignore[arg-type]
+    with pytest.raises(TieError, match=r"rebind_optimizer: names maps id\(parameter\) to its name .*not a list"):
+        tiekit.rebind_optimizer(optimizer, model, ["layer_1.weight"])  # type: ignore[arg-type]
+    with pytest.raises(TieError, match=r"rebind_optimizer: expected a torch.nn.Module, got str"):
+        tiekit.rebind_optimizer(optimizer, "model", {})  # type: ignore[arg-type]
+
+
 def test_verify_rejects_unknown_on_error() -> None:
     model = WeightSharingModule()
     with pytest.raises(tiekit.TieError, match="on_error"):  # a ValueError before: tiekit's own errors only

@@ -347,6 +347,23 @@ def test_check_sharding_passes_a_model_without_fsdp() -> None:
     tiekit.check_sharding(model, tiekit.find_ties(model))
 
 
+def test_sharding_functions_name_an_argument_of_the_wrong_type() -> None:
+    """A str for the model, a dict for the plan, a device string for the mesh: AttributeErrors
+    from inside (torch's fully_shard for the mesh), naming nothing (probe)."""
+    model = gpt2()
+    with pytest.raises(tiekit.TieError, match=r"tiekit.check_sharding: expected a torch.nn.Module, got str"):
+        tiekit.check_sharding("model")  # type: ignore[arg-type]
+    with pytest.raises(tiekit.TieError, match=r"tiekit.check_sharding: plan must be a TiePlan .*not a dict"):
+        tiekit.check_sharding(model, {})  # type: ignore[arg-type]
+    with pytest.raises(tiekit.TieError, match=r"shard_units: expected a torch.nn.Module, got str"):
+        shard_units("model")  # type: ignore[arg-type]
+    with pytest.raises(tiekit.TieError, match=r"shard_units: plan must be a TiePlan .*not a dict"):
+        shard_units(model, plan={})  # type: ignore[arg-type]
+    with pytest.raises(tiekit.TiekitError, match=r"tiekit.shard: mesh must be a DeviceMesh .*not 'cpu'"):
+        tiekit.shard(model, mesh="cpu")
+    assert model.lm_head.weight is model.transformer.wte.weight  # nothing was wrapped
+
+
 def test_import_tiekit_does_not_load_fsdp() -> None:
     code = "import sys, tiekit; print('torch.distributed.fsdp' in sys.modules, callable(tiekit.shard))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)

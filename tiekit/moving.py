@@ -21,7 +21,7 @@ from tiekit.mixin_plans import confirm_kept_plan
 from tiekit.plan import TiePlan
 from tiekit.retie import OnError, checked_on_error, fitting_plan, retie, tensor_difference, tie_changes, verify
 from tiekit.sharding.check import refuse_cast_after_first_forward
-from tiekit.slots import resolve
+from tiekit.slots import checked_module, resolve
 
 
 def move(
@@ -201,6 +201,14 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, names: 
     under the parameter's first name keeps its place and state, the duplicate goes (an
     optimizer holding a parameter twice would step it twice, and cannot be saved).
     """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TieError(f"rebind_optimizer: optimizer must be a torch.optim.Optimizer, not a {type(optimizer).__name__}")
+    checked_module(model, "rebind_optimizer")
+    if not isinstance(names, Mapping):
+        raise TieError(
+            "rebind_optimizer: names maps id(parameter) to its name (taken before the move), "
+            f"not a {type(names).__name__}"
+        )
     current = dict(model.named_parameters(remove_duplicate=False))
     first_name = {id(p): name for name, p in model.named_parameters()}
     # Which old tensor keeps each new parameter: the one under its first name, else the first met.

@@ -149,6 +149,8 @@ class TiePlan:
         index: dict[str, TieGroup] = {}
         for group in self.groups:
             for name in group.names:
+                if name in index and index[name] is group:
+                    raise TieError(f"{name!r} is listed twice in the tie group of {group.source!r}")
                 if name in index:
                     raise TieError(f"{name!r} is in two tie groups ({index[name].source!r} and {group.source!r})")
                 index[name] = group
@@ -388,3 +390,13 @@ def _kind(value: Any, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
         raise ValueError(f"kind {value!r} is not one of {allowed}")
     return str(value)
+
+
+def checked_plan(plan: object, where: str = "") -> TiePlan:
+    """``plan`` if it is a `TiePlan`; `TieError` naming ``where`` (a function) otherwise."""
+    if not isinstance(plan, TiePlan):
+        raise TieError(
+            f"{where + ': ' if where else ''}plan must be a TiePlan (tiekit.find_ties(model), or TiePlan.from_json), "
+            f"not a {type(plan).__name__}"
+        )
+    return plan

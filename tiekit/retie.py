@@ -18,7 +18,7 @@ from torch import nn
 from tiekit import devices
 from tiekit.analyze import count_parameters
 from tiekit.errors import TieError, TieWarning
-from tiekit.plan import ReinterpretingView, TieGroup, TieMember, TiePlan
+from tiekit.plan import ReinterpretingView, TieGroup, TieMember, TiePlan, checked_plan
 from tiekit.slots import assign, resolve
 
 OnError = Literal["raise", "warn"]
@@ -51,11 +51,7 @@ def retie(model: nn.Module, plan: TiePlan, *, replacing: Collection[str] = ()) -
 
 
 def _a_plan(plan: object) -> TiePlan:
-    if not isinstance(plan, TiePlan):
-        raise TieError(
-            f"plan must be a TiePlan (tiekit.find_ties(model), or TiePlan.from_json), not a {type(plan).__name__}"
-        )
-    return plan
+    return checked_plan(plan)
 
 
 def fitting_plan(model: nn.Module, plan: TiePlan) -> TiePlan:
@@ -272,6 +268,9 @@ def verify(model: nn.Module, plan: TiePlan, *, on_error: OnError = "raise") -> V
             _, _, source, _ = resolve(model, group.source, "tie source")
         except TieError as exc:
             broken.append(str(exc))
+            continue
+        if tuple(source.shape) != group.shape:  # a plan of another model: its ties cannot be these
+            broken.append(f"{group.source} has shape {tuple(source.shape)}, the plan expects {group.shape}")
             continue
         for member in group.members[1:]:
             try:

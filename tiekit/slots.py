@@ -77,11 +77,17 @@ class Walk:
         return self.prefixes[i] + self.attrs[i]
 
 
+def checked_module(model: object, where: str = "") -> nn.Module:
+    """``model`` if it is an ``nn.Module``; `TieError` naming ``where`` (a function) otherwise."""
+    if not isinstance(model, nn.Module):
+        raise TieError(f"{where + ': ' if where else ''}expected a torch.nn.Module, got {type(model).__name__}")
+    return model
+
+
 def walk_slots(model: nn.Module, *, buffers: bool = True) -> Walk:
     """Every parameter (and buffer) slot of ``model`` in registration order, the order of
     ``named_modules(remove_duplicate=False)``; `TieError` on a cyclic or too deep module graph."""
-    if not isinstance(model, nn.Module):
-        raise TieError(f"expected a torch.nn.Module, got {type(model).__name__}")
+    checked_module(model)
     # One pre-order walk in registration order, the order of named_modules(remove_duplicate=False),
     # on an explicit stack: nested generators cost a frame switch per level for every module.
     walk = Walk()

@@ -87,6 +87,11 @@ def load_factory(spec: str) -> Callable[[], Any]:
 def build_model(spec: str, *, meta: bool = True) -> BuiltModel:
     """Call the factory named by ``spec``: on the meta device first (no weights allocated), on the
     CPU if that fails. Raises `FactoryError` if it cannot be built or is not an ``nn.Module``."""
+    if not isinstance(spec, str):
+        raise FactoryError(
+            f"a model is named by a 'module:factory' string, not given as a {type(spec).__name__} "
+            "(for a model you hold, tiekit.find_ties(model))"
+        )
     factory = load_factory(spec)
     note = ""
     if meta:

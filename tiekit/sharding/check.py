@@ -22,9 +22,9 @@ from torch import nn
 
 from tiekit.analyze import find_ties
 from tiekit.errors import TieError, TiekitError
-from tiekit.plan import TieGroup, TiePlan
+from tiekit.plan import TieGroup, TiePlan, checked_plan
 from tiekit.sharding.units import check_reads, within
-from tiekit.slots import resolve
+from tiekit.slots import checked_module, resolve
 
 NOT_SHARDED = "<not sharded by FSDP>"
 
@@ -138,6 +138,9 @@ def check_sharding(model: nn.Module, plan: TiePlan | None = None) -> None:
     unit (``F.linear(h, self.embed.weight)`` in the root while ``embed`` is a unit). A model
     without FSDP2 units passes. Local: each rank reads its own model and shards, nothing is communicated.
     """
+    checked_module(model, "tiekit.check_sharding")
+    if plan is not None:
+        checked_plan(plan, "tiekit.check_sharding")
     assignment = fsdp_assignment(model)
     if not assignment:
         return

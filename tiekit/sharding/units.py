@@ -16,8 +16,8 @@ from torch import nn
 
 from tiekit.analyze import find_ties
 from tiekit.errors import TieError, TiekitError
-from tiekit.plan import TieGroup, TiePlan
-from tiekit.slots import has_module, resolve
+from tiekit.plan import TieGroup, TiePlan, checked_plan
+from tiekit.slots import checked_module, has_module, resolve
 
 #: One entry of ``units``: a dotted name pattern ("transformer.h.*"), a module class, or a module.
 UnitSpec = str | type[nn.Module] | nn.Module
@@ -176,8 +176,8 @@ def shard_units(
     view of a parameter (FSDP replaces the parameter, so the view would stop following it).
     Local: needs no process group.
     """
-    tree = _Tree(model)
-    plan = find_ties(model) if plan is None else plan
+    tree = _Tree(checked_module(model, "shard_units"))
+    plan = find_ties(model) if plan is None else checked_plan(plan, "shard_units")
     chosen = {id(m): m for m in resolve_units(model, units, tree)}
     ties = _parameter_ties(model, plan)
     reads = _parameter_reads(tree, plan)

@@ -13,11 +13,12 @@ from torch import nn
 
 from tiekit.analyze import find_ties
 from tiekit.errors import TiekitError
-from tiekit.plan import TiePlan
+from tiekit.plan import TiePlan, checked_plan
 from tiekit.retie import retie
 from tiekit.sharding.check import check_sharding
 from tiekit.sharding.forward_writes import refuse_forward_writes
 from tiekit.sharding.units import UnitSpec, shard_units
+from tiekit.slots import checked_module
 
 
 def shard(
@@ -69,6 +70,13 @@ def shard(
     """
     import torch.distributed as dist
 
+    checked_module(model, "tiekit.shard")
+    if plan is not None:
+        checked_plan(plan, "tiekit.shard")
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TiekitError(f"tiekit.shard: mesh must be a DeviceMesh (init_device_mesh(...)), not {mesh!r}")
     FSDPModule, fully_shard = fsdp2()
     _refuse_pinning_without_an_accelerator(fully_shard_kwargs.get("offload_policy"))
     if mesh is None and not (dist.is_available() and dist.is_initialized()):
