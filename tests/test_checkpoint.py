@@ -346,6 +346,44 @@ def test_strict_false_reports_missing_and_unexpected(tmp_path: Path) -> None:
     assert torch.equal(model.layer_2.weight, before["layer_2.weight"][1])
 
 
+class Headless(nn.Module):
+    """WeightSharingModule without layer_3, the name its plan ties to layer_1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer_1 = nn.Linear(32, 10, bias=False)
+        self.layer_2 = nn.Linear(10, 32, bias=False)
+
+
+def test_a_tied_name_the_model_lacks_is_unexpected(tmp_path: Path) -> None:
+    """The file stores layer_3.weight once, under layer_1.weight, and its plan names it: a model
+    without layer_3 loaded it strictly with nothing unexpected (probe), where torch's
+    load_state_dict and the same file saved untied refuse it. So is a plan naming a key that is
+    not in the model (a hand-edited 'layer_3.wieght')."""
+    path = tmp_path / "tied.safetensors"
+    save_model(WeightSharingModule(), path)
+    model = Headless()
+    before = snapshot(model)
+    with pytest.raises(
+        CheckpointError, match=re.escape(f"{path}: does not match Headless: unexpected 'layer_3.weight'")
+    ):
+        load_model(model, path)
+    assert_unchanged(model, before)
+    result = load_model(model, path, strict=False)
+    assert (result.missing, result.unexpected, result.retied) == ((), ("layer_3.weight",), ())
+
+    header, data = header_of(path)
+    metadata = header["__metadata__"]
+    assert isinstance(metadata, dict)
+    metadata["tiekit.plan"] = metadata["tiekit.plan"].replace('"layer_3.weight"', '"layer_3.wieght"')
+    write_file(tmp_path / "typo.safetensors", header, data)
+    model = WeightSharingModule()
+    before = snapshot(model)
+    with pytest.raises(CheckpointError, match=re.escape("unexpected 'layer_3.wieght'")):
+        load_model(model, tmp_path / "typo.safetensors")
+    assert_unchanged(model, before)
+
+
 # -- bad input: CheckpointError naming the file and key, the model untouched ----------------
 
 

@@ -16,6 +16,7 @@ import torch
 from models import gpt2
 from safetensors.torch import save_file
 from safetensors.torch import save_model as st_save_model
+from torch import nn
 
 import tiekit
 from tiekit.cli import main
@@ -56,6 +57,10 @@ def needs_data():
 
 def not_a_model():
     return 42
+
+
+def embedding_alone():  # the model of the test's tied file without its head
+    return nn.Sequential(nn.Embedding(10, 4))
 
 
 def broken():
@@ -244,6 +249,23 @@ def test_verify_exit_codes_for_ci(factories: str, tmp_path: Path, capsys: pytest
     truncated.write_bytes(path.read_bytes()[:-100])
     code, out, _ = run(capsys, "verify", str(truncated), "--model", f"{factories}:tied")
     assert code == 1 and "FAIL  file:" in out and "truncated" in out
+
+
+def test_verify_fails_a_file_tying_a_name_the_model_lacks(
+    factories: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The file stores the head once, under the embedding, and its plan names it: verify into a
+    model without the head PASSED, saying "the file records no tie" (probe); the load is refused
+    (torch's load_state_dict calls it unexpected), for a file and a sharded folder."""
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight
+    tiekit.save_model(model, tmp_path / "tied.safetensors")
+    tiekit.save_sharded(model, tmp_path / "tied-sharded")
+    for path in ("tied.safetensors", "tied-sharded"):
+        code, out, _ = run(capsys, "verify", str(tmp_path / path), "--model", f"{factories}:embedding_alone")
+        assert code == 1, out
+        assert "FAIL  load: " in out and "does not match Sequential: unexpected '1.weight'" in out, out
+        assert "records no tie" not in out and out.splitlines()[-1] == "FAILED: 1 of 2 check(s)"
 
 
 def test_verify_fails_on_a_floating_dtype_the_load_casts(

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from launching import ROOT, base_env, describe, free_port, run_ok
+from models import assert_unchanged, snapshot
 from torch import nn
 
 import tiekit
@@ -318,6 +319,24 @@ def test_single_process_roundtrip_with_optimizer(tmp_path: Path) -> None:
     train_step(fresh, fresh_optimizer)
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_a_tied_name_the_model_lacks_refuses_the_load(tmp_path: Path) -> None:
+    """The checkpoint stores head.weight once, under embed.weight, and its plan names it: a model
+    without the head loaded it with nothing unexpected (probe); torch's load_state_dict refuses it."""
+
+    class Headless(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(300, 64)
+            self.mlp = nn.Linear(64, 64)
+
+    tiekit.save_sharded(Small(), tmp_path / "ck")
+    model = Headless()
+    before = snapshot(model)
+    with pytest.raises(tiekit.CheckpointError, match=r"save-\w+: does not match Headless: unexpected 'head.weight'$"):
+        tiekit.load_sharded(model, tmp_path / "ck")
+    assert_unchanged(model, before)
 
 
 def test_without_tiekit_a_plain_dcp_load_into_an_untied_model_keeps_it_untied(tmp_path: Path) -> None:

@@ -85,6 +85,7 @@ def stage(model: nn.Module, source: Source, *, strict: bool, device: torch.devic
     consumed = {key_of.get(n, (n, None))[0] for n in expected if n not in absent}
     consumed |= _equal_duplicates(expected, key_of, source)
     unexpected = [k for k in entries if k not in consumed]
+    unexpected += _planned_elsewhere(source.plan, slots, entries)
     if strict and (missing or unexpected):
         problems = [f"missing {name_list(missing)}"] if missing else []
         problems += [f"unexpected {name_list(unexpected)}"] if unexpected else []
@@ -103,6 +104,17 @@ def stage(model: nn.Module, source: Source, *, strict: bool, device: torch.devic
         except TieError as exc:
             raise CheckpointError(f"{where}: cannot re-tie {type(model).__name__}: {exc}") from exc
     return Staged(tuple(retie_groups), tuple(loads), anchor, tuple(missing), tuple(unexpected), device, dtype == "file")
+
+
+def _planned_elsewhere(plan: TiePlan | None, slots: Mapping[str, Any], entries: Mapping[str, Any]) -> list[str]:
+    """Names the file's plan ties that the model lacks: keys of the saved state dict too, stored
+    once under their group's source, so ``load_state_dict`` would call each unexpected. Ignored,
+    a strict load would accept a tied checkpoint of another model (a head the model lacks) or
+    a plan naming a key that is not there."""
+    if plan is None:
+        return []
+    names = (m.name for g in plan.groups for m in g.members)
+    return list(dict.fromkeys(n for n in names if n not in slots and n not in entries))
 
 
 def _untied_hint(model: nn.Module, missing: list[str], entries: Mapping[str, Any]) -> str:
