@@ -498,6 +498,45 @@ def test_a_file_saved_untied_loads_into_the_tied_model_when_its_copies_are_equal
     assert result.unexpected == () and result.missing == ()
 
 
+@pytest.mark.parametrize(
+    ("call", "said"),
+    [
+        (
+            lambda m, p: save_model(p, m),  # type: ignore[arg-type]
+            "tiekit.save_model(model, path): path must be a str or os.PathLike, not a model (WeightSharingModule): "
+            "are the arguments in this order?",
+        ),
+        (
+            lambda m, p: load_model(m, None),  # type: ignore[arg-type]
+            "tiekit.load_model(model, path): path must be a str or os.PathLike, not None",
+        ),
+        (
+            lambda m, p: load_model(str(p), m),  # type: ignore[arg-type]
+            "tiekit.load_model(model, path): path must be a str or os.PathLike, not a model (WeightSharingModule)",
+        ),
+        (
+            lambda m, p: save_model(m, p / "m.safetensors", metadata=["a"]),  # type: ignore[arg-type]
+            "metadata must map strings to strings (a dict), not a list",
+        ),
+        (
+            lambda m, p: inspect_file(m),  # type: ignore[arg-type]
+            "tiekit.inspection.inspect_file(path): path must be a str or os.PathLike, not a model",
+        ),
+    ],
+)
+def test_arguments_of_the_wrong_type_are_named(
+    tmp_path: Path, call: Callable[[nn.Module, Path], object], said: str
+) -> None:
+    """Swapped or None paths failed as pathlib's TypeError naming neither function nor argument,
+    a list of metadata as dict()'s ValueError (probe)."""
+    model = WeightSharingModule()
+    before = snapshot(model)
+    with pytest.raises(CheckpointError, match=re.escape(said)):
+        call(model, tmp_path)
+    assert_unchanged(model, before)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_missing_file_and_ambiguous_folder(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="no such checkpoint file"):
         load_model(WeightSharingModule(), tmp_path / "nope.safetensors")

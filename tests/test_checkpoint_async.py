@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import threading
 import time
 import warnings
@@ -192,6 +193,17 @@ def test_collective_save_checkpoint_refuses_to_run_in_the_background(tmp_path: P
     model, _ = trained()
     with pytest.raises(tiekit.TiekitError, match="blocking=False"):
         tiekit.collective_save_checkpoint(tmp_path / "c.safetensors", model=model, blocking=False)
+    assert not list(tmp_path.iterdir())
+
+
+def test_collective_saves_name_a_path_of_the_wrong_type(tmp_path: Path) -> None:
+    """Swapped arguments failed as os.fspath's TypeError (probe); now refused before any write."""
+    model, _ = trained()
+    with pytest.raises(tiekit.CheckpointError, match=re.escape("tiekit.collective_save_model(model, path): path")):
+        tiekit.collective_save_model(tmp_path / "m.safetensors", model)  # type: ignore[arg-type]
+    said = "tiekit.collective_save_checkpoint(path, model=...): path must be a str or os.PathLike, not a model"
+    with pytest.raises(tiekit.CheckpointError, match=re.escape(said)):
+        tiekit.collective_save_checkpoint(model, model=model)  # type: ignore[arg-type]
     assert not list(tmp_path.iterdir())
 
 

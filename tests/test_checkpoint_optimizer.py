@@ -142,6 +142,23 @@ def test_unstorable_extra_is_refused_before_writing(tmp_path: Path) -> None:
     )
 
 
+def test_an_optimizer_or_path_of_the_wrong_type_is_named(tmp_path: Path) -> None:
+    """A model given as the optimizer failed as AttributeError 'param_groups' (probe), and swapped
+    arguments as pathlib's TypeError."""
+    net = model(0)
+    with pytest.raises(CheckpointError, match=re.escape("optimizer must be a torch.optim.Optimizer or None, not a")):
+        save_checkpoint(tmp_path / "c.safetensors", model=net, optimizer=net)  # type: ignore[arg-type]
+    with pytest.raises(CheckpointError, match=re.escape("tiekit.save_checkpoint(path, model=...): path must be a")):
+        save_checkpoint(net, model=tmp_path / "c.safetensors")  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []
+    save_checkpoint(tmp_path / "c.safetensors", model=net)
+    target = model(1)
+    before = {n: p.detach().clone() for n, p in target.named_parameters()}
+    with pytest.raises(CheckpointError, match=re.escape("tiekit.load_checkpoint(path, model=..., optimizer=...)")):
+        load_checkpoint(tmp_path / "c.safetensors", model=target, optimizer=target)  # type: ignore[arg-type]
+    assert all(torch.equal(p, before[n]) for n, p in target.named_parameters())
+
+
 def extra_round_trip(folder: Path, extra: Any, sharded: bool) -> Any:
     """``extra`` saved with a model and loaded back, by `save_sharded` or `save_checkpoint`."""
     if sharded:

@@ -426,6 +426,31 @@ def test_unstorable_extra_is_refused_before_anything_is_written(tmp_path: Path) 
     assert not list((tmp_path / "ck").glob("save-*")) and not (tmp_path / "ck" / MARKER_NAME).exists()
 
 
+def test_arguments_of_the_wrong_type_are_named_before_anything_is_written(tmp_path: Path) -> None:
+    """Swapped paths failed as pathlib's TypeError, a model as the optimizer of save_sharded as an
+    AttributeError that left the new folder behind, convert's plan="x" as an AttributeError (probe)."""
+    model = Tied()
+    with pytest.raises(tiekit.CheckpointError, match=re.escape("tiekit.save_sharded(model, path): path must be")):
+        tiekit.save_sharded(tmp_path / "ck", model)  # type: ignore[arg-type]
+    said = "tiekit.save_sharded(model, path, optimizer=...): optimizer must be a torch.optim.Optimizer or None"
+    with pytest.raises(tiekit.CheckpointError, match=re.escape(said)):
+        tiekit.save_sharded(model, tmp_path / "ck", optimizer=model)  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []
+    tiekit.save_sharded(model, tmp_path / "ck")
+    with pytest.raises(tiekit.CheckpointError, match=re.escape("tiekit.load_sharded(model, path): path must be")):
+        tiekit.load_sharded(tmp_path / "ck", model)  # type: ignore[arg-type]
+    before, files = snapshot(model), files_of(tmp_path)
+    with pytest.raises(tiekit.CheckpointError, match=re.escape("tiekit.load_sharded(model, path, optimizer=...)")):
+        tiekit.load_sharded(model, tmp_path / "ck", optimizer=model)  # type: ignore[arg-type]
+    said = "tiekit.convert(src, dst, plan=...): plan must be a tiekit.TiePlan, a model or None, not a str"
+    with pytest.raises(tiekit.CheckpointError, match=re.escape(said)):
+        tiekit.convert(tmp_path / "ck", tmp_path / "out.safetensors", plan="x")  # type: ignore[arg-type]
+    with pytest.raises(tiekit.CheckpointError, match=re.escape("tiekit.convert(src, dst): dst must be")):
+        tiekit.convert(tmp_path / "ck", None)  # type: ignore[arg-type]
+    assert_unchanged(model, before)
+    assert files_of(tmp_path) == files
+
+
 def test_a_failure_alike_on_several_ranks_is_reported_once_with_their_ranks() -> None:
     # DCP hands every rank the failures of all ranks, so ranks that report what they caught
     # (fit's finish_saves, save_sharded) would repeat that text once per rank.

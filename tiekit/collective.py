@@ -201,8 +201,8 @@ def collective_save_model(
     `collective_gather`; other keywords as `tiekit.save_model`."""
     from tiekit.checkpoint import save_model
 
-    target = os.path.abspath(os.fspath(path))
-    refusal = _unknown_keywords(save_model, model, target, **kwargs)
+    target, refusal = _target(path, "collective_save_model(model, path)")
+    refusal = refusal or _unknown_keywords(save_model, model, target, **kwargs)
     collective_run(
         target,
         lambda: save_model(model, target, **kwargs),
@@ -219,8 +219,8 @@ def collective_save_checkpoint(
     once per distinct path, every writer's failure raised on every rank."""
     from tiekit.checkpoint import save_checkpoint
 
-    target = os.path.abspath(os.fspath(path))
-    refusal: Exception | None = _unknown_keywords(save_checkpoint, target, **kwargs)
+    target, refusal = _target(path, "collective_save_checkpoint(path, model=...)")
+    refusal = refusal or _unknown_keywords(save_checkpoint, target, **kwargs)
     if refusal is None and kwargs.get("blocking", True) is not True:
         refusal = TiekitError(
             "collective_save_checkpoint writes before it returns (it reports the writer's failure to every "
@@ -231,6 +231,18 @@ def collective_save_checkpoint(
         save_checkpoint(target, **kwargs)
 
     collective_run(target, write, what="collective_save_checkpoint", timeout=timeout, refusal=refusal)
+
+
+def _target(path: Any, call: str) -> tuple[str, Exception | None]:
+    """The absolute path the ranks compare, or this rank's refusal of a ``path`` that is none (a
+    model there: arguments swapped), raised on every rank before anything is written."""
+    from tiekit.checkpoint.arguments import check_path
+
+    try:
+        check_path(path, call)
+    except CheckpointError as exc:
+        return "", exc
+    return os.path.abspath(os.fspath(path)), None
 
 
 def _unknown_keywords(function: Callable[..., Any], *args: Any, **kwargs: Any) -> TypeError | None:

@@ -22,6 +22,7 @@ from tiekit.backends.torch_distributed import (
     dtensor_local_rows,
     is_dtensor,
 )
+from tiekit.checkpoint.arguments import check_model, check_optimizer, check_path
 from tiekit.checkpoint.codec import Reader, decode
 from tiekit.checkpoint.layout import CHECKPOINT_NAME, Device, PathLike
 from tiekit.checkpoint.optimizer import sharded_state_rows, stage_optimizer
@@ -72,6 +73,8 @@ def load_model(
     saves over after it was validated and before it is read is loaded again from the start.
     """
 
+    check_path(path, "load_model(model, path)")
+    check_model(model, "load_model(model, path)")
     model = unwrap(model)  # the names a DDP or torch.compile wrapper prefixes are its module's
 
     def load() -> LoadResult:
@@ -231,6 +234,9 @@ def read_training_checkpoint(
     readers: Mapping[str, Reader] | None = None,
 ) -> dict[str, Any]:
     """`load_checkpoint`, with ``readers`` for the markers a save's codec fallback wrote."""
+    check_path(path, "load_checkpoint(path, model=...)")
+    check_model(model, "load_checkpoint(path, model=...)")
+    check_optimizer(optimizer, "load_checkpoint(path, model=..., optimizer=...)")
     model = unwrap(model)  # the names a DDP or torch.compile wrapper prefixes are its module's
     return reading_again(lambda: _read_training_checkpoint(path, model, optimizer, dtype, readers))
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from tiekit.backends.torch_distributed import is_dtensor
+from tiekit.checkpoint.arguments import check_model, check_optimizer, check_path
 from tiekit.checkpoint.codec import Fallback
 from tiekit.checkpoint.contents import encode_training_state, header_metadata, host_tensors, saving_plan, unique_tensors
 from tiekit.checkpoint.deferred import DeferredCopies, deferrable_storages, into_image
@@ -60,6 +61,8 @@ def save_model(
     for first, so this save is the one left in the file (its failure, if nothing waited for it,
     is a ``RuntimeWarning`` here).
     """
+    check_path(path, "save_model(model, path)")
+    check_model(model, "save_model(model, path)")
     target = target_path(path, WEIGHTS_NAME)
     limit = None if max_shard_size is None else parse_size(max_shard_size)
     model = unwrap(model)  # a DDP or torch.compile wrapper's names would prefix every key
@@ -196,6 +199,9 @@ def stage_training_checkpoint(
 ) -> tuple[Path, dict[str, torch.Tensor], dict[str, str]]:
     """Where a training checkpoint goes, its tensors (the model's and optimizer's own, wherever
     they live) and its header."""
+    check_path(path, "save_checkpoint(path, model=...)")
+    check_model(model, "save_checkpoint(path, model=...)")
+    check_optimizer(optimizer, "save_checkpoint(path, model=..., optimizer=...)")
     target = target_path(path, CHECKPOINT_NAME)
     values = {"step": (_step_number(step, target), "extra/step"), "extra": (extra, "extra/value")}
     model = unwrap(model)

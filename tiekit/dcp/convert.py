@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from tiekit.analyze import dtype_name
+from tiekit.checkpoint.arguments import check_path
 from tiekit.checkpoint.files import removed_on_failure
 from tiekit.checkpoint.layout import INDEX_SUFFIX, WEIGHTS_NAME, PathLike, parse_size
 from tiekit.dcp.convert_plan import recorded_plan
@@ -118,6 +119,13 @@ def convert_silently(
     src: PathLike, dst: PathLike, *, plan: TiePlan | nn.Module | None = None, max_shard_size: int | str | None = None
 ) -> ConvertResult:
     """`convert`, without its warning about what it left out (the CLI prints that itself)."""
+    check_path(src, "convert(src, dst)", "src")
+    check_path(dst, "convert(src, dst)", "dst")
+    if plan is not None and not isinstance(plan, TiePlan | nn.Module):
+        raise CheckpointError(
+            "tiekit.convert(src, dst, plan=...): plan must be a tiekit.TiePlan, a model or None, not a "
+            + type(plan).__name__
+        )
     for what, path in (("source", src), ("destination", dst)):
         if os.fspath(path) == "":
             raise CheckpointError(f"convert: the {what} is an empty path; give a file or folder")

@@ -22,6 +22,7 @@ from torch import nn
 
 from tiekit import devices
 from tiekit.backends.torch_distributed import is_dtensor
+from tiekit.checkpoint.arguments import check_model, check_optimizer, check_path
 from tiekit.checkpoint.codec import decode
 from tiekit.checkpoint.layout import PathLike, name_list
 from tiekit.checkpoint.loading import LoadResult
@@ -96,6 +97,8 @@ def load_sharded(
     ``READ_ATTEMPTS`` times, `tiekit.checkpoint.reads`), rather than failing on the old save's
     removed files.
     """
+    check_path(path, "load_sharded(model, path)")
+    check_model(model, "load_sharded(model, path)")
     root = Path(os.path.abspath(os.fspath(path)))
     needed = process_group_needed(ranks(), distributed(), "load_sharded", root, "The model is untouched")
     if needed is not None:
@@ -166,6 +169,8 @@ def _read(inner: nn.Module, root: Path, optimizer: torch.optim.Optimizer | None,
         reading.append(committed_save_id(root))
         marker = read_marker(root)
         reading[0] = marker.save_id
+        # Here, not first: a failure before the save read is known would be taken for a save replaced under the load.
+        check_optimizer(optimizer, "load_sharded(model, path, optimizer=...)")
         metadata = save_metadata(marker)
         source = as_source(marker, metadata)
         try:

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from tiekit.agreement import description, digest, disagreement
+from tiekit.checkpoint.arguments import check_model, check_optimizer, check_path
 from tiekit.checkpoint.deferred import DeferredCopies, deferrable_storages
 from tiekit.checkpoint.handle import SaveHandle, after_earlier_saves, register_pending
 from tiekit.checkpoint.layout import PathLike
@@ -106,6 +107,8 @@ def save_sharded_staged(
     saves with the returned staging write it from there without a copy."""
     from tiekit.dcp.writer import DurableWriter  # DCP's file system: loaded by the first save, not by import
 
+    check_path(path, "save_sharded(model, path)")
+    check_model(model, "save_sharded(model, path)")
     root = Path(os.path.abspath(os.fspath(path)))
     needed = process_group_needed(ranks(), distributed(), "save_sharded", root)
     if needed is not None:
@@ -244,10 +247,11 @@ def _prepare(
     error: Exception | None = None
     made = False
     try:
+        check_optimizer(optimizer, "save_sharded(model, path, optimizer=...)")
+        state = save_state(model, optimizer, extra)  # first: what cannot be stored leaves no folder behind
         if rank() == 0:
             made = not root.exists()
             root.mkdir(parents=True, exist_ok=True)
-        state = save_state(model, optimizer, extra)
         if xla_spmd(state.tensors.values()):
             from tiekit.backends.xla_spmd import spmd_settle
 

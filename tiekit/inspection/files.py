@@ -13,6 +13,7 @@ from typing import Any
 
 from tiekit.analyze import dtype_name
 from tiekit.checkpoint import PLAN_KEY, SAVE_ID_KEY, STATE_KEY, open_source
+from tiekit.checkpoint.arguments import check_path
 from tiekit.errors import CheckpointError
 from tiekit.inspection.text import group_table, shorten, size_text, tied_bytes
 from tiekit.plan import TiePlan
@@ -163,6 +164,7 @@ def inspect_file(path: str | os.PathLike[str], *, check_values: bool = False) ->
     """
     from tiekit.dcp.layout import is_plain_dcp_folder, is_sharded_checkpoint, lost_its_marker, refuse_save_folder
 
+    check_path(path, "inspection.inspect_file(path)")
     refuse_save_folder(path)  # a plain DCP folder to DCP, but read through its checkpoint's marker only
     # A save_sharded folder: its marker and DCP's metadata (without its marker, named as missing).
     if is_sharded_checkpoint(path) or lost_its_marker(path):
