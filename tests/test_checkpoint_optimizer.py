@@ -142,6 +142,32 @@ def test_unstorable_extra_is_refused_before_writing(tmp_path: Path) -> None:
     )
 
 
+def test_extra_without_data_not_dense_or_holding_itself_is_refused_naming_its_key(tmp_path: Path) -> None:
+    """A meta tensor failed as NotImplementedError, a sparse one as RuntimeError, a list holding
+    itself as RecursionError, each from deep inside (probe)."""
+    cycle: list[Any] = [1, {"a": []}]
+    cycle[1]["a"].append(cycle)
+    deep: list[Any] = []
+    inner = deep
+    for _ in range(10_000):
+        inner.append([])
+        inner = inner[0]
+    for extra, said in [
+        ({"t": torch.ones(2, device="meta")}, "cannot store 'extra/value/t': a tensor on the meta device"),
+        ({"t": torch.eye(2).to_sparse()}, "cannot store 'extra/value/t': a torch.sparse_coo tensor"),
+        (cycle, "cannot store 'extra/value/1/a/0': it is 'extra/value', which holds it (a cycle)"),
+        (deep, "cannot store 'extra/value': its lists, tuples and dicts nest too deeply"),
+    ]:
+        with pytest.raises(CheckpointError, match=re.escape(said)):
+            save_checkpoint(tmp_path / "c.safetensors", model=model(0), extra=extra)
+        with pytest.raises(CheckpointError, match=re.escape(said)):
+            tiekit.save_sharded(model(0), tmp_path / "ck", extra=extra)
+        assert list(tmp_path.iterdir()) == []  # no file, and no folder for the sharded save
+    shared = [1, 2]  # one list twice is no cycle
+    save_checkpoint(tmp_path / "c.safetensors", model=model(0), extra={"a": [shared, shared]})
+    assert load_checkpoint(tmp_path / "c.safetensors", model=model(1))["extra"] == {"a": [[1, 2], [1, 2]]}
+
+
 def test_an_optimizer_or_path_of_the_wrong_type_is_named(tmp_path: Path) -> None:
     """A model given as the optimizer failed as AttributeError 'param_groups' (probe), and swapped
     arguments as pathlib's TypeError."""

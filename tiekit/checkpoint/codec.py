@@ -32,7 +32,19 @@ _PLAIN = frozenset({int, float, str, bool, type(None)})
 def encode(value: Any, key: str, tensors: dict[str, torch.Tensor], *, fallback: Fallback | None = None) -> Any:
     """JSON for ``value``, its tensors moved into ``tensors`` under keys derived from ``key``;
     ``fallback`` stores what the codec cannot (else `CheckpointError` naming ``key``)."""
+    try:
+        return _encode(value, key, tensors, fallback, {})
+    except RecursionError:
+        raise CheckpointError(f"cannot store {key!r}: its lists, tuples and dicts nest too deeply") from None
+
+
+def _encode(
+    value: Any, key: str, tensors: dict[str, torch.Tensor], fallback: Fallback | None, inside: dict[int, str]
+) -> Any:
+    """`encode`; ``inside``: the key of each container being encoded around ``value``, by id (a
+    container holding itself would recurse until Python's limit)."""
     if isinstance(value, torch.Tensor):
+        _refuse_unstorable(value, key)
         stored, n = key, 1
         while stored in tensors:  # {"a/b": x, "a": {"b": y}} derive one key twice: y goes under "a/b#2"
             n += 1
@@ -43,29 +55,56 @@ def encode(value: Any, key: str, tensors: dict[str, torch.Tensor], *, fallback: 
         return value
     if isinstance(value, list | tuple) and _PLAIN.issuperset(map(type, value)):  # in C: 10x a generator's speed
         return {"__tuple__": list(value)} if isinstance(value, tuple) else list(value)
-    if isinstance(value, tuple):
-        return {"__tuple__": [encode(v, f"{key}/{i}", tensors, fallback=fallback) for i, v in enumerate(value)]}
-    if isinstance(value, list):
-        return [encode(v, f"{key}/{i}", tensors, fallback=fallback) for i, v in enumerate(value)]
+    if isinstance(value, list | tuple | dict):
+        if id(value) in inside:
+            raise CheckpointError(f"cannot store {key!r}: it is {inside[id(value)]!r}, which holds it (a cycle)")
+        inside[id(value)] = key
+        try:
+            return _container(value, key, tensors, fallback, inside)
+        finally:
+            del inside[id(value)]
     if isinstance(value, torch.dtype):
         return {"__dtype__": str(value).removeprefix("torch.")}
     if isinstance(value, torch.device):
         return {"__device__": str(value)}
-    if isinstance(value, dict):
-        if all(isinstance(k, str) for k in value) and not _MARKERS & set(value):
-            return {k: encode(v, f"{key}/{k}", tensors, fallback=fallback) for k, v in value.items()}
-        items = [
-            [encode(k, f"{key}/<key {i}>", tensors, fallback=fallback),
-             encode(v, f"{key}/<value {i}>", tensors, fallback=fallback)]
-            for i, (k, v) in enumerate(value.items())
-        ]  # fmt: skip
-        return {"__items__": items}
     if fallback is not None:
         return fallback(value, key, tensors)
     raise CheckpointError(
         f"cannot store {key!r}: a {type(value).__name__} (tiekit stores tensors, numbers, strings, None, dtypes, "
         "devices, and lists, tuples and dicts of these; it never pickles)"
     )
+
+
+def _container(
+    value: list[Any] | tuple[Any, ...] | dict[Any, Any],
+    key: str,
+    tensors: dict[str, torch.Tensor],
+    fallback: Fallback | None,
+    inside: dict[int, str],
+) -> Any:
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode(v, f"{key}/{i}", tensors, fallback, inside) for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return [_encode(v, f"{key}/{i}", tensors, fallback, inside) for i, v in enumerate(value)]
+    if all(isinstance(k, str) for k in value) and not _MARKERS & set(value):
+        return {k: _encode(v, f"{key}/{k}", tensors, fallback, inside) for k, v in value.items()}
+    items = [
+        [_encode(k, f"{key}/<key {i}>", tensors, fallback, inside),
+         _encode(v, f"{key}/<value {i}>", tensors, fallback, inside)]
+        for i, (k, v) in enumerate(value.items())
+    ]  # fmt: skip
+    return {"__items__": items}
+
+
+def _refuse_unstorable(tensor: torch.Tensor, key: str) -> None:
+    """`CheckpointError` naming ``key`` for a tensor no checkpoint can hold: no data (meta), or not
+    dense (sparse), which failed later as torch's own error deep inside the copy to the host."""
+    if tensor.is_meta:
+        raise CheckpointError(f"cannot store {key!r}: a tensor on the meta device (it has no data)")
+    if tensor.layout != torch.strided:
+        raise CheckpointError(
+            f"cannot store {key!r}: a {tensor.layout} tensor (checkpoints store dense tensors: .to_dense() it)"
+        )
 
 
 def decode(
