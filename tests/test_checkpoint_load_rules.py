@@ -93,6 +93,11 @@ def test_bad_dtype_policy_and_bad_device_are_checkpoint_errors(tmp_path: Path) -
         load_model(model, tmp_path / "m.safetensors", dtype="bfloat16")  # type: ignore[arg-type]
     with pytest.raises(CheckpointError, match=r"m\.safetensors: cannot load onto device 'bogus'"):
         load_model(model, tmp_path / "m.safetensors", device="bogus")
+    # A device torch knows that this machine lacks failed as torch's RuntimeError at the first read (probe).
+    absent = f"cuda:{torch.cuda.device_count()}"
+    for device in (absent, torch.device(absent).index):
+        with pytest.raises(CheckpointError, match=rf"m\.safetensors: cannot load onto device {device!r}: \w"):
+            load_model(model, tmp_path / "m.safetensors", device=device)
     assert_unchanged(model, before)
 
 

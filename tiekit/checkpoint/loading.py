@@ -87,10 +87,17 @@ def load_model(
 
 
 def _device(device: Device, where: str) -> torch.device | None:
+    """``device`` resolved, and checked usable here: "cuda" (or an int) names a device without
+    one, which failed only at the first tensor read onto it, as torch's own error."""
     try:
-        return devices.resolve_device(device)
-    except (RuntimeError, ValueError, TypeError) as exc:
-        raise CheckpointError(f"{where}: cannot load onto device {device!r}: {exc}") from exc
+        resolved = devices.resolve_device(device)
+        if resolved is not None:
+            torch.empty(0, device=resolved)  # no bytes: initializes the device, or says why it cannot
+    except (RuntimeError, ValueError, TypeError, AssertionError) as exc:
+        # Its first sentence: torch's may go on to list every backend.
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(". ")[0]
+        raise CheckpointError(f"{where}: cannot load onto device {device!r}: {reason}") from exc
+    return resolved
 
 
 def _commit(model: nn.Module, source: Source, staged: Staged) -> None:
