@@ -451,6 +451,30 @@ def test_damaged_files_raise_and_leave_the_model_unchanged(tmp_path: Path, corru
         assert_unchanged(model, before)
 
 
+def test_a_plan_tying_a_stored_key_of_another_shape_is_named_damaged(tmp_path: Path) -> None:
+    """A hand-edited plan tying layer_2.weight (32x10, stored) to layer_1.weight (10x32) was
+    reported as the two keys' "different values, but the model ties them" (the model does not),
+    and inspect_file accepted the file (probe)."""
+    path = tmp_path / "m.safetensors"
+    save_model(WeightSharingModule(), path)
+    header, data = header_of(path)
+    metadata = header["__metadata__"]
+    assert isinstance(metadata, dict)
+    metadata["tiekit.plan"] = metadata["tiekit.plan"].replace('"layer_3.weight"', '"layer_2.weight"')
+    write_file(path, header, data)
+    said = (
+        f"{path}: the tie metadata ties 'layer_2.weight' to 'layer_1.weight' ((10, 32) float32), but the "
+        "checkpoint stores 'layer_2.weight' as (32, 10) float32: a tensor cannot be both; the plan is damaged"
+    )
+    model = WeightSharingModule()
+    before = snapshot(model)
+    with pytest.raises(CheckpointError, match=re.escape(said)):
+        load_model(model, path)
+    assert_unchanged(model, before)
+    with pytest.raises(CheckpointError, match=re.escape(said)):
+        inspect_file(path)
+
+
 class Wider(nn.Module):
     def __init__(self, dtype: torch.dtype = torch.float32, out: int = 32) -> None:
         super().__init__()

@@ -388,6 +388,16 @@ def test_a_plan_naming_a_key_that_is_not_stored(saved: Path) -> None:
     refused(saved, r"key 'plan' names 'ghost\.weight' \(source of head\.weight\), which the checkpoint does not")
 
 
+def test_a_plan_tying_a_stored_key_of_another_shape_is_named_damaged(saved: Path) -> None:
+    """It was reported as the two keys' "different values, but the model ties them" (probe)."""
+    edit_marker(saved, lambda m: m["plan"]["groups"][0]["members"][1].update(name="mlp.weight"))
+    said = (
+        "tiekit-dcp.json: key 'plan' ties 'mlp.weight' to 'embed.weight' ((50, 16) float32), but the checkpoint "
+        "stores 'mlp.weight' as (16, 16) float32: a tensor cannot be both; the plan is damaged"
+    )
+    refused(saved, re.escape(said))
+
+
 def test_a_model_whose_ties_disagree_with_the_checkpoint(tmp_path: Path) -> None:
     untied = Tied()
     untied.head.weight = nn.Parameter(untied.embed.weight.detach() * 2)  # stored as two tensors

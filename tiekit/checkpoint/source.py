@@ -197,6 +197,7 @@ def _with_plan(
                     f"{where}: the tie metadata says key {group.source!r} is {group.shape} {group.dtype} "
                     f"but the file stores {entry.shape} {dtype_name(entry.dtype)}"
                 )
+        refuse_members_stored_otherwise(plan, {k: e for k, (_, e) in entries.items()}, f"{where}: the tie metadata")
         return Source(where, entries, metadata, plan, "tiekit", side, files)
     # safetensors.torch.save_model records each dropped duplicate as {removed: kept}.
     pairs: dict[str, list[str]] = {}
@@ -216,6 +217,24 @@ def _with_plan(
         for kept, removed in pairs.items()
     )
     return Source(where, entries, metadata, TiePlan(groups, len(entries), len(entries)), "safetensors", side, files)
+
+
+def refuse_members_stored_otherwise(plan: TiePlan, entries: Mapping[str, TensorEntry], said: str) -> None:
+    """`CheckpointError` for a tied name the checkpoint also stores under its own key, in another
+    shape or dtype than its group's: one tensor cannot be both, so the plan is damaged (left to the
+    load, it was reported as the two keys' "different values", as if the model tied them).
+    ``said`` opens the message: who says so."""
+    for group in plan.groups:
+        for member in group.members[1:]:
+            entry = entries.get(member.name)
+            if entry is None or member.view is not None:
+                continue  # not stored apart, or a view (its own shape): the load compares its values
+            if (entry.shape, dtype_name(entry.dtype)) != (group.shape, group.dtype):
+                raise CheckpointError(
+                    f"{said} ties {member.name!r} to {group.source!r} ({group.shape} {group.dtype}), but the "
+                    f"checkpoint stores {member.name!r} as {entry.shape} {dtype_name(entry.dtype)}: a tensor "
+                    "cannot be both; the plan is damaged"
+                )
 
 
 def training_record(source: Source) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tiekit.analyze import dtype_name
-from tiekit.checkpoint.source import Source
+from tiekit.checkpoint.source import Source, refuse_members_stored_otherwise
 from tiekit.dcp.damage import damaged_record
 from tiekit.dcp.layout import DCP_METADATA, MARKER_NAME, Marker, check_files, file_ends
 from tiekit.dcp.metadata_pickle import metadata_reader, read_dcp_metadata
@@ -126,6 +126,10 @@ def as_source(marker: Marker, metadata: Any) -> Source:
                 f"{marker.where}: key 'plan' says {group.source!r} is {group.shape} {group.dtype}, "
                 f"the checkpoint stores {shape} {dtype_text}"
             )
+    if marker.plan is not None:
+        refuse_members_stored_otherwise(
+            marker.plan, {k: e for k, (_, e) in entries.items()}, f"{marker.where}: key 'plan'"
+        )
     reader = functools.partial(_read_whole, marker.folder, metadata)
     return Source(os.fspath(marker.folder), entries, {}, marker.plan, "tiekit", side, reader=reader)
 
