@@ -398,6 +398,14 @@ def test_a_plan_tying_a_stored_key_of_another_shape_is_named_damaged(saved: Path
     refused(saved, re.escape(said))
 
 
+def test_a_marker_without_its_version_is_named_damaged(saved: Path) -> None:
+    """It said "format version None is newer than this tiekit reads; upgrade tiekit" (probe)."""
+    edit_marker(saved, lambda m: m.pop("version"))
+    refused(saved, r"tiekit-dcp\.json: damaged marker: key 'version' is missing$")
+    edit_marker(saved, lambda m: m.update(version="1"))
+    refused(saved, r"tiekit-dcp\.json: damaged marker: key 'version' is '1', not a format version$")
+
+
 def test_a_model_whose_ties_disagree_with_the_checkpoint(tmp_path: Path) -> None:
     untied = Tied()
     untied.head.weight = nn.Parameter(untied.embed.weight.detach() * 2)  # stored as two tensors

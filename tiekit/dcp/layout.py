@@ -292,7 +292,12 @@ def read_marker(path: PathLike) -> Marker:
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise CheckpointError(f"{where}: not a tiekit sharded checkpoint marker (format {FORMAT!r} expected)")
     version = raw.get("version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if "version" not in raw:
+        raise CheckpointError(f"{where}: damaged marker: key 'version' is missing")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        # Not a version any tiekit wrote: upgrading would not help (it said "newer", for a missing key too).
+        raise CheckpointError(f"{where}: damaged marker: key 'version' is {version!r}, not a format version")
+    if version > FORMAT_VERSION:
         raise CheckpointError(f"{where}: format version {version!r} is newer than this tiekit reads; upgrade tiekit")
     try:
         folder_name = _text(raw, "folder", where)
