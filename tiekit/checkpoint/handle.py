@@ -93,7 +93,10 @@ class SaveHandle:
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the save finished; `CheckpointError` if it failed or ``timeout`` seconds passed.
-        Local: waits for this rank's own writing (and rank 0's commit on rank 0)."""
+
+        Waits for this rank's own writing; on rank 0 of a sharded save also for its commit, which
+        comes once every rank has written its part: there it waits for the other ranks' writing
+        (a rank that died is reported, not waited for). Calls no collective itself."""
         if not self._finished.wait(timeout):
             raise CheckpointError(f"{self.path}: {self._what} not finished within {timeout} s")
         if self._error is not None:
