@@ -323,10 +323,41 @@ def test_checkpoint_io_records_identity_ties_as_identity_and_real_views_as_views
     assert torch.equal(broken.embed.weight, model.embed.weight)
     assert torch.equal(broken.embed_cols, model.embed.weight[:, 2:5])
 
-    # And back into Lightning's dict: every name, the identity tie one tensor again.
-    loaded = TiedCheckpointIO().load_checkpoint(path)["state_dict"]
-    assert set(loaded) == set(state) and loaded["embed_cols"].shape == (VOCAB, 3)
-    assert loaded["head.weight"].data_ptr() == loaded["embed.weight"].data_ptr()
+    # And back into Lightning's dict: every name, the identity tie one tensor object again (as
+    # the docstring says; it was a detached copy per name over one memory), views as views.
+    for map_location in (None, "cpu"):
+        loaded = TiedCheckpointIO().load_checkpoint(path, map_location=map_location)["state_dict"]
+        assert set(loaded) == set(state) and loaded["embed_cols"].shape == (VOCAB, 3)
+        assert loaded["head.weight"] is loaded["embed.weight"]
+        assert is_view_of_transpose(loaded["embed_t"], loaded["embed.weight"])
+        embed = loaded["embed.weight"]
+        assert loaded["embed_cols"].data_ptr() == embed.data_ptr() + 2 * embed.element_size()
+
+
+@pytest.mark.xla
+def test_checkpoint_io_map_location_xla_keeps_tied_names_one_tensor_and_views_views(
+    tmp_path: Path, xla_device: torch.device
+) -> None:
+    model = TiedViews()
+    state = model.state_dict()
+    # Without tiekit: each name of Lightning's state dict copied to the device on its own is its
+    # own copy there, and an in-place edit of the embedding reaches neither the head nor the view.
+    apart = {name: tensor.to(xla_device) for name, tensor in state.items()}
+    with torch.no_grad():
+        apart["embed.weight"].add_(1.0)
+    assert not torch.equal(apart["head.weight"].cpu(), apart["embed.weight"].cpu())
+    assert not torch.equal(apart["embed_t"].cpu(), apart["embed.weight"].cpu().t())
+
+    path = tmp_path / "step.ckpt"
+    TiedCheckpointIO().save_checkpoint({"state_dict": state, "opt": {"step": torch.tensor(2.0)}}, path)
+    loaded = TiedCheckpointIO().load_checkpoint(path, map_location=xla_device)
+    tensors = loaded["state_dict"]
+    assert {t.device.type for t in tensors.values()} == {"xla"} and loaded["opt"]["step"].device.type == "xla"
+    assert tensors["head.weight"] is tensors["embed.weight"]
+    with torch.no_grad():
+        tensors["embed.weight"].add_(1.0)
+    assert torch.equal(tensors["embed.weight"].cpu(), model.embed.weight.detach() + 1.0)
+    assert torch.equal(tensors["embed_t"].cpu(), tensors["embed.weight"].cpu().t())  # the view followed
 
 
 def test_checkpoint_io_round_trips_lightning_entries_and_refuses_pickle(tmp_path: Path) -> None:
@@ -355,6 +386,9 @@ def test_checkpoint_io_round_trips_lightning_entries_and_refuses_pickle(tmp_path
     TiedCheckpointIO(allow_pickle=True).save_checkpoint(checkpoint, tmp_path / "y.ckpt")
     with pytest.raises(tiekit.CheckpointError, match="pickled value"):
         io.load_checkpoint(tmp_path / "y.ckpt")
+    # A string from a config file is truthy: allow_pickle="false" unpickled the file.
+    with pytest.raises(tiekit.TiekitError, match=r"TiedCheckpointIO: allow_pickle must be True or False, not 'false'"):
+        TiedCheckpointIO(allow_pickle="false")  # type: ignore[arg-type]
     again = TiedCheckpointIO(allow_pickle=True).load_checkpoint(tmp_path / "y.ckpt")
     assert again["hyper_parameters"]["args"] == argparse.Namespace(lr=0.1)
     with pytest.raises(tiekit.TiekitError, match="storage_options"):
@@ -395,6 +429,8 @@ def test_checkpoint_io_durable_false_skips_only_the_fsyncs(tmp_path: Path, monke
 
     monkeypatch.setattr(os, "fsync", spy)
     checkpoint = {"state_dict": {"w": torch.ones(3)}, "epoch": 1}
+    with pytest.raises(tiekit.TiekitError, match=r"TiedCheckpointIO: durable must be True or False, not 'false'"):
+        TiedCheckpointIO(durable="false")  # type: ignore[arg-type]
     TiedCheckpointIO(durable=False).save_checkpoint(checkpoint, tmp_path / "fast.ckpt")
     assert synced == []
     TiedCheckpointIO().save_checkpoint(checkpoint, tmp_path / "durable.ckpt")

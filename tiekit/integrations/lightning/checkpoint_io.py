@@ -18,6 +18,7 @@ from tiekit.checkpoint.loading import read_training_checkpoint
 from tiekit.checkpoint.saving import write_training_checkpoint
 from tiekit.devices import storage_key
 from tiekit.errors import CheckpointError, TiekitError
+from tiekit.moving import move
 
 
 class TiedCheckpointIO(CheckpointIO):
@@ -39,8 +40,9 @@ class TiedCheckpointIO(CheckpointIO):
     """
 
     def __init__(self, *, allow_pickle: bool = False, durable: bool = True) -> None:
-        self.allow_pickle = allow_pickle
-        self.durable = durable
+        # A string from a config file ("false") is truthy: it would turn unpickling on.
+        self.allow_pickle = _flag(allow_pickle, "allow_pickle")
+        self.durable = _flag(durable, "durable")
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Write ``checkpoint`` to ``path`` atomically (a crash leaves the previous file)."""
@@ -68,8 +70,8 @@ class TiedCheckpointIO(CheckpointIO):
     ) -> dict[str, Any]:
         """Read a file written by `save_checkpoint` back into Lightning's checkpoint dict.
 
-        Tied names come back as the same tensor (views as views). ``map_location`` may be a
-        device or a device string; tensors are on the CPU otherwise.
+        Tied names come back as the same tensor (views as views), on ``map_location`` too, which
+        may be a device or a device string; tensors are on the CPU otherwise.
         """
         from tiekit.inspection import inspect_file
 
@@ -78,14 +80,16 @@ class TiedCheckpointIO(CheckpointIO):
         holder = _holder(_meta_state(report))
         readers = {"__pickle__": _unpickler(self.allow_pickle, str(target))}
         loaded = read_training_checkpoint(target, model=holder, dtype="file", readers=readers)
-        state: dict[str, Any] = dict(holder.state_dict())
         rest = loaded["extra"]
         if not isinstance(rest, dict):
             raise CheckpointError(f"{target}: not written by TiedCheckpointIO (no checkpoint entries)")
-        checkpoint = {"state_dict": state, **rest}
         if map_location is not None:
-            checkpoint = cast(dict[str, Any], _map_tensors(checkpoint, _device(map_location)))
-        return checkpoint
+            device = _device(map_location)
+            # The holder moves as a model does (tiekit.move): a tensor copied on its own would
+            # leave the views it has behind, as separate copies on the device.
+            move(holder, device)
+            rest = cast(dict[str, Any], _map_tensors(rest, device))
+        return {"state_dict": _tensors_by_name(holder), **rest}
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the checkpoint file."""
@@ -133,6 +137,18 @@ def _holder(tensors: Mapping[str, torch.Tensor]) -> nn.Module:
             module = child
         module._buffers[attr] = tensor
     return root
+
+
+def _tensors_by_name(holder: nn.Module) -> dict[str, torch.Tensor]:
+    """Every name `_holder` holds, tied names as the one tensor object they share (``state_dict``
+    would detach each name into its own object) and views as the views they are."""
+    return dict(holder.named_buffers(remove_duplicate=False))
+
+
+def _flag(value: object, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TiekitError(f"TiedCheckpointIO: {name} must be True or False, not {value!r}")
+    return value
 
 
 def _meta_state(report: Any) -> dict[str, torch.Tensor]:
