@@ -136,6 +136,35 @@ def test_keep_ties_refuses_a_tie_configure_model_undid(tmp_path: Path) -> None:
     assert model.head.weight is model.embed.weight
 
 
+class Renamed(pl.LightningModule):
+    """TiedViews' tie under other module names: a plan made from it names modules TiedViews lacks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, WIDTH)
+        self.lm_head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.lm_head.weight = self.tokens.weight
+
+
+def test_keep_ties_refuses_a_plan_that_does_not_fit_before_the_cast(tmp_path: Path) -> None:
+    # Found only when re-tying after the move, by then Lightning had cast the module to bf16.
+    model = TiedViews()
+    with pytest.raises(
+        tiekit.TieError, match=r"KeepTies: the plan given does not fit TiedViews \(.*'tokens\.weight'.*"
+    ):
+        trainer(tmp_path, precision="bf16-true", callbacks=[KeepTies(plan=tiekit.find_ties(Renamed()))]).fit(
+            model, data()
+        )
+    assert model.embed.weight.dtype == torch.float32 and model.embed_t.dtype == torch.float32  # not cast
+    assert model.head.weight is model.embed.weight and is_view_of_transpose(model.embed_t, model.embed.weight)
+
+
+def test_keep_ties_refuses_declared_that_is_no_mapping() -> None:
+    # A bare name was dict()'s ValueError ("dictionary update sequence element #0 ...").
+    with pytest.raises(tiekit.TieError, match=r"KeepTies: declared maps tied names .*\{target: source\}.*not a str"):
+        KeepTies(declared="head.weight")  # type: ignore[arg-type]
+
+
 def test_keep_ties_with_a_plan_made_before_fit_restores_a_view_the_module_lost(tmp_path: Path) -> None:
     # What ddp_spawn's CPU workers receive (tests/test_lightning_ddp.py): every buffer copied, so
     # the view buffer is a separate tensor before any callback runs.

@@ -15,7 +15,7 @@ from tiekit.analyze import find_ties
 from tiekit.errors import TieError, TiekitError, TieWarning
 from tiekit.integrations.lightning.checkpoint_io import TiedCheckpointIO
 from tiekit.plan import TieGroup, TiePlan
-from tiekit.retie import OnError, checked_on_error, retie, verify
+from tiekit.retie import OnError, checked_on_error, lasting_tie_changes, retie, verify
 from tiekit.sharding.check import check_sharding
 from tiekit.sharding.wrap import fsdp2
 from tiekit.slots import has_module, resolve
@@ -43,6 +43,11 @@ class KeepTies(Callback):
         plan: TiePlan | None = None,
     ) -> None:
         super().__init__()
+        if declared is not None and not isinstance(declared, Mapping):
+            raise TieError(
+                "KeepTies: declared maps tied names to their sources ({target: source}), "
+                f"not a {type(declared).__name__}"
+            )
         if plan is not None and declared:
             raise TiekitError("KeepTies: pass declared ties to find_ties when making the plan, not with plan=")
         if plan is not None and not isinstance(plan, TiePlan):
@@ -73,6 +78,8 @@ class KeepTies(Callback):
             # After configure_model, before the precision plugin casts and the strategy moves.
             self.plan = self._given if self._given is not None else find_ties(pl_module, declared=self.declared)
             self._check_configured(pl_module, before)
+            if self._given is not None:
+                _refuse_unfitting_plan(pl_module, self._given)
             originals["setup"](trainer_)
 
         def model_to_device() -> None:
@@ -205,6 +212,20 @@ def _refuse_tied_io_in_async(strategy: Any) -> None:
             "checkpoints in the background while training goes on, "
             "train with tiekit.fit (checkpoint_async=True) or save with tiekit.save_checkpoint(..., blocking=False)"
         )
+
+
+def _refuse_unfitting_plan(pl_module: nn.Module, plan: TiePlan) -> None:
+    """`TieError` when the re-tie after the move could not apply ``plan`` to ``pl_module`` (a name
+    it lacks, a shape that differs): raised before the strategy casts and moves the module,
+    which it found only after them."""
+    for group in plan.groups:
+        try:
+            lasting_tie_changes(pl_module, group)  # the checks retie makes, nothing re-pointed
+        except TieError as exc:
+            raise TieError(
+                f"KeepTies: the plan given does not fit {type(pl_module).__name__} ({exc}); nothing was cast or "
+                "moved. Make the plan from this module: KeepTies(plan=tiekit.find_ties(module))"
+            ) from None
 
 
 def _still_named(model: nn.Module, plan: TiePlan) -> TiePlan:
