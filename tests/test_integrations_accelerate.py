@@ -109,6 +109,24 @@ def test_prepare_tied_returns_what_prepare_returns_and_rebinds_an_early_optimize
     assert len(list(prepared_loader)) == 2
 
 
+def test_prepare_tied_refuses_arguments_of_the_wrong_kind(cpu_accelerator: accelerate.Accelerator) -> None:
+    """They were AttributeErrors from deep inside ('Sequential' object has no attribute
+    'unwrap_model') and dict()'s ValueError, naming no argument (probe)."""
+    accelerator = cpu_accelerator
+    model = WeightSharingModule()
+    params = list(model.parameters())
+    with pytest.raises(
+        tiekit.TiekitError,
+        match=r"prepare_tied: accelerator must be an accelerate\.Accelerator, not a WeightSharingModule",
+    ):
+        prepare_tied(model, accelerator)  # type: ignore[arg-type]
+    with pytest.raises(tiekit.TiekitError, match=r"prepare_tied: model must be a torch\.nn\.Module, not a str"):
+        prepare_tied(accelerator, "gpt2")  # type: ignore[arg-type]
+    with pytest.raises(tiekit.TieError, match=r"prepare_tied: declared maps tied names .*not a list"):
+        prepare_tied(accelerator, model, declared=["layer_3.weight"])  # type: ignore[arg-type]
+    assert list(model.parameters()) == params and model.layer_1.weight is model.layer_3.weight
+
+
 def test_prepare_tied_applies_declared_ties_and_refuses_bad_ones(cpu_accelerator: accelerate.Accelerator) -> None:
     accelerator = cpu_accelerator
     model = gpt2(tie_word_embeddings=False)

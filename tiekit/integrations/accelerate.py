@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from tiekit.analyze import find_ties
+from tiekit.errors import TieError, TiekitError
 from tiekit.moving import move, rebind_optimizer
 from tiekit.retie import OnError, checked_on_error, retie, verify
 
@@ -40,8 +41,10 @@ def prepare_tied(
     ``objects`` in order. Call it before building the optimizer, or pass the optimizer in
     ``objects``. ``declared`` adds ``{target: source}`` ties the model declares but does not
     hold yet. A tie that cannot be restored raises `tiekit.TieError` (a `tiekit.TieWarning`
-    with ``on_error="warn"``).
+    with ``on_error="warn"``). Arguments of the wrong kind are a `tiekit.TiekitError`, raised
+    before anything moves.
     """
+    _refuse_bad_arguments(accelerator, model, declared)
     checked_on_error(on_error, "prepare_tied")
     # The plan names tensors as the model prepare hands back unwrapped: without a torch.compile
     # wrapper, whose names carry "_orig_mod." (a model compiled before prepare).
@@ -60,6 +63,25 @@ def prepare_tied(
     retie(inner, plan)
     verify(inner, plan, on_error=on_error)
     return prepared
+
+
+def _refuse_bad_arguments(accelerator: Any, model: Any, declared: Any) -> None:
+    """`TiekitError` naming the argument of the wrong kind (accelerate's and torch's own errors,
+    an AttributeError deep inside, name neither)."""
+    from accelerate import Accelerator
+
+    if not isinstance(accelerator, Accelerator):
+        raise TiekitError(
+            f"prepare_tied: accelerator must be an accelerate.Accelerator, not a {type(accelerator).__name__} "
+            "(the accelerator comes first: prepare_tied(accelerator, model, *objects))"
+        )
+    if not isinstance(model, nn.Module):
+        raise TiekitError(f"prepare_tied: model must be a torch.nn.Module, not a {type(model).__name__}")
+    if declared is not None and not isinstance(declared, Mapping):
+        raise TieError(
+            "prepare_tied: declared maps tied names to their sources ({target: source}), "
+            f"not a {type(declared).__name__}"
+        )
 
 
 def _unprefixed(name: str) -> str:
