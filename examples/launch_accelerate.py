@@ -1,9 +1,13 @@
 """accelerate launch on two CPU processes: train a tied model a few steps, save it both ways.
 
-    USE_TORCH_XLA=0 accelerate launch --num_processes 2 --cpu examples/launch_accelerate.py runs/accelerate
+    USE_TORCH_XLA=0 accelerate launch --multi_gpu --num_processes 2 --num_machines 1 \
+        --mixed_precision no --dynamo_backend no examples/launch_accelerate.py runs/accelerate
 
-(With torch_xla installed, accelerate picks the XLA device even with ``--cpu``; ``USE_TORCH_XLA=0``
-keeps it on the CPU.) ``prepare_tied`` wraps the model in DDP with its tie kept. Then:
+(``--multi_gpu`` is accelerate's torchrun launcher; ``Accelerator(cpu=True)`` below puts the two
+processes in a gloo group on the CPU. ``--num_processes 2 --cpu`` would start one process: see
+docs/launching.md. With torch_xla installed, accelerate picks the XLA device even with
+``cpu=True``; ``USE_TORCH_XLA=0`` keeps it on the CPU.) ``prepare_tied`` wraps the model in DDP
+with its tie kept. Then:
 
 * the main process saves: ``if accelerator.is_main_process: tiekit.save_model(...)`` and
   ``accelerator.wait_for_everyone()`` before anyone reads the file;
