@@ -344,7 +344,7 @@ BAD_OPTIONS: list[tuple[dict[str, Any], str]] = [
     ({"seed": None}, "seed must be a non-negative integer, not None"),
     ({"seed": 1.5}, "seed must be a non-negative integer"),
     ({"seed": -1}, "seed must be a non-negative integer"),
-    ({"drop_last": "no"}, "drop_last must be True or False, not 'no'"),
+    ({"drop_last": "no"}, r"drop_last must be True, False or None \(the DataLoader's\), not 'no'"),
     ({"shuffle": None}, "shuffle must be True or False"),
     ({"checkpoint_async": "x"}, "checkpoint_async must be True or False"),
     ({"progress": 1}, "progress must be True or False"),

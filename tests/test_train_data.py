@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import (
+    BatchSampler,
     DataLoader,
     Dataset,
     DistributedSampler,
@@ -126,6 +127,48 @@ def test_only_plain_orders_become_a_distributed_sampler() -> None:
         assert isinstance(inner(plain), DistributedSampler) and inner(plain).shuffle
     for kept in (RandomSampler(ds, replacement=True), RandomSampler(ds, num_samples=5), SequentialSampler(range(5))):
         assert isinstance(inner(kept), SplitSampler) and inner(kept).sampler is kept
+
+
+def rows_per_step(data: Any, **kw: Any) -> list[int]:
+    """The batch sizes ``fit`` trains ``data`` in, step by step (one epoch on the CPU)."""
+    rows: list[int] = []
+
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        rows.append(out.shape[0])
+        return F.mse_loss(out, target)
+
+    tiekit.fit(linear, data, **{**CPU, "loss_fn": loss, **kw})
+    return rows
+
+
+def test_a_batch_sampler_passed_to_the_loader_keeps_its_batch_size_drop_last_and_sampler() -> None:
+    """DataLoader(batch_sampler=BatchSampler(...)) has batch_size None and a default sampler of
+    its own: fit trained it in batches of 32 (or refused a small dataset as "fewer than one
+    batch of 32"), over the whole dataset."""
+    ds = Recording(10)
+    keep_short = DataLoader(ds, batch_sampler=BatchSampler(RandomSampler(ds), batch_size=4, drop_last=False))
+    assert rows_per_step(keep_short) == [4, 4, 2] and sorted(ds.read) == list(range(10))
+    drop_short = DataLoader(ds, batch_sampler=BatchSampler(RandomSampler(ds), batch_size=4, drop_last=True))
+    assert rows_per_step(drop_short) == [4, 4]
+    assert rows_per_step(keep_short, batch_size=3, drop_last=True) == [3, 3, 3]  # fit's options win
+    ds.read.clear()
+    subset = DataLoader(ds, batch_sampler=BatchSampler(SubsetRandomSampler([1, 3, 5, 7, 9]), 2, drop_last=False))
+    assert rows_per_step(subset) == [2, 2, 1] and sorted(ds.read) == [1, 3, 5, 7, 9]  # its sampler decides
+    zero, one = shares(subset, 2, epoch=0)  # split between replicas like a loader's own sampler
+    assert len(zero) == len(one) == 3 and set(zero + one) == {1, 3, 5, 7, 9}
+
+
+def test_a_loaders_drop_last_is_kept_unless_fit_is_given_one() -> None:
+    """fit's drop_last (True by default) replaced the DataLoader's: a loader of 12 samples in
+    batches of 5 with drop_last=False trained on 10 of them."""
+    ds = Recording(12)
+    keeps = DataLoader(ds, batch_size=5, drop_last=False)
+    assert rows_per_step(keeps) == [5, 5, 2]
+    assert rows_per_step(keeps, drop_last=True) == [5, 5]
+    drops = DataLoader(ds, batch_size=5, drop_last=True)
+    assert rows_per_step(drops) == [5, 5]
+    assert rows_per_step(drops, drop_last=False) == [5, 5, 2]
+    assert rows_per_step(ds, batch_size=5) == [5, 5]  # a dataset: True, as before
 
 
 def test_a_resume_mid_epoch_sees_the_indices_the_uninterrupted_run_saw(tmp_path: Path) -> None:

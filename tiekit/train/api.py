@@ -72,7 +72,7 @@ def fit(
     checkpoint_keep: int | None = None,
     resume: str | Path | None = None,
     seed: int = 0,
-    drop_last: bool = True,
+    drop_last: bool | None = None,
     shuffle: bool = True,
     progress: bool = True,
     log_dir: str | Path | None = None,
@@ -96,8 +96,9 @@ def fit(
     once a newer one is complete (default: keep all); with ``resume="last"`` the checkpoints
     already in ``checkpoint_dir`` count as the run's (restarts keep N in the folder). A NaN or
     infinite loss on any rank stops the run at its next save, writing nothing (`TiekitError`).
-    ``resume``: a checkpoint path or "last". ``drop_last``: drop the short last batch (else it is
-    padded on XLA so every step has one shape). ``progress``: tqdm bar on the master;
+    ``resume``: a checkpoint path or "last". ``drop_last``: drop each replica's short last batch
+    of an epoch (else it is trained, padded on XLA by repeating the epoch's first samples so every
+    step has one shape); default: the DataLoader's, else True. ``progress``: tqdm bar on the master;
     ``log_dir``: ``metrics.csv`` (and TensorBoard logs when installed).
     """
     config = FitConfig(

@@ -46,7 +46,7 @@ class FitConfig:
     checkpoint_keep: int | None = None
     resume: Path | str | None = None
     seed: int = 0
-    drop_last: bool = True
+    drop_last: bool | None = None  # None: the DataLoader's, else True
     shuffle: bool = True
     progress: bool = True
     log_dir: Path | None = None
@@ -72,9 +72,11 @@ class FitConfig:
             raise TiekitError(f"log_every must be a positive integer, not {self.log_every!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise TiekitError(f"seed must be a non-negative integer, not {self.seed!r}")
-        for name in ("checkpoint_async", "drop_last", "shuffle", "progress"):
+        for name in ("checkpoint_async", "shuffle", "progress"):
             if not isinstance(getattr(self, name), bool):
                 raise TiekitError(f"{name} must be True or False, not {getattr(self, name)!r}")
+        if self.drop_last is not None and not isinstance(self.drop_last, bool):
+            raise TiekitError(f"drop_last must be True, False or None (the DataLoader's), not {self.drop_last!r}")
         for name in ("checkpoint_dir", "log_dir"):
             folder = getattr(self, name)
             if folder is not None and folder.exists() and not folder.is_dir():

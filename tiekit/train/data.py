@@ -165,6 +165,7 @@ class ReplicaLoader:
     batch_size: int
     generator: torch.Generator
     seed: int
+    drop_last: bool = True  # whether an epoch's short last batch is dropped (else trained, padded on XLA)
     # What orders an epoch, as a checkpoint records it: fit's seed (None: the order does not
     # depend on it) and whether it shuffles (None: a sampler of the user's decides).
     order_seed: int | None = None
@@ -179,16 +180,16 @@ class ReplicaLoader:
         self.generator.manual_seed(derived_seed(self.seed, epoch))
         return self.loader
 
-    def epoch_share(self, drop_last: bool) -> tuple[int, int]:
+    def epoch_share(self) -> tuple[int, int]:
         """(samples, batches) one epoch gives this replica."""
-        batches = self.batches_per_epoch(drop_last)  # from the start of the epoch
+        batches = self.batches_per_epoch()  # from the start of the epoch
         return len(self.sampler), batches
 
-    def batches_per_epoch(self, drop_last: bool) -> int:
+    def batches_per_epoch(self) -> int:
         """Batches one epoch yields on this replica (from the start of the epoch)."""
         self.sampler.start(0)
         count = len(self.sampler)
-        return count // self.batch_size if drop_last else -(-count // self.batch_size)
+        return count // self.batch_size if self.drop_last else -(-count // self.batch_size)
 
 
 def make_loader(
@@ -199,20 +200,22 @@ def make_loader(
     rank: int,
     shuffle: bool,
     seed: int,
-    drop_last: bool,
+    drop_last: bool | None,
     static_shapes: bool,
     what: str = "train_data",
 ) -> ReplicaLoader:
     """Rebuild ``data`` as this replica's loader (see the module docstring).
 
-    ``batch_size`` is per replica (default: the DataLoader's, else 32). ``static_shapes`` pads
-    the last batch instead of leaving it short when ``drop_last`` is False (XLA).
+    ``batch_size`` is per replica (default: the DataLoader's, else 32); ``drop_last`` too
+    (default: the DataLoader's, else True). ``static_shapes`` pads the last batch instead of
+    leaving it short when the short last batch is kept (XLA).
     """
     dataset, given_sampler, options = _unpack(data, what)
+    given_batch_size, given_drop_last = options.pop("batch_size", None), options.pop("drop_last", True)
     if batch_size is None:
-        batch_size = options.pop("batch_size", None) or DEFAULT_BATCH_SIZE
-    else:
-        options.pop("batch_size", None)
+        batch_size = given_batch_size or DEFAULT_BATCH_SIZE
+    if drop_last is None:
+        drop_last = given_drop_last
     if batch_size < 1:
         raise TiekitError(f"{what}: batch_size must be at least 1, not {batch_size}")
     inner: DistributedSampler[Any] | SplitSampler
@@ -252,8 +255,8 @@ def make_loader(
     loader = DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, generator=generator, **options
     )
-    result = ReplicaLoader(loader, sampler, batch_size, generator, seed, order_seed, order_shuffle)
-    if drop_last and result.batches_per_epoch(drop_last) == 0:
+    result = ReplicaLoader(loader, sampler, batch_size, generator, seed, drop_last, order_seed, order_shuffle)
+    if drop_last and result.batches_per_epoch() == 0:
         raise TiekitError(
             f"{what}: replica {rank} gets {len(inner)} sample(s) per epoch, fewer than one batch of "
             f"{batch_size}; lower batch_size or pass drop_last=False"
@@ -269,10 +272,15 @@ def _unpack(data: Any, what: str) -> tuple[Dataset[Any], Any, dict[str, Any]]:
             raise TiekitError(f"{what}: an IterableDataset cannot be split between replicas by a sampler; {_MAP}")
         if data.batch_sampler is None:
             raise TiekitError(f"{what}: a DataLoader with batch_size=None (no batching) is not supported")
-        if type(data.batch_sampler) is not BatchSampler:
+        batches = data.batch_sampler
+        if type(batches) is not BatchSampler:
             raise TiekitError(f"{what}: a DataLoader with a custom batch_sampler is not supported; pass a sampler")
+        # The loader's own BatchSampler (from batch_size=) or a plain one passed as batch_sampler=,
+        # whose batch size, drop_last and sampler the DataLoader does not repeat (its batch_size
+        # is None then, its sampler a default SequentialSampler).
         options: dict[str, Any] = {
-            "batch_size": data.batch_size,
+            "batch_size": batches.batch_size,
+            "drop_last": batches.drop_last,
             "num_workers": data.num_workers,
             "collate_fn": data.collate_fn,
             "pin_memory": data.pin_memory,
@@ -283,7 +291,7 @@ def _unpack(data: Any, what: str) -> tuple[Dataset[Any], Any, dict[str, Any]]:
             options["persistent_workers"] = data.persistent_workers
             options["prefetch_factor"] = data.prefetch_factor
             options["multiprocessing_context"] = data.multiprocessing_context
-        return dataset, data.sampler, options
+        return dataset, batches.sampler, options
     if isinstance(data, IterableDataset):
         raise TiekitError(f"{what}: an IterableDataset cannot be split between replicas by a sampler; {_MAP}")
     if not (isinstance(data, Sized) and hasattr(data, "__getitem__")):

@@ -150,15 +150,15 @@ def _trained(
     # Validation keeps its short last batch (one more graph on XLA, compiled once): no padded
     # duplicates in the mean.
     val = None if job.val_data is None else _loader(job, job.val_data, backend, shuffle=False, drop_last=False)
-    shares = {"train_data": train.epoch_share(cfg.drop_last)}
+    shares = {"train_data": train.epoch_share()}
     if val is not None:
-        shares["val_data"] = val.epoch_share(False)
+        shares["val_data"] = val.epoch_share()
     coordinator.agree_on_data(shares)  # else a rank ending its epoch first leaves the others waiting
     coordinator.batch_size = train.batch_size
     coordinator.seed, coordinator.shuffle = train.order_seed, train.order_shuffle
     position = coordinator.resume(cfg, model, optimizer, backend, plan)  # rank 0 chooses, every rank loads
     backend.end_step()  # XLA: run the set-up's pending work (a resume's copies) through the gate
-    per_epoch = train.batches_per_epoch(cfg.drop_last)
+    per_epoch = train.batches_per_epoch()
     if position.batches >= per_epoch:  # saved after an epoch's last batch: next epoch
         position = state.Position(position.epoch + 1, 0, position.step)
     limit = cfg.epoch_limit
@@ -329,7 +329,7 @@ def _compilations(backend: Backend) -> Callable[[], int]:
     return count
 
 
-def _loader(job: Job, data: Any, backend: Backend, *, shuffle: bool, drop_last: bool) -> ReplicaLoader:
+def _loader(job: Job, data: Any, backend: Backend, *, shuffle: bool, drop_last: bool | None) -> ReplicaLoader:
     cfg = job.config
     return make_loader(
         data,
