@@ -80,9 +80,19 @@ def fit(
 ) -> FitResult:
     """Train ``model`` on ``train_data`` on every core of the chosen strategy, keeping its ties.
 
+    Collective where this process is one rank of a run it did not start: under torchrun, in a
+    process group of yours (or ``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` set), as each of your own
+    ``torch_xla.launch`` replicas, or on each SPMD host. There every process calls ``fit`` with
+    the same options (checked: a difference is a `TiekitError`), and it waits for the others
+    throughout: to agree on the options, model and data, at every step, save and validation,
+    and at the end. Otherwise ``fit`` starts the replicas itself (or trains here) and waits for
+    nobody else.
+
     ``model``: a module, or a zero-argument factory (spawned replicas build their own copy from
     ``seed``). ``train_data``/``val_data``: a map-style dataset or a DataLoader; a
     ``DistributedSampler`` is inserted for you (a DataLoader's own DistributedSampler is kept).
+    Like ``DistributedSampler``, it repeats up to ``replicas - 1`` samples when the dataset
+    does not split evenly between the replicas.
     ``loss_fn(output, target)`` for ``(inputs..., target)`` batches; None: the model returns the
     loss. ``optimizer``: a factory taking the parameters. ``epochs`` (default 1, unlimited with
     ``max_steps``) and ``max_steps`` bound the run. ``batch_size``: per device (default: the
