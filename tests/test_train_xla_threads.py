@@ -175,3 +175,43 @@ def test_a_replica_that_raises_releases_its_peer_with_a_tiekit_error(tmp_path: P
     assert "replica 0 stopped because another replica failed" in error["message"]
     assert f"replica 1: {raised}" in error["message"]
     assert time.monotonic() - started < 120  # released at once, not after XLA's or a collective's timeout
+
+
+# fit(strategy="xla", devices=2) on XLA:CPU: the replicas are launch threads of one process.
+# argv: the folder, "clean" (no transfer in the step; with log_every=1 the other replica fetches
+# its losses after every step, for the save's check) or "chatty" (an .item() in every step).
+TRANSFERS = """
+import sys, warnings, torch, torch.nn.functional as F
+from torch.utils.data import TensorDataset
+import tiekit
+from tiekit.train import PerformanceWarning
+from models import WeightSharingModule
+
+def chatty(out, target):
+    loss = F.mse_loss(out, target)
+    if loss.item() > 1e9:  # a host transfer inside the step
+        raise AssertionError("unreachable")
+    return loss
+
+if __name__ == "__main__":
+    folder, which = sys.argv[1], sys.argv[2]
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 32, generator=generator), torch.randn(64, 10, generator=generator))
+    warnings.simplefilter("always", PerformanceWarning)
+    tiekit.fit(
+        WeightSharingModule(), data, loss_fn=chatty if which == "chatty" else F.mse_loss, strategy="xla",
+        devices=2, batch_size=4, max_steps=12, progress=False, log_every=1 if which == "clean" else 4,
+        checkpoint_dir=folder + "/ckpt", checkpoint_every=100,
+    )
+"""
+
+
+@pytest.mark.parametrize("which", ["clean", "chatty"])
+def test_a_step_is_told_of_its_own_host_transfers_not_another_replicas(tmp_path: Path, which: str) -> None:
+    """The transfer count is torch_xla's, per process: replica 1's fetches between its steps
+    (its losses for the save's check, the end of its run) made fit warn that replica 0's step,
+    which had none, made device-to-host transfers (every run with log_every=1)."""
+    done, _ = run_file(tmp_path, TRANSFERS, timeout=300, args=[which])
+    assert done.returncode == 0, done.stderr[-3000:]
+    warned = "PerformanceWarning: step" in done.stderr and "device-to-host transfer(s)" in done.stderr
+    assert warned == (which == "chatty"), done.stderr[-3000:]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -105,9 +106,24 @@ class Backend:
         """The compiler's counters so far (XLA), else None."""
         return None
 
-    def host_transfers(self) -> int:
-        """Device-to-host transfers so far (XLA; 0 where they cost nothing to count)."""
+    def transfer_mark(self) -> Any:
+        """Where to count this replica's device-to-host transfers from (see `transfers_since`)."""
+        return None
+
+    def transfers_since(self, mark: Any) -> int:
+        """Device-to-host transfers this replica made since ``mark`` (XLA; 0 where they cost
+        nothing to count, or where another replica's may be among them)."""
         return 0
+
+    def between_steps(self) -> AbstractContextManager[None]:
+        """Around this replica's work between its steps that may fetch from the device (a loss
+        check, a save, validation): where replicas share a process, another replica's step does
+        not count them as its own (XLA:CPU launch threads)."""
+        return nullcontext()
+
+    def steps_done(self) -> None:
+        """This replica takes no more steps in this run; what it does next may fetch from the
+        device (as `between_steps`)."""
 
 
 def batch_to(value: Any, device: torch.device, non_blocking: bool) -> Any:

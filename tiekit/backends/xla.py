@@ -261,5 +261,8 @@ class XlaBackend(Backend):
     def counters(self) -> XlaCounters | None:
         return xla_counters()
 
-    def host_transfers(self) -> int:
+    def transfer_mark(self) -> Any:
         return xla_host_transfers()
+
+    def transfers_since(self, mark: Any) -> int:
+        return xla_host_transfers() - int(mark)

@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -82,6 +82,9 @@ class _CompileGate:
     ids and the rendezvous aborts. So ordinal 0 syncs first; the others wait until its sync
     has either compiled the graph (the cache grew) or found it (a cache hit was counted), then
     sync and hit the cache. A compiled graph is never compiled twice.
+
+    It also tells a replica whether the others were between steps, fetching from the device:
+    torch_xla counts transfers per process, so a step counted another thread's (`aside`).
     """
 
     def __init__(self, parties: int) -> None:
@@ -92,6 +95,31 @@ class _CompileGate:
         self._leader_done = False
         self._joined: dict[int, int] = {}
         self._failure = ""
+        self._aside = 0  # replicas now between steps, fetching (or done with their steps)
+        self._asides = 0  # times a replica began to, so far
+
+    @contextmanager
+    def aside(self) -> Iterator[None]:
+        """Around a replica's work between its steps that may fetch from the device."""
+        self.leave()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._aside -= 1
+
+    def leave(self) -> None:
+        """A replica is done with its steps: from here on, it may fetch at any time."""
+        with self._cond:
+            self._aside += 1
+            self._asides += 1
+
+    def quiet(self) -> int | None:
+        """None while a replica is aside; else how many times one went aside so far. Equal
+        readings around a step: no other replica fetched in it (read before the first count
+        and after the second, since an aside ends only once its fetches are counted)."""
+        with self._cond:
+            return None if self._aside else self._asides
 
     def sync(self, ordinal: int) -> None:
         torch_xla = xla()
@@ -160,6 +188,16 @@ def xla_cpu_threads() -> bool:
     return bool(xr.device_type() == "CPU")
 
 
+def _step_gate(key: str) -> _CompileGate | None:
+    """The compile gate of run ``key`` shared by this process's launch threads (XLA:CPU with
+    several), else None."""
+    if not xla_cpu_threads():
+        return None
+    xr = xla_module("torch_xla.runtime")
+    with _gates_lock:
+        return _gates.setdefault(key, _CompileGate(int(xr.world_size())))
+
+
 def xla_step_sync(key: str) -> Callable[[], None]:
     """The call that ends a training step on this XLA replica: ``torch_xla.sync()``, except on
     XLA:CPU with several launch threads in the process, where it goes through a compile gate
@@ -167,10 +205,9 @@ def xla_step_sync(key: str) -> Callable[[], None]:
     torch_xla = xla()
     xr = xla_module("torch_xla.runtime")
 
-    if not xla_cpu_threads():
+    gate = _step_gate(key)
+    if gate is None:
         return torch_xla.sync  # type: ignore[no-any-return]
-    with _gates_lock:
-        gate = _gates.setdefault(key, _CompileGate(int(xr.world_size())))
     ordinal = int(xr.global_ordinal())
     return lambda: gate.sync(ordinal)
 
@@ -245,9 +282,38 @@ class XlaReplicaBackend(XlaBackend):
         # casts another thread is still using, which then traces a different graph from its
         # peers (one more cast), whose all-reduce never meets theirs. So no cache for threads.
         self.autocast_cache = not xla_cpu_threads()
+        self._gate: _CompileGate | None = None  # XLA:CPU launch threads: the run's, once started
+        self._done = False
 
     def step_sync(self, run_id: str) -> Callable[[], None]:
+        self._gate = _step_gate(run_id)
         return xla_step_sync(run_id)
+
+    # torch_xla counts transfers per process: with launch threads, a step's count held the
+    # other replicas' fetches between their steps (a loss check, the end of their run), and
+    # fit advised against transfers the step never made. Such a count is not used.
+    def transfer_mark(self) -> Any:
+        if self._gate is None:
+            return super().transfer_mark()
+        quiet = self._gate.quiet()
+        return None if quiet is None else (quiet, super().transfer_mark())
+
+    def transfers_since(self, mark: Any) -> int:
+        if self._gate is None:
+            return super().transfers_since(mark)
+        if mark is None:
+            return 0
+        quiet, count = mark
+        transfers = super().transfers_since(count)
+        return transfers if self._gate.quiet() == quiet else 0
+
+    def between_steps(self) -> AbstractContextManager[None]:
+        return nullcontext() if self._gate is None else self._gate.aside()
+
+    def steps_done(self) -> None:
+        if self._gate is not None and not self._done:
+            self._done = True
+            self._gate.leave()
 
     def place(self, model: nn.Module, dtype: torch.dtype | None, plan: TiePlan) -> None:
         """Moved, ties kept; with several replicas, collective: every replica then takes replica

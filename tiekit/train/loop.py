@@ -205,7 +205,7 @@ def _trained(
         while (limit is None or epoch < limit) and (cfg.max_steps is None or step < cfg.max_steps):
             done, stopped = skip, False
             for batch in backend.batches(train.epoch(epoch, skip)):
-                before = backend.host_transfers() if watch_transfers else 0
+                mark = backend.transfer_mark() if watch_transfers else None
                 # The device's generator (XLA's) draws the step's dropout from the run's seed and the
                 # step alone: every sync advances it (the loader's at an epoch's end, a save's, a
                 # resume's), so a state carried from step to step would differ after a resume.
@@ -213,14 +213,16 @@ def _trained(
                 loss = train_step(
                     step_model, optimizer, batch, backend, precision, cfg.loss_fn, coordinator.weights_copied
                 )
-                after = backend.host_transfers() if watch_transfers else 0
+                transfers = backend.transfers_since(mark) if watch_transfers else 0
                 step, done = step + 1, done + 1
-                log.step(step, epoch, loss, after - before)
+                log.step(step, epoch, loss, transfers)
                 if cfg.checkpoint_dir is not None and not watched_by_log:
-                    unsaved.add(step, loss)
+                    with backend.between_steps():  # fetches the losses every log_every steps
+                        unsaved.add(step, loss)
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                     log.flush()  # the master's losses since the last fetch reach `unsaved`
-                    with log.outside_steps():  # collective: one writer, its failure raised on every rank
+                    # collective: one writer, its failure raised on every rank
+                    with log.outside_steps(), backend.between_steps():
                         coordinator.save(cfg, model, optimizer, state.Position(epoch, done, step), backend, unsaved)
                     saved_at = step
                 if cfg.max_steps is not None and step >= cfg.max_steps:
@@ -230,9 +232,10 @@ def _trained(
                 break  # max_steps reached inside the epoch
             # The epoch ran to its end (max_steps may have ended it with its last batch): validate, next epoch.
             if val is not None:
-                with log.outside_steps():
+                with log.outside_steps(), backend.between_steps():
                     log.validation(step, epoch, _validate(model, val, backend, precision, cfg.loss_fn))
             epoch, skip, done = epoch + 1, 0, 0
+        backend.steps_done()  # the last save and fetching the trained weights follow
         log.stop_clock()
         if cfg.checkpoint_dir is not None and saved_at != step:
             log.flush()
@@ -240,6 +243,7 @@ def _trained(
                 coordinator.save(cfg, model, optimizer, state.Position(epoch, done, step), backend, unsaved)
         coordinator.finish_saves(cfg)  # the last checkpoint complete before fit returns
     finally:
+        backend.steps_done()
         coordinator.weights_copied()  # a failed run's last background save is still written, if it can be
         coordinator.release_staging(model)
         log.close()
