@@ -516,7 +516,7 @@ def test_preserve_ties_refuses_to_drop_values_an_assign_load_gave_a_tied_name_ap
     assert plain.lm_head.weight is not plain.transformer.wte.weight
 
     model = gpt2()
-    refused = pytest.raises(TieError, match=r"inside the block 'lm_head.weight' was given values of its own")
+    refused = pytest.raises(TieError, match=r"inside the block '[\w.]+' and '[\w.]+', tied .*different values")
     with refused, tiekit.preserve_ties(model):
         model.load_state_dict(state, assign=True)
     assert torch.equal(model.lm_head.weight, state["lm_head.weight"])  # nothing dropped: left as loaded
@@ -526,6 +526,46 @@ def test_preserve_ties_refuses_to_drop_values_an_assign_load_gave_a_tied_name_ap
     with tiekit.preserve_ties(same):
         same.load_state_dict(gpt2().state_dict(), assign=True)
     assert same.lm_head.weight is same.transformer.wte.weight
+
+
+class TiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
+        self.head.weight = self.wte.weight
+
+
+def test_preserve_ties_keeps_the_tensor_an_assign_load_gave_one_name_of_a_tie() -> None:
+    """A state dict holding the tie under one name (a de-duplicated file): under the source, the
+    others are tied to it; under another name (safetensors' save_model may keep that one), the tie
+    takes the loaded tensor (the source's old values were kept, the loaded ones dropped, before),
+    as TPUMixin's loads do. Neither is refused: nothing is lost."""
+    for name in ("wte.weight", "head.weight"):
+        plain, model, loaded = TiedLM(), TiedLM(), torch.randn(10, 4)
+        plain.load_state_dict({name: loaded}, strict=False, assign=True)
+        assert plain.head.weight is not plain.wte.weight  # without tiekit: split, one name stale
+        with tiekit.preserve_ties(model):
+            model.load_state_dict({name: loaded}, strict=False, assign=True)
+        assert model.head.weight is model.wte.weight and torch.equal(model.wte.weight, loaded)
+
+
+def test_preserve_ties_ties_a_replaced_source_and_a_meta_model_materialized_name_by_name() -> None:
+    """Refused by the first version of the check (adversarial probe): a module replaced inside the
+    block (set_input_embeddings), and a meta model given new memory per owning module, each name
+    initialised apart (a materializer's way): the tie takes the source's tensor, as before."""
+    model = TiedLM()
+    with tiekit.preserve_ties(model):
+        model.wte = nn.Embedding(10, 4)
+    assert model.head.weight is model.wte.weight
+
+    with torch.device("meta"):
+        model = TiedLM()
+    with tiekit.preserve_ties(model):
+        for module in model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None:
+                    module._parameters[name] = nn.Parameter(torch.empty_like(p, device="cpu").normal_())
+    assert model.head.weight is model.wte.weight and model.wte.weight.device.type == "cpu"
 
 
 def test_move_refuses_an_optimizer_that_is_not_one_before_moving() -> None:

@@ -210,3 +210,19 @@ def test_the_mixin_replans_on_xla_when_a_view_buffer_is_no_longer_a_view(xla_dev
 
 def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def test_preserve_ties_around_a_move_to_xla_reads_nothing_back_to_the_host() -> None:
+    """torch wraps the converted tensor in a new Parameter per owner: the exit's check that the
+    block gave the tied names no values of their own compared them on the host, two copies of the
+    embedding back from the device (adversarial probe); tensors over one storage hold the same."""
+    import torch_xla.debug.metrics as met
+
+    model = nn.Sequential(nn.Embedding(5000, 64), nn.Linear(64, 5000, bias=False))
+    model[1].weight = model[0].weight
+    met.clear_all()
+    with tiekit.preserve_ties(model):
+        model.to(devices.resolve_device("xla"))
+    assert model[1].weight is model[0].weight and model[0].weight.device.type == "xla"
+    transfers = met.metric_data("TransferFromDeviceTime")
+    assert transfers is None or transfers[0] == 0

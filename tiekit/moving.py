@@ -19,9 +19,10 @@ from tiekit.analyze import find_ties, reinterpreting_views
 from tiekit.errors import TieError, TieWarning
 from tiekit.mixin_plans import confirm_kept_plan
 from tiekit.plan import TiePlan
-from tiekit.retie import OnError, checked_on_error, fitting_plan, retie, tensor_difference, tie_changes, verify
+from tiekit.preserving import keep_what_the_block_gave, tensors_at_entry
+from tiekit.retie import OnError, checked_on_error, fitting_plan, retie, verify
 from tiekit.sharding.check import refuse_cast_after_first_forward
-from tiekit.slots import checked_module, resolve
+from tiekit.slots import checked_module
 
 
 def move(
@@ -81,27 +82,6 @@ def move(
     if optimizer is not None:
         rebind_optimizer(optimizer, model, names)
     return model
-
-
-def refuse_dropping_values(model: nn.Module, plan: TiePlan, *, split_before: set[str]) -> None:
-    """`TieError` when a name `retie` would point at its tie source again, whole when the
-    ``preserve_ties`` block began (not in ``split_before``), was given values of its own inside:
-    a state dict holding the two apart, loaded with ``assign=True``. Tying them would drop those
-    values without a word (the mixin refuses such a load). A tie split before, or planned apart
-    (``plan=``, ``declared=``), is tied as asked: the source's values win, as in `retie`. Views
-    are left out (rebuilt from the source), and so are tensors on other devices or sharded apart
-    (no cheap, local comparison)."""
-    for group in plan.groups:
-        for _, _, source, member in tie_changes(model, group):
-            if member.view is not None or member.name in split_before:
-                continue
-            if tensor_difference(resolve(model, member.name)[2], source) == "values":
-                raise TieError(
-                    f"tiekit.preserve_ties: inside the block {member.name!r} was given values of its own, not "
-                    f"those of {group.source!r}, its tie source (a state dict holding the two apart?): tying them "
-                    f"again would drop the values given to {member.name!r}. The model is left as the block made "
-                    f"it, the tie split; tiekit.retie(model, plan) keeps {group.source!r}'s values"
-                )
 
 
 def _moving_plan(model: nn.Module, declared: Mapping[str, str] | None) -> TiePlan:
@@ -277,10 +257,10 @@ def preserve_ties(
     """
     checked_on_error(on_error, "tiekit.preserve_ties")
     plan = fitting_plan(model, _moving_plan(model, declared) if plan is None else _given_plan(model, plan))
-    split = {member.name for group in plan.groups for *_, member in tie_changes(model, group)}
+    entry = tensors_at_entry(model, plan)
     with retied_if_interrupted(model, plan), converting_once(model):
         yield plan
     refuse_cast_after_first_forward(model)  # your cast happened: what it breaks, and how to undo it
-    refuse_dropping_values(model, plan, split_before=split)
+    keep_what_the_block_gave(model, plan, entry)
     retie(model, plan)
     verify(model, plan, on_error=on_error)
