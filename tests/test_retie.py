@@ -568,6 +568,41 @@ def test_preserve_ties_ties_a_replaced_source_and_a_meta_model_materialized_name
     assert model.head.weight is model.wte.weight and model.wte.weight.device.type == "cpu"
 
 
+def test_on_error_warn_moves_with_a_plan_counting_fewer_parameters_and_warns() -> None:
+    """The count refused up front raised whatever on_error said (adversarial probe); the docs say
+    on_error="warn" turns the count check into a TieWarning."""
+    for how in ("move", "preserve_ties"):
+        model = TiedLM()
+        plan = tiekit.find_ties(model)
+        model.adapter = nn.Linear(4, 4)  # added after planning
+        with pytest.warns(TieWarning, match="do not match the tie plan"):
+            if how == "move":
+                tiekit.move(model, torch.float64, plan=plan, on_error="warn")
+            else:
+                with tiekit.preserve_ties(model, plan=plan, on_error="warn"):
+                    model.double()
+        assert model.head.weight is model.wte.weight and model.wte.weight.dtype == torch.float64
+
+
+def test_the_count_check_counts_a_parameter_view_registered_at_two_paths_once() -> None:
+    """retie rebuilds one Parameter per view geometry, shared by both paths of a module registered
+    twice: counted as two, the plan was called another model's (adversarial probe)."""
+
+    class Viewing(nn.Module):
+        def __init__(self, w: torch.Tensor) -> None:
+            super().__init__()
+            self.v = nn.Parameter(w.detach().t())
+
+    model = nn.Module()
+    model.w = nn.Parameter(torch.randn(3, 4))
+    model.b1 = model.b2 = Viewing(model.w)
+    plan = tiekit.find_ties(model)
+    model.double()  # a plain cast: v is a copy of its own now
+    tiekit.move(model, "cpu", plan=plan)
+    assert model.b1.v is model.b2.v and model.b1.v.data_ptr() == model.w.data_ptr()
+    assert len(list(model.parameters())) == plan.unique_count == 2
+
+
 def test_move_refuses_an_optimizer_that_is_not_one_before_moving() -> None:
     model = WeightSharingModule()
     with pytest.raises(TieError, match=r"optimizer must be a torch\.optim\.Optimizer, not a list"):

@@ -61,7 +61,8 @@ def move(
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TieError(f"tiekit.move: optimizer must be a torch.optim.Optimizer, not a {type(optimizer).__name__}")
     # A plan made here is checked too: one retie could not apply must refuse before anything moves.
-    plan = fitting_plan(model, _moving_plan(model, None) if plan is None else _given_plan(model, plan))
+    planned = _moving_plan(model, None) if plan is None else _given_plan(model, plan)
+    plan = fitting_plan(model, planned, counted=on_error == "raise")
     names = {id(p): n for n, p in model.named_parameters()} if optimizer is not None else {}
     kwargs: dict[str, object] = {}
     if target is not None:
@@ -256,7 +257,8 @@ def preserve_ties(
     restored as far as they can be (a conversion stopped half way) and the error goes on.
     """
     checked_on_error(on_error, "tiekit.preserve_ties")
-    plan = fitting_plan(model, _moving_plan(model, declared) if plan is None else _given_plan(model, plan))
+    planned = _moving_plan(model, declared) if plan is None else _given_plan(model, plan)
+    plan = fitting_plan(model, planned, counted=on_error == "raise")
     entry = tensors_at_entry(model, plan)
     with retied_if_interrupted(model, plan), converting_once(model):
         yield plan

@@ -54,12 +54,15 @@ def _a_plan(plan: object) -> TiePlan:
     return checked_plan(plan)
 
 
-def fitting_plan(model: nn.Module, plan: TiePlan) -> TiePlan:
+def fitting_plan(model: nn.Module, plan: TiePlan, *, counted: bool = True) -> TiePlan:
     """``plan``, checked against ``model`` before anything changes: every name resolves, shapes
-    and dtypes fit (the checks `retie` makes, without re-pointing anything), and no tensor views
-    a source's memory in another dtype (a conversion would make it a copy); `TieError` if not."""
+    and dtypes fit (the checks `retie` makes, without re-pointing anything), no tensor views a
+    source's memory in another dtype (a conversion would make it a copy), and (``counted``) the
+    model will hold the plan's parameter count once tied; `TieError` if not. ``counted=False``
+    leaves the count to `verify` after the move (``on_error="warn"`` warns of it there)."""
     changes = [change for group in _a_plan(plan).groups for change in lasting_tie_changes(model, group)]
-    _refuse_another_models_plan(model, plan, changes)
+    if counted:
+        _refuse_another_models_plan(model, plan, changes)
     for view in plan.reinterpreting:
         raise TieError(
             f"{view.name!r} ({view.dtype}) views the memory of {view.source!r} ({view.source_dtype}) in another "
@@ -80,11 +83,12 @@ def _refuse_another_models_plan(
     if not changes:
         after = count_parameters(model)
     else:
-        holders: dict[str, object] = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
+        holders: dict[str, object] = {name: id(p) for name, p in model.named_parameters(remove_duplicate=False)}
         for _, _, source, member in changes:
             if member.kind == "parameter" and member.name in holders:
-                holders[member.name] = source if member.view is None else object()  # a view: a Parameter of its own
-        after = len({id(holder) for holder in holders.values()})
+                # A view member becomes a Parameter of its own, one per geometry of its source.
+                holders[member.name] = id(source) if member.view is None else (id(source), member.view)
+        after = len(set(holders.values()))
     if after != plan.unique_count:
         raise TieError(
             f"the plan counts {plan.unique_count} distinct parameters, {type(model).__name__} would hold {after} "
