@@ -166,6 +166,12 @@ def test_extra_without_data_not_dense_or_holding_itself_is_refused_naming_its_ke
     shared = [1, 2]  # one list twice is no cycle
     save_checkpoint(tmp_path / "c.safetensors", model=model(0), extra={"a": [shared, shared]})
     assert load_checkpoint(tmp_path / "c.safetensors", model=model(1))["extra"] == {"a": [[1, 2], [1, 2]]}
+    # Nesting as deep as before the cycle check (which cost a frame per level at first: refused from 350).
+    nested: list[Any] = [torch.ones(1), 1]
+    for _ in range(400):
+        nested = [nested, 1]
+    save_checkpoint(tmp_path / "c.safetensors", model=model(0), extra=nested)
+    assert load_checkpoint(tmp_path / "c.safetensors", model=model(1))["extra"][1] == 1
 
 
 def test_an_optimizer_or_path_of_the_wrong_type_is_named(tmp_path: Path) -> None:
