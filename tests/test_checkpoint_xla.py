@@ -64,6 +64,18 @@ def test_meta_model_materialises_straight_onto_xla(saved, xla_device) -> None:  
     assert logits_close(source, model, xla_device)
 
 
+def test_an_xla_device_index_this_process_lacks_is_a_checkpoint_error(saved) -> None:  # type: ignore[no-untyped-def]
+    """torch_xla's IndexError came out of load_model (adversarial probe)."""
+    import torch_xla.runtime as xr
+
+    _, path = saved
+    model = gpt2()
+    absent = f"xla:{xr.addressable_device_count()}"
+    with pytest.raises(tiekit.CheckpointError, match=rf"m\.safetensors: cannot load onto device '{absent}'"):
+        load_model(model, path, device=absent)
+    assert model.lm_head.weight is model.transformer.wte.weight and model.lm_head.weight.device.type == "cpu"
+
+
 def test_cpu_model_loaded_onto_xla_moves_everything(saved, xla_device) -> None:  # type: ignore[no-untyped-def]
     source, path = saved
     model = gpt2().eval()

@@ -428,6 +428,10 @@ def test_checkpoint_io_round_trips_lightning_entries_and_refuses_pickle(tmp_path
         io.load_checkpoint(tmp_path / "x.ckpt", map_location="gpu")
     with pytest.raises(tiekit.TiekitError, match=r"map_location must be a device or a string, not 3"):
         io.load_checkpoint(tmp_path / "x.ckpt", map_location=3)
+    # A device this machine lacks was named a failed conversion of a model (adversarial probe).
+    absent = f"cuda:{torch.cuda.device_count()}"
+    with pytest.raises(tiekit.CheckpointError, match=rf"x\.ckpt: map_location: cannot load onto device '{absent}'"):
+        io.load_checkpoint(tmp_path / "x.ckpt", map_location=absent)
 
 
 def test_checkpoint_io_reads_files_of_the_earlier_encoding(tmp_path: Path) -> None:

@@ -79,21 +79,21 @@ def load_model(
 
     def load() -> LoadResult:
         source = open_source(path)
-        staged = stage(model, source, strict=strict, device=_device(device, source.where), dtype=dtype)
+        staged = stage(model, source, strict=strict, device=usable_device(device, source.where), dtype=dtype)
         _commit(model, source, staged)
         return LoadResult(staged.missing, staged.unexpected, staged.groups, source.plan_origin)
 
     return reading_again(load)
 
 
-def _device(device: Device, where: str) -> torch.device | None:
+def usable_device(device: Device, where: str) -> torch.device | None:
     """``device`` resolved, and checked usable here: "cuda" (or an int) names a device without
     one, which failed only at the first tensor read onto it, as torch's own error."""
     try:
         resolved = devices.resolve_device(device)
         if resolved is not None:
             torch.empty(0, device=resolved)  # no bytes: initializes the device, or says why it cannot
-    except (RuntimeError, ValueError, TypeError, AssertionError) as exc:
+    except (RuntimeError, ValueError, TypeError, AssertionError, IndexError) as exc:
         # Its first sentence: torch's may go on to list every backend.
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(". ")[0]
         raise CheckpointError(f"{where}: cannot load onto device {device!r}: {reason}") from exc

@@ -14,7 +14,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from torch import nn
 
 from tiekit.checkpoint.codec import Fallback, Reader
-from tiekit.checkpoint.loading import read_training_checkpoint
+from tiekit.checkpoint.loading import read_training_checkpoint, usable_device
 from tiekit.checkpoint.saving import write_training_checkpoint
 from tiekit.devices import storage_key
 from tiekit.errors import CheckpointError, TiekitError
@@ -84,7 +84,7 @@ class TiedCheckpointIO(CheckpointIO):
         if not isinstance(rest, dict):
             raise CheckpointError(f"{target}: not written by TiedCheckpointIO (no checkpoint entries)")
         if map_location is not None:
-            device = _device(map_location)
+            device = _device(map_location, target)
             # The holder moves as a model does (tiekit.move): a tensor copied on its own would
             # leave the views it has behind, as separate copies on the device.
             move(holder, device)
@@ -98,13 +98,16 @@ class TiedCheckpointIO(CheckpointIO):
             target.unlink()
 
 
-def _device(map_location: Any) -> torch.device:
+def _device(map_location: Any, target: Path) -> torch.device:
     # Checked after the read, as before: a file that is no checkpoint is the first thing to name.
     if isinstance(map_location, str | torch.device):
         try:
-            return torch.device(map_location)
+            device = torch.device(map_location)
         except RuntimeError as exc:
             raise TiekitError(f"TiedCheckpointIO: map_location {map_location!r} is not a device ({exc})") from None
+        # One this machine has ("cuda" without a GPU failed inside the move, named as a conversion).
+        usable_device(map_location, f"{target}: map_location")
+        return device
     raise TiekitError(f"TiedCheckpointIO: map_location must be a device or a string, not {map_location!r}")
 
 
