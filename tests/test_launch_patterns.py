@@ -15,6 +15,9 @@ puts that barrier back and checks the harness fails instead of hanging.
 from __future__ import annotations
 
 import re
+import socket
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -266,6 +269,148 @@ def test_fit_reads_a_launchers_variables_only_when_a_launcher_set_them(
     else:
         with pytest.raises(tiekit.TiekitError, match=f"in the environment: the {expected}"):
             tiekit.fit(torch.nn.Linear(4, 4), data, strategy="ddp", **kw)
+
+
+FIT_BY_HAND = """
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+import tiekit
+
+sys.path.insert(0, sys.argv[1])
+from models import WeightSharingModule
+
+data = TensorDataset(torch.randn(64, 32, generator=torch.Generator().manual_seed(0)), torch.randn(64, 10))
+if len(sys.argv) > 2:
+    print("imported", flush=True)
+    sys.stdin.readline()  # joins when the test says so
+result = tiekit.fit(WeightSharingModule, data, loss_fn=F.mse_loss, strategy="ddp", batch_size=4, max_steps=2,
+                    progress=False)
+print(f"trained: world {result.world_size}, identical {result.replicas_identical}", flush=True)
+"""
+
+
+def by_hand(rank: int, port: int, **extra: str) -> dict[str, str]:
+    """The environment of a process started by hand as rank ``rank`` of 2 (docs/launching.md's
+    "no launcher" form), or of one whose shell kept these variables from another run."""
+    env = {k: v for k, v in base_env().items() if k not in ("LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **extra)
+    return env
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("rank", "absent"), [(0, "rank 1"), (1, "rank 0 (nothing listens there yet)")])
+def test_a_process_started_alone_as_one_of_two_fails_saying_what_it_waits_for(
+    rank: int, absent: str, tmp_path: Path
+) -> None:
+    """RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT left in a shell by another run, no launcher:
+    fit waited in torch's env:// rendezvous for a process that never comes, 30 minutes, silently."""
+    (tmp_path / "fit.py").write_text(FIT_BY_HAND)
+    command = [str(BIN / "python"), str(tmp_path / "fit.py"), str(Path(__file__).parent)]
+    env = by_hand(rank, free_port(), TIEKIT_JOIN_TIMEOUT="4")
+    (run,) = run_together([command], env=env, cwd=tmp_path, timeout=60)
+    assert run.returncode != 0, run.output
+    where = f"at 127.0.0.1:{env['MASTER_PORT']} for {absent} to join"
+    said = re.search(rf"tiekit: rank {rank} of 2 has waited \d+ s {re.escape(where)}. (.*)", run.output)
+    assert said, run.output  # on stderr, while it waited (after 2 s: half the bound)
+    gave_up = re.search(
+        rf"TiekitError: rank {rank} of 2 gave up after waiting \d+ s {re.escape(where)}. (.*)", run.output
+    )
+    assert gave_up, run.output
+    for rest in (said[1], gave_up[1]):
+        assert f"RANK={rank}, WORLD_SIZE=2, MASTER_ADDR=127.0.0.1, MASTER_PORT={env['MASTER_PORT']} came from " in rest
+        assert "leftovers from another run: unset them" in rest and "(TIEKIT_JOIN_TIMEOUT in the environment" in rest
+
+
+@pytest.mark.timeout(120)
+def test_a_join_timeout_that_is_not_seconds_is_refused(tmp_path: Path) -> None:
+    """In a process of its own: before, the setting did not exist and the join waited 30 minutes."""
+    (tmp_path / "fit.py").write_text(FIT_BY_HAND)
+    command = [str(BIN / "python"), str(tmp_path / "fit.py"), str(Path(__file__).parent)]
+    (run,) = run_together([command], env=by_hand(0, free_port(), TIEKIT_JOIN_TIMEOUT="-1"), cwd=tmp_path, timeout=60)
+    assert run.returncode != 0, run.output
+    expected = "TiekitError: TIEKIT_JOIN_TIMEOUT='-1' in the environment must be a positive number of seconds"
+    assert expected in run.output, run.output
+    assert "has waited" not in run.output
+
+
+@pytest.mark.timeout(120)
+def test_processes_started_by_hand_one_after_the_other_join(tmp_path: Path) -> None:
+    """The docs' form without a launcher, rank 1 started first: it says it waits for rank 0 and
+    trains with it once rank 0 starts, before its bound (12 s; it says so after 6)."""
+    (tmp_path / "fit.py").write_text(FIT_BY_HAND)
+    command = [str(BIN / "python"), str(tmp_path / "fit.py"), str(Path(__file__).parent)]
+    port = free_port()
+    log0, log1 = tmp_path / "rank0.log", tmp_path / "rank1.log"
+    with open(log0, "wb") as out0, open(log1, "wb") as out1:
+        rank1 = subprocess.Popen(command, env=by_hand(1, port, TIEKIT_JOIN_TIMEOUT="12"), stdout=out1, stderr=out1)
+        rank0 = subprocess.Popen(
+            [*command, "wait"], env=by_hand(0, port), stdin=subprocess.PIPE, stdout=out0, stderr=out0
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while not ("has waited" in log1.read_text() and "imported" in log0.read_text()):
+            assert rank1.poll() is None and rank0.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        assert rank0.stdin is not None
+        rank0.stdin.write(b"go\n")  # rank 1 is still waiting: rank 0 joins now
+        rank0.stdin.close()
+        codes = [rank0.wait(timeout=90), rank1.wait(timeout=90)]
+    finally:
+        rank0.kill()
+        rank1.kill()
+    outputs = [log0.read_text(), log1.read_text()]
+    assert codes == [0, 0], outputs
+    said = f"s at 127.0.0.1:{port} for rank 0 (nothing listens there yet) to join"
+    assert re.search(rf"tiekit: rank 1 of 2 has waited \d+ {re.escape(said)}", outputs[1]), outputs
+    for output in outputs:
+        assert "trained: world 2, identical True" in output, outputs
+    assert "has waited" not in outputs[0]  # rank 1 was there when rank 0 came
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        (  # left in a shell by another run: torch's raw "environment variable MASTER_ADDR expected"
+            {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"},
+            "RANK=1, WORLD_SIZE=2, LOCAL_RANK=1 in the environment, without MASTER_ADDR or MASTER_PORT: ",
+        ),
+        (
+            {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"},
+            "RANK=1, WORLD_SIZE=2, MASTER_ADDR=127.0.0.1 in the environment, without MASTER_PORT: ",
+        ),
+        (  # torch's raw int() error
+            {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "twenty"},
+            "MASTER_PORT='twenty' in the environment must be a port number",
+        ),
+        (  # torch's raw "address already in use"
+            {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "BUSY"},
+            "rank 0 of 2 cannot listen on MASTER_PORT=",
+        ),
+    ],
+)
+def test_fit_refuses_a_launch_environment_it_cannot_join(
+    env: dict[str, str], expected: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        ports = {"PORT": str(free_port()), "BUSY": str(busy.getsockname()[1])}
+        for name, value in env.items():
+            monkeypatch.setenv(name, ports.get(value, value))
+        data = TensorDataset(torch.randn(16, 4), torch.randn(16, 4))
+        with pytest.raises(tiekit.TiekitError) as caught:
+            tiekit.fit(torch.nn.Linear(4, 4), data, loss_fn=F.mse_loss, strategy="ddp", devices=2, max_steps=1)
+    assert expected in str(caught.value)
 
 
 OWN_GROUP = """
