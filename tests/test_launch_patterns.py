@@ -391,6 +391,10 @@ def test_processes_started_by_hand_one_after_the_other_join(tmp_path: Path) -> N
             {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "BUSY"},
             "rank 0 of 2 cannot listen on MASTER_PORT=",
         ),
+        (  # "this run has 1 processes"
+            {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"},
+            'devices=2, but this run has 1 process, started by torchrun or your script: pass devices="auto" or 1',
+        ),
     ],
 )
 def test_fit_refuses_a_launch_environment_it_cannot_join(

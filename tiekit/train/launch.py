@@ -182,8 +182,8 @@ def _processes(job: Job, requested: int | str) -> tuple[list[Outcome], nn.Module
         local_world = os.environ.get("LOCAL_WORLD_SIZE")
         if isinstance(requested, int) and str(requested) not in (str(launched[1]), local_world):
             raise TiekitError(
-                f"devices={requested}, but this run has {launched[1]} processes, started by torchrun or your "
-                f'script: pass devices="auto" or {launched[1]} (the number of processes)'
+                f"devices={requested}, but this run has {launched[1]} process{'es' if launched[1] != 1 else ''}, "
+                f'started by torchrun or your script: pass devices="auto" or {launched[1]} (the number of processes)'
             )
         created = not dist.is_initialized()
         try:
