@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from tiekit import TiekitError
-from tiekit.backends.torch_distributed import LAUNCH_KEY, collective_store_of_this_launch
+from tiekit.backends.rendezvous import LAUNCH_KEY, collective_store_of_this_launch
 
 
 @pytest.fixture

@@ -39,13 +39,13 @@ from tiekit import devices
 from tiekit.backends import xla as xla_runtime
 from tiekit.backends.base import Backend
 from tiekit.backends.fsdp import FsdpBackend
+from tiekit.backends.rendezvous import rendezvous_store
 from tiekit.backends.torch_distributed import (
     TorchBackend,
     clear_dtensor_caches,
     collective_close_process_group,
     join_process_group,
     launched_rank,
-    rendezvous_store,
 )
 from tiekit.backends.xla_replicas import XlaReplicaBackend, xla_launch
 from tiekit.backends.xla_spmd import SpmdBackend
