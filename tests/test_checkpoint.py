@@ -540,7 +540,7 @@ def test_a_file_saved_untied_loads_into_the_tied_model_when_its_copies_are_equal
         ),
         (
             lambda m, p: save_model(m, p / "m.safetensors", metadata=["a"]),  # type: ignore[arg-type]
-            "metadata must map strings to strings (a dict), not a list",
+            "tiekit.save_model(model, path, metadata=...): metadata must map strings to strings (a dict), not a list",
         ),
         (
             lambda m, p: inspect_file(m),  # type: ignore[arg-type]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -125,6 +126,23 @@ def test_prepare_tied_refuses_arguments_of_the_wrong_kind(cpu_accelerator: accel
     with pytest.raises(tiekit.TieError, match=r"prepare_tied: declared maps tied names .*not a list"):
         prepare_tied(accelerator, model, declared=["layer_3.weight"])  # type: ignore[arg-type]
     assert list(model.parameters()) == params and model.layer_1.weight is model.layer_3.weight
+
+
+def test_prepare_tied_takes_an_object_standing_in_for_an_accelerator(cpu_accelerator: accelerate.Accelerator) -> None:
+    """A proxy delegating to an Accelerator worked before the argument check, which wanted an
+    Accelerator instance (adversarial probe)."""
+
+    class Proxy:
+        def __init__(self, inner: accelerate.Accelerator) -> None:
+            self._inner = inner
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._inner, name)
+
+    model = prepare_tied(Proxy(cpu_accelerator), WeightSharingModule())
+    assert model.layer_1.weight is model.layer_3.weight
+    with pytest.raises(tiekit.TiekitError, match=r"accelerator must be an accelerate\.Accelerator, not a str$"):
+        prepare_tied("accelerator", WeightSharingModule())  # type: ignore[arg-type]
 
 
 def test_prepare_tied_applies_declared_ties_and_refuses_bad_ones(cpu_accelerator: accelerate.Accelerator) -> None:

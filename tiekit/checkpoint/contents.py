@@ -269,9 +269,10 @@ def host_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return dict(zip(tensors, out, strict=True))
 
 
-def header_metadata(metadata: Mapping[str, str] | None, plan: TiePlan) -> dict[str, str]:
+def header_metadata(metadata: Mapping[str, str] | None, plan: TiePlan, call: str = "") -> dict[str, str]:
     if metadata is not None and not isinstance(metadata, Mapping):
-        raise CheckpointError(f"metadata must map strings to strings (a dict), not a {type(metadata).__name__}")
+        where = f"{call}: " if call else ""
+        raise CheckpointError(f"{where}metadata must map strings to strings (a dict), not a {type(metadata).__name__}")
     user = dict(metadata or {})
     for key, value in user.items():
         if not isinstance(key, str) or not isinstance(value, str):

@@ -69,7 +69,7 @@ def save_model(
     plan = saving_plan(model)
     names, tensors = unique_tensors(model, plan)
     _refuse_sharded(model, dict(zip(names, tensors, strict=True)))
-    header = header_metadata(metadata, plan)
+    header = header_metadata(metadata, plan, "tiekit.save_model(model, path, metadata=...)")
 
     state = host_tensors(dict(zip(names, tensors, strict=True)))
     after_earlier_saves(target, stacklevel=2)

@@ -68,12 +68,13 @@ def prepare_tied(
 def _refuse_bad_arguments(accelerator: Any, model: Any, declared: Any) -> None:
     """`TiekitError` naming the argument of the wrong kind (accelerate's and torch's own errors,
     an AttributeError deep inside, name neither)."""
-    from accelerate import Accelerator
-
-    if not isinstance(accelerator, Accelerator):
+    # What prepare_tied uses of it: an object standing in for an Accelerator (a proxy) will do.
+    used = ("prepare", "unwrap_model", "device", "device_placement", "distributed_type")
+    if not all(hasattr(accelerator, name) for name in used):
+        swapped = " (the accelerator comes first: prepare_tied(accelerator, model, *objects))"
         raise TiekitError(
-            f"prepare_tied: accelerator must be an accelerate.Accelerator, not a {type(accelerator).__name__} "
-            "(the accelerator comes first: prepare_tied(accelerator, model, *objects))"
+            f"prepare_tied: accelerator must be an accelerate.Accelerator, not a {type(accelerator).__name__}"
+            + (swapped if isinstance(accelerator, nn.Module) else "")
         )
     if not isinstance(model, nn.Module):
         raise TiekitError(f"prepare_tied: model must be a torch.nn.Module, not a {type(model).__name__}")
