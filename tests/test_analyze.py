@@ -389,7 +389,11 @@ def test_a_tensor_registered_as_buffer_first_and_parameter_later_counts_once() -
         (lambda: find_ties(nn.Linear(2, 2), declared=["a"]), TieError, "({target: source}), not a list"),
         (lambda: tiekit.move("model", "cpu"), TieError, "expected a torch.nn.Module, got str"),
         (lambda: tiekit.preserve_ties(None).__enter__(), TieError, "expected a torch.nn.Module, got NoneType"),
-        (lambda: tiekit.save_model(None, "unused.safetensors"), tiekit.CheckpointError, "cannot save NoneType"),
+        (
+            lambda: tiekit.save_model(None, "unused.safetensors"),
+            tiekit.CheckpointError,
+            "tiekit.save_model(model, path): model must be a torch.nn.Module, not None",
+        ),
     ],
 )
 def test_a_wrong_type_is_a_tiekit_error_naming_it(call: Any, error: type[Exception], message: str) -> None:
