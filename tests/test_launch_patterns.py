@@ -14,9 +14,11 @@ puts that barrier back and checks the harness fails instead of hanging.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -323,6 +325,40 @@ def test_a_process_started_alone_as_one_of_two_fails_saying_what_it_waits_for(
     for rest in (said[1], gave_up[1]):
         assert f"RANK={rank}, WORLD_SIZE=2, MASTER_ADDR=127.0.0.1, MASTER_PORT={env['MASTER_PORT']} came from " in rest
         assert "leftovers from another run: unset them" in rest and "(TIEKIT_JOIN_TIMEOUT in the environment" in rest
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_whose_master_port_another_program_holds_gives_up_at_its_bound(tmp_path: Path) -> None:
+    """A MASTER_PORT left from another run where a program that is no store listens (it accepts,
+    never answers): torch's store client waited for its handshake for good, past the bound,
+    saying nothing (adversarial probe)."""
+    (tmp_path / "fit.py").write_text(FIT_BY_HAND)
+    command = [str(BIN / "python"), str(tmp_path / "fit.py"), str(Path(__file__).parent)]
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        accepted: list[socket.socket] = []
+        stop = threading.Event()
+
+        def accept() -> None:
+            listener.settimeout(0.2)
+            while not stop.is_set():
+                with contextlib.suppress(OSError):
+                    accepted.append(listener.accept()[0])
+
+        thread = threading.Thread(target=accept, daemon=True)
+        thread.start()
+        try:
+            env = by_hand(1, listener.getsockname()[1], TIEKIT_JOIN_TIMEOUT="4")
+            (run,) = run_together([command], env=env, cwd=tmp_path, timeout=60)
+        finally:
+            stop.set()
+            thread.join()
+            for conn in accepted:
+                conn.close()
+    assert run.returncode != 0, run.output
+    expected = "TiekitError: rank 1 of 2 gave up after waiting 4 s at 127.0.0.1:"
+    assert expected in run.output and "does not answer as one" in run.output, run.output
 
 
 @pytest.mark.timeout(120)

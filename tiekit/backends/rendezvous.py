@@ -9,10 +9,12 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
 from datetime import timedelta
+from typing import Any, cast
 
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]  # not in its __all__
 from torch.distributed.constants import default_pg_timeout
@@ -205,12 +207,31 @@ class _JoinWait:
             except OSError:
                 self.tick(lambda: "rank 0 (nothing listens there yet)")
                 time.sleep(0.2)
-        try:
-            return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=max(1.0, self.remaining())))
-        except RuntimeError as exc:
+        made: dict[str, Any] = {}
+
+        def make() -> None:
+            try:
+                made["store"] = TCPStore(
+                    host, port, is_master=False, timeout=timedelta(seconds=max(1.0, self.remaining()))
+                )
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                made["error"] = exc
+
+        # In a thread of its own: TCPStore's handshake waits for an answer without its timeout, so
+        # a program holding the port that is no store (a MASTER_PORT left from another run) kept
+        # this rank waiting for good, saying nothing. Left behind (a daemon) if it never returns.
+        thread = threading.Thread(target=make, name="tiekit-store-client", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.2)
+            if thread.is_alive():
+                self.tick(lambda: "rank 0's store (something listens there but does not answer as one)")
+        if "error" in made:
             raise TiekitError(
-                f"{self.who}: what listens at {self.where} (MASTER_ADDR:MASTER_PORT) is not rank 0's store: {exc}"
-            ) from exc
+                f"{self.who}: what listens at {self.where} (MASTER_ADDR:MASTER_PORT) is not rank 0's store: "
+                f"{made['error']}"
+            ) from made["error"]
+        return cast(TCPStore, made["store"])
 
 
 def _name_ranks(ranks: list[int]) -> str:
