@@ -169,6 +169,20 @@ def test_a_resume_trains_with_the_options_the_optimizer_was_given(tmp_path: Path
     assert not same(weights(on.model), weights(first.model))
 
 
+def test_a_resume_with_another_drop_last_says_the_epochs_differ(tmp_path: Path) -> None:
+    """fit(drop_last=None) takes a DataLoader's own drop_last since e614978: a run continued with
+    a loader that keeps its short batch, from a checkpoint of a run that dropped it, trained the
+    batch the original never did, without a word (adversarial probe). Checkpoints record it now."""
+    kw: dict[str, Any] = {**CPU, "checkpoint_dir": tmp_path, "seed": 1}
+    dataset = data(12)
+    tiekit.fit(DropoutNet, dataset, max_steps=2, batch_size=5, drop_last=True, **kw)
+    with pytest.warns(UserWarning, match=r"saved by a run with drop_last=True, with drop_last=False: an epoch has"):
+        tiekit.fit(DropoutNet, DataLoader(dataset, batch_size=5), max_steps=3, resume="last", **kw)
+    with warnings.catch_warnings():  # the same: nothing to say
+        warnings.simplefilter("error")
+        tiekit.fit(DropoutNet, DataLoader(dataset, batch_size=5), max_steps=4, resume="last", **kw)
+
+
 def test_a_resume_with_another_seed_or_shuffle_says_the_position_is_taken_in_another_order(tmp_path: Path) -> None:
     kw: dict[str, Any] = {**CPU, "checkpoint_dir": tmp_path, "batch_size": 4}
     tiekit.fit(DropoutNet, data(), max_steps=3, seed=1, **kw)  # 3 of 10 batches of seed 1's permutation

@@ -89,6 +89,7 @@ class Coordinator:
     # (`ReplicaLoader.order_seed`, `order_shuffle`; None: not fit's seed or shuffle).
     seed: int | None = None
     shuffle: bool | None = None
+    drop_last: bool | None = None
     last_saved: Path | None = None
     pending: SaveHandle | None = None  # this rank's background save, if one is under way
     # The host memory of the last background save, copied into by the next one once that save
@@ -213,7 +214,13 @@ class Coordinator:
     def training_run(self, backend: Backend) -> state.TrainingRun:
         """What this run's checkpoints record of it. Local."""
         return state.TrainingRun(
-            self.run_id, backend.devices_in_run, self.batch_size, self.seed, self.shuffle, backend.data_replicas
+            self.run_id,
+            backend.devices_in_run,
+            self.batch_size,
+            self.seed,
+            self.shuffle,
+            backend.data_replicas,
+            self.drop_last,
         )
 
     def save(

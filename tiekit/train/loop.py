@@ -156,6 +156,7 @@ def _trained(
     coordinator.agree_on_data(shares)  # else a rank ending its epoch first leaves the others waiting
     coordinator.batch_size = train.batch_size
     coordinator.seed, coordinator.shuffle = train.order_seed, train.order_shuffle
+    coordinator.drop_last = train.drop_last
     position = coordinator.resume(cfg, model, optimizer, backend, plan)  # rank 0 chooses, every rank loads
     backend.end_step()  # XLA: run the set-up's pending work (a resume's copies) through the gate
     per_epoch = train.batches_per_epoch()

@@ -156,6 +156,7 @@ class TrainingRun:
     seed: int | None
     shuffle: bool | None
     samplers: int = 1  # the data-parallel loaders (DDP, XLA replicas: one per replica; SPMD: per host)
+    drop_last: bool | None = None  # whether the training loader drops an epoch's short last batch
 
 
 def contents(
@@ -172,6 +173,7 @@ def contents(
         "samplers": run.samplers,
         "seed": run.seed,
         "shuffle": run.shuffle,
+        "drop_last": run.drop_last,
         "run": run.run_id,
         "rng": _rng_states(device),
     }
@@ -316,6 +318,17 @@ def _warn_if_reordered(path: Path, extra: dict[str, Any], run: TrainingRun) -> N
                 UserWarning,
                 stacklevel=4,
             )
+    saved, now = extra.get("drop_last"), run.drop_last
+    if saved is not None and now is not None and saved != now:
+        # fit's drop_last=None takes a DataLoader's own: a loader with drop_last=False resumes a
+        # run that dropped its short batches differently, however fit was called.
+        warnings.warn(
+            f"resuming {path}, saved by a run with drop_last={saved}, with drop_last={now}: an epoch has another "
+            f"number of steps, so the epochs, and the data order, differ from the original run's from here on; "
+            f"pass drop_last={saved} to fit to continue as it did",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def _as_lists(value: Any) -> Any:
