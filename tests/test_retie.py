@@ -558,6 +558,21 @@ def test_preserve_ties_ties_a_replaced_source_and_a_meta_model_materialized_name
         model.wte = nn.Embedding(10, 4)
     assert model.head.weight is model.wte.weight
 
+    # A new head module (resize_token_embeddings makes one) gives nothing: the trained embedding
+    # stays, as transformers' tie_weights keeps it (the next version had it overwritten).
+    model = TiedLM()
+    trained = model.wte.weight.detach().clone()
+    with tiekit.preserve_ties(model):
+        model.head = nn.Linear(4, 10, bias=False)
+    assert model.head.weight is model.wte.weight and torch.equal(model.wte.weight, trained)
+
+    # A frozen tie given a new Parameter under its other name stays frozen (it became trainable).
+    model = TiedLM()
+    model.wte.weight.requires_grad_(False)
+    with tiekit.preserve_ties(model):
+        model.head.weight = nn.Parameter(torch.randn(10, 4))
+    assert model.head.weight is model.wte.weight and not model.wte.weight.requires_grad
+
     with torch.device("meta"):
         model = TiedLM()
     with tiekit.preserve_ties(model):

@@ -226,3 +226,16 @@ def test_preserve_ties_around_a_move_to_xla_reads_nothing_back_to_the_host() -> 
     assert model[1].weight is model[0].weight and model[0].weight.device.type == "xla"
     transfers = met.metric_data("TransferFromDeviceTime")
     assert transfers is None or transfers[0] == 0
+
+
+def test_preserve_ties_on_xla_refuses_different_values_given_as_views_of_one_storage() -> None:
+    """Tensors of one storage counted as equal on XLA (no pointers to compare): two rows of one
+    tensor, loaded as the two names of a tie, kept one and dropped the other (adversarial probe)."""
+    device = devices.resolve_device("xla")
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight
+    tiekit.move(model, device)
+    rows = torch.stack([torch.ones(10, 4), torch.full((10, 4), 2.0)]).to(device)
+    with pytest.raises(tiekit.TieError, match="were given different values"), tiekit.preserve_ties(model):
+        model.load_state_dict({"0.weight": rows[0], "1.weight": rows[1]}, assign=True)
+    assert model[1].weight.cpu()[0, 0].item() == 2.0 and model[0].weight.cpu()[0, 0].item() == 1.0

@@ -82,6 +82,16 @@ def xla_buffer_handles(tensors: list[torch.Tensor]) -> list[int]:
     return [int(h) for h in torch_xla._XLAC._get_tensors_handle(tensors)]
 
 
+def one_device_buffer(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are one buffer in device memory that hides its pointers (XLA: its
+    data handles, after a sync); False where that cannot be seen. Views of one storage at other
+    offsets have buffers of their own."""
+    if not (is_xla(a.device) and a.device == b.device):
+        return False
+    first, second = xla_buffer_handles([a, b])
+    return first == second
+
+
 def sync() -> None:
     """Cut and run the pending XLA graph (no-op when torch_xla was never imported)."""
     import sys
