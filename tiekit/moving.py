@@ -254,7 +254,9 @@ def preserve_ties(
 
     For code that replaces tensors behind the model's back: ``.to(xla)``, ``to_empty``,
     ``load_state_dict(assign=True)``, third-party wrappers. When the block raises, the ties are
-    restored as far as they can be (a conversion stopped half way) and the error goes on.
+    restored as far as they can be (a conversion stopped half way) and the error goes on. A tie
+    the block split keeps what it gave (`tiekit.preserving`): a tensor loaded under one name of
+    it becomes the tie's; different values given to two names raise `TieError`.
     """
     checked_on_error(on_error, "tiekit.preserve_ties")
     planned = _moving_plan(model, declared) if plan is None else _given_plan(model, plan)
