@@ -36,6 +36,15 @@ from tiekit.slots import Walk, resolve, walk_slots
 _Slot = tuple[str, MemberKind, torch.Tensor, int]
 
 
+def checked_declared(declared: object, where: str = "") -> None:
+    """`TieError` naming ``where`` (a function) unless ``declared`` is None or a mapping."""
+    if declared is not None and not isinstance(declared, Mapping):
+        raise TieError(
+            f"{where + ': ' if where else ''}declared maps tied names to their sources ({{target: source}}), "
+            f"not a {type(declared).__name__}"
+        )
+
+
 def find_ties(
     model: nn.Module,
     *,
@@ -53,9 +62,7 @@ def find_ties(
     tensors with bit-identical values, the trace a move leaves when it broke a tie.
     ``declared`` adds ties the model declares as ``{target: source}`` names.
     """
-    if declared is not None and not isinstance(declared, Mapping):
-        kind = type(declared).__name__
-        raise TieError(f"declared maps tied names to their sources ({{target: source}}), not a {kind}")
+    checked_declared(declared)
     walk = walk_slots(model, buffers=buffers)
     distinct, extra = _identities(walk)
     shared = _shared_storages(walk.tensors, distinct)

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiekit.analyze import find_ties
-from tiekit.errors import TieError, TiekitError
+from tiekit.analyze import checked_declared, find_ties
+from tiekit.errors import TiekitError
 from tiekit.moving import move, rebind_optimizer
 from tiekit.retie import OnError, checked_on_error, retie, verify
 
@@ -78,11 +78,7 @@ def _refuse_bad_arguments(accelerator: Any, model: Any, declared: Any) -> None:
         )
     if not isinstance(model, nn.Module):
         raise TiekitError(f"prepare_tied: model must be a torch.nn.Module, not a {type(model).__name__}")
-    if declared is not None and not isinstance(declared, Mapping):
-        raise TieError(
-            "prepare_tied: declared maps tied names to their sources ({target: source}), "
-            f"not a {type(declared).__name__}"
-        )
+    checked_declared(declared, "prepare_tied")
 
 
 def _unprefixed(name: str) -> str:

@@ -11,7 +11,7 @@ from typing import Any
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from tiekit.analyze import find_ties
+from tiekit.analyze import checked_declared, find_ties
 from tiekit.errors import TieError, TiekitError, TieWarning
 from tiekit.integrations.lightning.checkpoint_io import TiedCheckpointIO
 from tiekit.plan import TieGroup, TiePlan
@@ -43,11 +43,7 @@ class KeepTies(Callback):
         plan: TiePlan | None = None,
     ) -> None:
         super().__init__()
-        if declared is not None and not isinstance(declared, Mapping):
-            raise TieError(
-                "KeepTies: declared maps tied names to their sources ({target: source}), "
-                f"not a {type(declared).__name__}"
-            )
+        checked_declared(declared, "KeepTies")
         if plan is not None and declared:
             raise TiekitError("KeepTies: pass declared ties to find_ties when making the plan, not with plan=")
         if plan is not None and not isinstance(plan, TiePlan):
