@@ -35,7 +35,7 @@ def retie(model: nn.Module, plan: TiePlan, *, replacing: Collection[str] = ()) -
     """
     changes: list[tuple[nn.Module, str, torch.Tensor, TieMember]] = []
     replaced = frozenset(replacing)
-    for group in _a_plan(plan).groups:
+    for group in checked_plan(plan).groups:
         changes.extend(lasting_tie_changes(model, group, replacing=replaced))
     # Names of one tensor that is a view (a weight tied to another, both over a buffer's memory)
     # are members with one geometry: they get one rebuilt tensor, and stay one.
@@ -50,17 +50,13 @@ def retie(model: nn.Module, plan: TiePlan, *, replacing: Collection[str] = ()) -
     return tuple(member.name for _, _, _, member in changes)
 
 
-def _a_plan(plan: object) -> TiePlan:
-    return checked_plan(plan)
-
-
 def fitting_plan(model: nn.Module, plan: TiePlan, *, counted: bool = True) -> TiePlan:
     """``plan``, checked against ``model`` before anything changes: every name resolves, shapes
     and dtypes fit (the checks `retie` makes, without re-pointing anything), no tensor views a
     source's memory in another dtype (a conversion would make it a copy), and (``counted``) the
     model will hold the plan's parameter count once tied; `TieError` if not. ``counted=False``
     leaves the count to `verify` after the move (``on_error="warn"`` warns of it there)."""
-    changes = [change for group in _a_plan(plan).groups for change in lasting_tie_changes(model, group)]
+    changes = [change for group in checked_plan(plan).groups for change in lasting_tie_changes(model, group)]
     if counted:
         _refuse_another_models_plan(model, plan, changes)
     for view in plan.reinterpreting:
@@ -267,7 +263,7 @@ def verify(model: nn.Module, plan: TiePlan, *, on_error: OnError = "raise") -> V
     """
     checked_on_error(on_error, "tiekit.verify")
     broken: list[str] = []
-    for group in _a_plan(plan).groups:
+    for group in checked_plan(plan).groups:
         try:
             _, _, source, _ = resolve(model, group.source, "tie source")
         except TieError as exc:
