@@ -232,6 +232,21 @@ def test_markers_are_honest_and_blocks_are_found() -> None:
     assert counted["python"] >= 20 and counted["console"] >= 3, counted
 
 
+def test_every_export_has_an_api_entry() -> None:
+    """Each name ``import tiekit`` exports is rendered in docs/api.md: its own ``:::`` entry (under
+    the module that defines it, as ``tiekit.train.fit``) or a member listed under a module entry."""
+    import tiekit
+
+    api = (ROOT / "docs" / "api.md").read_text()
+    missing = [
+        name
+        for name in tiekit.__all__
+        if name != "__version__"
+        and not re.search(rf"^::: tiekit(\.\w+)*\.{name}$|^ +- {name}$", api, flags=re.MULTILINE)
+    ]
+    assert not missing, f"docs/api.md has no entry for tiekit.{', tiekit.'.join(missing)}"
+
+
 def test_extractor_reads_fences_markers_and_indentation(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
     page.write_text(

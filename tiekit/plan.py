@@ -17,6 +17,7 @@ import torch
 from tiekit.errors import TieError
 
 PLAN_VERSION = 1
+"""The tie plan format version this tiekit writes (the ``"version"`` of `TiePlan.to_dict`); newer ones are refused."""
 
 GroupKind = Literal["parameter", "buffer", "view"]
 MemberKind = Literal["parameter", "buffer"]
