@@ -78,6 +78,25 @@ plain = build().to(backend.device)  # the control: the move breaks the tie befor
 annotated_plain = shard_parameters(plain, backend.mesh)
 plain_local, _ = per_device(list(plain.parameters()))
 
+import numpy as np
+import torch_xla.distributed.spmd as xs
+
+def refusal(model, mesh):
+    try:
+        shard_parameters(model, mesh)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+half = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+tiekit.move(half[0], backend.device)  # the second layer left on the CPU
+moved = tiekit.move(torch.nn.Linear(8, 8), backend.device)
+shard_refusals = dict(
+    cpu=[refusal(half, backend.mesh), torch_xla._XLAC._get_xla_sharding_spec(half[0].weight)],
+    mesh_2d=[refusal(moved, xs.Mesh(np.arange(4), (2, 2), ("data", "fsdp"))),
+             torch_xla._XLAC._get_xla_sharding_spec(moved.weight)],
+)
+
+
 print(json.dumps(dict(
     strategies=[sharded.strategy, replicated.strategy], worlds=[sharded.world_size, replicated.world_size],
     losses=[list(sharded.losses), list(replicated.losses)], max_diff=diff, ties_kept=sharded.ties_kept,
@@ -86,6 +105,7 @@ print(json.dumps(dict(
     tied=head is wte, specs=specs, handles=len(set(devices.xla_buffer_handles([wte, head]))),
     unique=[unique_before, len(params)], local=local, whole=whole,
     checkpoints=checkpoints, plain=[annotated_plain, plain.lm_head.weight is plain.transformer.wte.weight, plain_local],
+    shard_refusals=shard_refusals,
 )))
 """
 
@@ -139,3 +159,16 @@ def test_spmd_fsdp_checkpoints_resume_and_load_into_a_plain_model(out: dict[str,
     assert saved["resumed_losses"] == pytest.approx(saved["saving_losses"][2:], rel=1e-5, abs=1e-6)
     assert saved["resume_diff"] < 1e-5  # resumed from step 2: the same weights at step 4
     assert saved["plain_tied"] and saved["load_diff"] == 0.0  # the broken tie restored, values equal
+
+
+def test_shard_parameters_refuses_a_parameter_off_the_device_and_a_2d_mesh_before_annotating(
+    out: dict[str, object],
+) -> None:
+    refusals = out["shard_refusals"]
+    assert isinstance(refusals, dict)
+    error, spec = refusals["cpu"]
+    assert error.startswith("TiekitError: shard_parameters: parameter '1.weight' is on cpu"), error
+    assert spec == ""  # the parameter before it was not annotated either: the model is as it was
+    error, spec = refusals["mesh_2d"]
+    assert error.startswith("TiekitError: shard_parameters shards over a 1-D mesh, and this mesh has 2 axes"), error
+    assert spec == ""

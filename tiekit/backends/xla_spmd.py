@@ -13,6 +13,7 @@ from torch import nn
 from tiekit.backends.xla import XlaBackend, xla_device_count, xla_module, xla_wait
 from tiekit.collective import ranks
 from tiekit.devices import xla
+from tiekit.errors import TiekitError
 from tiekit.moving import move
 from tiekit.plan import TiePlan
 
@@ -60,9 +61,28 @@ def shard_parameters(model: nn.Module, mesh: Any) -> int:
     """Shard every unique parameter of ``model`` on dimension 0 over the mesh's (only) axis with
     ``mark_sharding``, FSDPv2 style; scalars stay replicated. A tie group is one parameter, so it
     gets one annotation and one sharded buffer; a parameter without elements stays replicated
-    (torch_xla's save planner writes nothing for a sharded one). Returns the number annotated."""
+    (torch_xla's save planner writes nothing for a sharded one). Returns the number annotated.
+
+    ``model`` must be on the XLA device already (`tiekit.move`, which keeps its ties) and ``mesh``
+    one-dimensional (`spmd_mesh`'s): a parameter elsewhere, or a mesh of several axes (which one
+    would split the rows is yours to say, with ``mark_sharding``), is a `TiekitError` before any
+    parameter is annotated."""
     spmd = xla_module("torch_xla.distributed.spmd")
-    axis = mesh.axis_names[0]
+    shape = getattr(mesh, "mesh_shape", None)
+    if shape is None:
+        raise TiekitError(f"shard_parameters: mesh must be a torch_xla Mesh (spmd_mesh's), not a {type(mesh).__name__}")
+    if len(shape) != 1:
+        raise TiekitError(
+            f"shard_parameters shards over a 1-D mesh, and this mesh has {len(shape)} axes (shape {tuple(shape)}, "
+            f"names {mesh.axis_names}): annotate the parameters with mark_sharding to split them over a chosen axis"
+        )
+    for name, p in model.named_parameters():
+        if p.device.type != "xla":
+            raise TiekitError(
+                f"shard_parameters: parameter {name!r} is on {p.device}, not on the XLA device: move the whole "
+                "model there first, ties kept (tiekit.move(model, 'xla')); no parameter was annotated"
+            )
+    axis = mesh.axis_names[0] if mesh.axis_names else 0  # a mesh without names: its axis by index
     annotated = 0
     for p in model.parameters():  # unique by identity: each tie group once
         if p.dim() == 0 or p.numel() == 0:
