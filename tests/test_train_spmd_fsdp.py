@@ -96,6 +96,43 @@ shard_refusals = dict(
              torch_xla._XLAC._get_xla_sharding_spec(moved.weight)],
 )
 
+# A run that fails after it placed the module passed to fit puts it back on the CPU, tied and unchanged.
+from models import WeightSharingModule
+from torch.utils.data import TensorDataset
+
+def bad_loss(out, y):
+    raise ValueError("a bug in loss_fn")
+
+untied = WeightSharingModule()
+untied.layer_3.weight = torch.nn.Parameter(untied.layer_3.weight.detach() + 1.0)
+tiekit.save_sharded(untied, folder / "untied")
+g = torch.Generator().manual_seed(0)
+tiny = TensorDataset(torch.randn(8, 32, generator=g), torch.randn(8, 10, generator=g))
+failed_fits = {}
+for name, strategy, extra in (
+    ("optimizer", "spmd_fsdp", dict(optimizer=lambda params: None)),
+    ("missing", "spmd_fsdp", dict(resume=folder / "missing")),
+    ("untied", "spmd_fsdp", dict(resume=folder / "untied")),
+    ("loss_fn", "spmd_fsdp", dict(loss_fn=bad_loss)),
+    ("spmd", "spmd", dict(optimizer=lambda params: None)),
+):
+    model = WeightSharingModule().eval()
+    before, first = {k: v.clone() for k, v in model.state_dict().items()}, model.layer_1.weight
+    try:
+        tiekit.fit(model, tiny, **{**dict(loss_fn=torch.nn.functional.mse_loss, max_steps=1, batch_size=2,
+                                         progress=False, strategy=strategy), **extra})
+        error = None
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    unchanged = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    try:
+        model(torch.randn(2, 32))
+        forward = "ok"
+    except Exception as exc:
+        forward = f"{type(exc).__name__}: {exc}"[:200]
+    w = model.layer_1.weight
+    failed_fits[name] = dict(error=error, device=str(w.device), tied=model.layer_3.weight is w,
+                             unchanged=unchanged, training=model.training, forward=forward, same=w is first)
 
 print(json.dumps(dict(
     strategies=[sharded.strategy, replicated.strategy], worlds=[sharded.world_size, replicated.world_size],
@@ -105,7 +142,7 @@ print(json.dumps(dict(
     tied=head is wte, specs=specs, handles=len(set(devices.xla_buffer_handles([wte, head]))),
     unique=[unique_before, len(params)], local=local, whole=whole,
     checkpoints=checkpoints, plain=[annotated_plain, plain.lm_head.weight is plain.transformer.wte.weight, plain_local],
-    shard_refusals=shard_refusals,
+    shard_refusals=shard_refusals, failed_fits=failed_fits,
 )))
 """
 
@@ -172,3 +209,22 @@ def test_shard_parameters_refuses_a_parameter_off_the_device_and_a_2d_mesh_befor
     error, spec = refusals["mesh_2d"]
     assert error.startswith("TiekitError: shard_parameters shards over a 1-D mesh, and this mesh has 2 axes"), error
     assert spec == ""
+
+
+def test_a_failed_spmd_fit_leaves_the_module_passed_on_the_cpu_tied_and_unchanged(out: dict[str, object]) -> None:
+    """It was left sharded on the XLA device, where a CPU forward failed ("Expected XLA tensor")."""
+    fits = out["failed_fits"]
+    assert isinstance(fits, dict)
+    expected = {
+        "optimizer": "TiekitError: the optimizer factory",
+        "missing": "TiekitError: resume: no checkpoint at",
+        "untied": "CheckpointError: ",  # the checkpoint's two tensors differ, and the model ties them
+        "loss_fn": "ValueError: a bug in loss_fn",
+        "spmd": "TiekitError: the optimizer factory",
+    }
+    for name, start in expected.items():
+        fit = fits[name]
+        assert fit["error"].startswith(start), (name, fit["error"])
+        put_back = {"device": "cpu", "tied": True, "unchanged": True, "training": False, "forward": "ok"}
+        assert fit == {**fit, **put_back}, name
+    assert "different values" in fits["untied"]["error"]

@@ -123,6 +123,58 @@ def test_advice_on_recompilations_and_host_transfers(xla_device: torch.device) -
         tiekit.fit(WeightSharingModule(), data(), loss_fn=chatty_loss, batch_size=8, **kw)
 
 
+def _bad_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    raise ValueError("a bug in loss_fn")
+
+
+def test_a_failed_fit_leaves_the_module_passed_on_the_cpu_tied_and_unchanged(
+    xla_device: torch.device, tmp_path: Path
+) -> None:
+    """A run that fails after it placed the module passed to fit (its optimizer factory, its resume
+    checkpoint, its loss_fn) puts the module back on the CPU, tied, with its weights, dtype and
+    eval mode: it was left on the XLA device, where a CPU forward fails."""
+    untied = WeightSharingModule()
+    untied.layer_3.weight = nn.Parameter(untied.layer_3.weight.detach() + 1.0)
+    tiekit.save_checkpoint(tmp_path / "untied.safetensors", model=untied)
+    cases: list[tuple[dict[str, Any], type[Exception], str]] = [
+        ({"optimizer": lambda params: None}, tiekit.TiekitError, "returned None, not a torch.optim.Optimizer"),
+        ({"resume": tmp_path / "missing"}, tiekit.TiekitError, "resume: no checkpoint at"),
+        ({"resume": tmp_path / "untied.safetensors"}, tiekit.CheckpointError, "different values"),
+        ({"loss_fn": _bad_loss}, ValueError, "a bug in loss_fn"),
+        ({"optimizer": lambda params: None, "precision": "bf16-true"}, tiekit.TiekitError, "returned None"),
+    ]
+    for extra, error, message in cases:
+        model = WeightSharingModule().eval()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        kw: dict[str, Any] = {"loss_fn": F.mse_loss, "max_steps": 1, "batch_size": 8, "progress": False, **extra}
+        with pytest.raises(error, match=message):
+            tiekit.fit(model, data(16), strategy="single", devices="xla", **kw)
+        weight = model.layer_1.weight
+        assert weight.device.type == "cpu" and weight.dtype == torch.float32, extra
+        assert model.layer_3.weight is weight and not model.training, extra
+        if "precision" not in extra:  # bf16 rounded the weights on the device
+            for name, value in model.state_dict().items():
+                torch.testing.assert_close(value, before[name], rtol=0, atol=0)
+        model(torch.randn(2, 32))  # on the CPU
+
+    plain = WeightSharingModule().to(xla_device).to("cpu")  # the control: a plain round trip unties
+    assert plain.layer_3.weight is not plain.layer_1.weight
+
+
+class _SelfBreaking(WeightSharingModule):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        del self.layer_3  # a bug that also leaves the model without the tie's second owner
+        raise ValueError("a bug in forward")
+
+
+def test_a_failed_fit_that_cannot_put_the_module_back_raises_its_own_error_noted(xla_device: torch.device) -> None:
+    model = _SelfBreaking()
+    with pytest.raises(ValueError, match="a bug in forward") as caught:
+        tiekit.fit(model, data(8), loss_fn=F.mse_loss, max_steps=1, batch_size=4, devices="xla", progress=False)
+    (note,) = caught.value.__notes__
+    assert note.startswith("tiekit: putting the model passed to fit back on cpu after this failure failed too: TieE")
+
+
 XLA_JOB = """
 import copy, functools, json, torch, torch.nn.functional as F
 import tiekit

@@ -53,6 +53,9 @@ class Backend:
     #: Checkpoints are `tiekit.save_sharded` folders every rank writes its part of (the parameters
     #: are sharded), not one file from the run's writer.
     sharded_checkpoints: bool = False
+    #: `unplace` needs no other process (not so under SPMD over several hosts, which gather the
+    #: sharded tensors together): a failed run puts the module passed to fit back where it was.
+    unplaces_alone: bool = True
 
     @property
     def is_master(self) -> bool:

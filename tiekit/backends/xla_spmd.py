@@ -200,6 +200,7 @@ class SpmdBackend(XlaBackend):
         super().__init__(device)
         self.name = "spmd_fsdp" if shard_parameters else "spmd"
         self.data_rank, self.data_replicas = host, hosts
+        self.unplaces_alone = hosts == 1
         self.batch_scale = spmd_local_device_count()
         self.devices_in_run = xla_device_count()
         self.ranks = ranks()  # SPMD hosts (process index 0 writes: every host is replica 0 there)

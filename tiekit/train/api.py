@@ -20,9 +20,10 @@ class FitResult:
     """What `fit` did.
 
     ``model`` is the trained model on the CPU in its original dtype, ties kept (the module you
-    passed, trained in place or loaded with the master's weights; or a fresh one from your
-    factory). ``losses`` are the master replica's per-step training losses, ``val_losses`` the
-    validation loss after each epoch (over every replica's share). ``replica_digests`` hold a
+    passed, trained in place or loaded with the master's weights, with new Parameter objects
+    after a run on an XLA device in this process; or a fresh one from your factory). ``losses``
+    are the master replica's per-step training losses, ``val_losses`` the validation loss after
+    each epoch (over every replica's share). ``replica_digests`` hold a
     SHA-256 of each replica's final weights (rank order): equal digests, bit-identical replicas.
     ``ties_kept`` says every replica still had its ties on the device after training.
     ``checkpoint`` is the checkpoint holding ``model`` (written at the last step; None without

@@ -24,14 +24,13 @@ from tiekit.analyze import find_ties
 from tiekit.backends.base import Backend
 from tiekit.checkpoint.direct import host_bytes
 from tiekit.errors import TiekitError
-from tiekit.plan import TiePlan
-from tiekit.retie import retie, verify
-from tiekit.slots import slot_table
+from tiekit.retie import verify
 from tiekit.train import coordinate, state
 from tiekit.train.config import Job, LossFn, Outcome
 from tiekit.train.data import ReplicaLoader, derived_seed, make_loader
 from tiekit.train.log import TrainLog
 from tiekit.train.losses import LossWatch
+from tiekit.train.placement import PutBack, floating_dtypes, restore_dtypes
 from tiekit.train.precision import Precision, resolve_precision
 from tiekit.wrappers import unwrap
 
@@ -120,23 +119,28 @@ def run_replica(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
 def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
     started = time.perf_counter()
     coordinator = coordinate.join(job, backend)  # rank 0's run id; the options checked equal
+    passed = PutBack(job.model)
     try:
-        return _trained(job, backend, coordinator, started)
+        return _trained(job, backend, coordinator, passed, started)
+    except BaseException as exc:
+        passed.after_failure(exc)  # the module passed to fit back where it was, not left on the device
+        raise
     finally:
         coordinator.release()  # checkpoint_dir's lock: the next run may have the folder
 
 
 def _trained(
-    job: Job, backend: Backend, coordinator: coordinate.Coordinator, started: float
+    job: Job, backend: Backend, coordinator: coordinate.Coordinator, passed: PutBack, started: float
 ) -> tuple[Outcome, nn.Module]:
     cfg = job.config
     backend.start(coordinator.run_id)
     precision = resolve_precision(cfg.precision, backend.device.type)
     model, original_dtype = _build(job, backend)
-    own_dtypes = _floating_dtypes(model)  # precision casts every floating tensor: each gets its own back
+    own_dtypes = floating_dtypes(model)  # precision casts every floating tensor: each gets its own back
     was_training = model.training
     plan = find_ties(model)  # before the move: what must still be one tensor on the device
     coordinator.agree_on_model(plan, model)
+    passed.remember(model, plan, alone=backend.unplaces_alone)
     backend.place(model, precision.param_dtype, plan)  # moved (and sharded), ties kept
     counters_at_start = backend.counters()  # XLA: this run's compilations, from here on
     backend.seed(cfg.seed)
@@ -257,7 +261,7 @@ def _trained(
     back = original_dtype if precision.param_dtype is not None else None
     model = backend.unplace(model, back, plan, lambda: _build(job, backend, own=False)[0])
     if back is not None:
-        _restore_dtypes(model, own_dtypes, plan)
+        restore_dtypes(model, own_dtypes, plan)
     digest = _digest(model)
     model.train(was_training)
     outcome = Outcome(
@@ -301,29 +305,6 @@ def _build(job: Job, backend: Backend, *, own: bool = True) -> tuple[nn.Module, 
                 raise TiekitError(f"the model factory {job.model!r} returned a {type(model).__name__}, not a Module")
     dtypes = [p.dtype for p in model.parameters() if p.is_floating_point()]
     return model, dtypes[0] if dtypes else None
-
-
-def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Every parameter and buffer by each of its names."""
-    return [(name, slot[2]) for name, slot in slot_table(model).items()]
-
-
-def _floating_dtypes(model: nn.Module) -> dict[str, torch.dtype]:
-    """Every floating-point parameter's and buffer's dtype, by name."""
-    return {name: t.dtype for name, t in _named_tensors(model) if t.is_floating_point()}
-
-
-def _restore_dtypes(model: nn.Module, dtypes: dict[str, torch.dtype], plan: TiePlan) -> None:
-    """Cast back the tensors of a model of mixed dtypes that the cast to the model's first
-    dtype gave another one (a float64 scale in a float32 model), keeping their ties and views."""
-    wrong = [(t, dtypes[name]) for name, t in _named_tensors(model) if name in dtypes and t.dtype != dtypes[name]]
-    if not wrong:
-        return
-    with torch.no_grad():
-        for tensor, dtype in wrong:
-            if tensor.dtype != dtype:  # a tied tensor's second name: cast already
-                tensor.data = tensor.data.to(dtype)
-    retie(model, plan)  # a buffer viewing a tensor cast here follows it again
 
 
 def _compilations(backend: Backend) -> Callable[[], int]:
