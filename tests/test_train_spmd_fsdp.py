@@ -228,3 +228,5 @@ def test_a_failed_spmd_fit_leaves_the_module_passed_on_the_cpu_tied_and_unchange
         put_back = {"device": "cpu", "tied": True, "unchanged": True, "training": False, "forward": "ok"}
         assert fit == {**fit, **put_back}, name
     assert "different values" in fits["untied"]["error"]
+    # A resume= path nobody can open stops the run before the move: the very same parameters.
+    assert fits["missing"]["same"] and not fits["optimizer"]["same"]

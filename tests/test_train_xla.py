@@ -145,7 +145,7 @@ def test_a_failed_fit_leaves_the_module_passed_on_the_cpu_tied_and_unchanged(
     ]
     for extra, error, message in cases:
         model = WeightSharingModule().eval()
-        before = {k: v.clone() for k, v in model.state_dict().items()}
+        before, first = {k: v.clone() for k, v in model.state_dict().items()}, model.layer_1.weight
         kw: dict[str, Any] = {"loss_fn": F.mse_loss, "max_steps": 1, "batch_size": 8, "progress": False, **extra}
         with pytest.raises(error, match=message):
             tiekit.fit(model, data(16), strategy="single", devices="xla", **kw)
@@ -156,6 +156,8 @@ def test_a_failed_fit_leaves_the_module_passed_on_the_cpu_tied_and_unchanged(
             for name, value in model.state_dict().items():
                 torch.testing.assert_close(value, before[name], rtol=0, atol=0)
         model(torch.randn(2, 32))  # on the CPU
+        # A resume= path nobody can open stops the run before the move: the very same parameters.
+        assert (weight is first) == (extra.get("resume") == tmp_path / "missing"), extra
 
     plain = WeightSharingModule().to(xla_device).to("cpu")  # the control: a plain round trip unties
     assert plain.layer_3.weight is not plain.layer_1.weight

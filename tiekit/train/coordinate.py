@@ -15,10 +15,11 @@ the same order, in `tiekit.train.loop`); a run of one rank decides alone and wai
    different, and how it is told, is `tiekit.train.agreements`.
 3. `Coordinator.agree_on_data`: every rank's share of the training (and validation) data is as
    long: a rank given a shorter dataset would end its epoch first and leave the others waiting.
-4. `Coordinator.resume`: the checkpoint to resume from, decided on rank 0 (``"last"``: the newest
-   in rank 0's ``checkpoint_dir``), then opened by every rank: a rank that cannot (node-local
-   folders) is a `TiekitError` on every rank naming it and the path. After the load, every
-   rank must stand at the same step.
+4. `Coordinator.choose_checkpoint`, before the model is moved: the checkpoint to resume from,
+   decided on rank 0 (``"last"``: the newest in rank 0's ``checkpoint_dir``), then opened by
+   every rank: a rank that cannot (node-local folders) is a `TiekitError` on every rank naming
+   it and the path. `Coordinator.resume` loads it; after the load, every rank must stand at the
+   same step.
 5. `Coordinator.save`: one writer per checkpoint (rank 0; process index 0 under SPMD; every
    rank its part of a sharded one), its failure raised on every rank: at once, or for a save
    written in the background at the next save or `Coordinator.finish_saves`. First, a loss that
@@ -147,18 +148,13 @@ class Coordinator:
         if self.ranks.world > 1:
             agreements.refuse_different_data(self.gather(shares))
 
-    def resume(
-        self, cfg: FitConfig, model: nn.Module, optimizer: torch.optim.Optimizer, backend: Backend, plan: TiePlan
-    ) -> state.Position:
-        """Collective: load the checkpoint rank 0 chose into ``model`` and ``optimizer`` on every
-        rank; where the run stands (the start without ``resume``, or when ``"last"`` finds none).
-
-        `TiekitError` on every rank, before anything is loaded, when a rank cannot open the
-        file, and after it when a rank failed to load it or the ranks stand at different steps
-        (each read its own copy of the file, and the copies differ).
-        """
+    def choose_checkpoint(self, cfg: FitConfig) -> Path | None:
+        """Collective: the checkpoint rank 0 chose to resume from (None: start fresh, without
+        ``resume``, or when ``"last"`` finds none), which every rank can open; else a
+        `TiekitError` on every rank. Reads no more than the file's first bytes: fit asks before it
+        places the model."""
         if cfg.resume is None:
-            return state.Position()
+            return None
         choice, continued = resuming.choose(cfg) if self.ranks.rank == 0 else (None, [])
         # resume="last": the others say what their own checkpoint_dir holds, so that rank 0
         # finding none, or an older one, where they find a newer one (node-local folders, rank 0
@@ -170,7 +166,7 @@ class Coordinator:
         if chosen is None:
             if elsewhere:
                 raise TiekitError(resuming.newer_elsewhere(cfg, None, elsewhere, self.ranks.world))
-            return state.Position()  # resume="last" and nothing saved yet: every rank starts fresh
+            return None  # resume="last" and nothing saved yet: every rank starts fresh
         path = Path(chosen)
         newer = [(r, n) for r, n in elsewhere if (state.step_in_name(Path(n)) or 0) > (state.step_in_name(path) or 0)]
         if newer:
@@ -184,6 +180,19 @@ class Coordinator:
         # checkpoints count as this run's for checkpoint_keep, or every launch would leave N more.
         # Rank 0 listed them when it chose, and rank 0 is the writer, the one that deletes.
         self.written = continued
+        return path
+
+    def resume(
+        self, path: Path | None, model: nn.Module, optimizer: torch.optim.Optimizer, backend: Backend, plan: TiePlan
+    ) -> state.Position:
+        """Collective: load ``path``, the checkpoint `choose_checkpoint` chose, into ``model`` and
+        ``optimizer`` on every rank; where the run stands (the start for None).
+
+        `TiekitError` on every rank when a rank failed to load it or the ranks stand at different
+        steps (each read its own copy of the file, and the copies differ).
+        """
+        if path is None:
+            return state.Position()
         sharded = backend.sharded_checkpoints
         if self.ranks.world == 1:
             return state.resume(

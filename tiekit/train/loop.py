@@ -140,6 +140,7 @@ def _trained(
     was_training = model.training
     plan = find_ties(model)  # before the move: what must still be one tensor on the device
     coordinator.agree_on_model(plan, model)
+    resume_from = coordinator.choose_checkpoint(cfg)  # one nobody can open stops the run before the move
     passed.remember(model, plan, alone=backend.unplaces_alone)
     backend.place(model, precision.param_dtype, plan)  # moved (and sharded), ties kept
     counters_at_start = backend.counters()  # XLA: this run's compilations, from here on
@@ -161,7 +162,7 @@ def _trained(
     coordinator.batch_size = train.batch_size
     coordinator.seed, coordinator.shuffle = train.order_seed, train.order_shuffle
     coordinator.drop_last = train.drop_last
-    position = coordinator.resume(cfg, model, optimizer, backend, plan)  # rank 0 chooses, every rank loads
+    position = coordinator.resume(resume_from, model, optimizer, backend, plan)  # every rank loads
     backend.end_step()  # XLA: run the set-up's pending work (a resume's copies) through the gate
     per_epoch = train.batches_per_epoch()
     if position.batches >= per_epoch:  # saved after an epoch's last batch: next epoch
