@@ -1,8 +1,11 @@
 """tiekit.fit starts (or joins) the replicas itself and writes tied checkpoints from the master.
 
-    python examples/launch_fit.py runs/fit                                  # fit spawns 2 CPU processes
-    torchrun --standalone --nproc-per-node=2 examples/launch_fit.py runs/fit   # fit joins torchrun's group
-    PJRT_DEVICE=CPU CPU_NUM_DEVICES=2 python examples/launch_fit.py runs/fit --xla   # 2 XLA:CPU replicas
+    python examples/launch_fit.py runs/fit                                        # fit spawns 2 CPU processes
+    torchrun --standalone --nproc-per-node=2 examples/launch_fit.py runs/fit-torchrun   # fit joins torchrun's
+    PJRT_DEVICE=CPU CPU_NUM_DEVICES=2 python examples/launch_fit.py runs/fit-xla --xla   # 2 XLA:CPU replicas
+
+Each is a fresh run, so each gets a folder of its own: fit refuses to start one in a folder
+holding another run's checkpoints (it would write its step-<n> files over them).
 
 ``strategy="ddp"`` runs one gloo process per device (CPU) and, under torchrun, uses the
 processes torchrun started; ``"xla"`` one replica per XLA device. The master replica writes

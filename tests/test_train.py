@@ -236,14 +236,15 @@ def test_checkpoints_are_tied_and_reload_into_a_fresh_model(tmp_path: Path) -> N
 def test_checkpoint_keep_deletes_the_runs_older_checkpoints_once_a_newer_is_complete(
     tmp_path: Path, background: bool
 ) -> None:
-    earlier = tmp_path / "step-00000001.safetensors"  # another run's: not this run's to delete
-    tiekit.save_checkpoint(earlier, model=DropoutNet(), step=1)
     kw: dict[str, Any] = {"batch_size": 4, "checkpoint_dir": tmp_path, "checkpoint_async": background, **CPU}
-    result = tiekit.fit(DropoutNet, data(), max_steps=11, checkpoint_every=2, checkpoint_keep=2, **kw)
+    earlier = tiekit.fit(DropoutNet, data(), max_steps=1, **kw).checkpoint  # another run's: not this run's to delete
+    assert earlier == tmp_path / "step-00000001.safetensors"
+    result = tiekit.fit(DropoutNet, data(), max_steps=11, checkpoint_every=2, checkpoint_keep=2, resume=earlier, **kw)
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["step-00000001.safetensors", "step-00000010.safetensors", "step-00000011.safetensors"]
     assert tiekit.load_checkpoint(result.checkpoint, model=DropoutNet())["step"] == 11
-    kept = tiekit.fit(DropoutNet, data(), max_steps=4, checkpoint_every=2, **kw)  # the control: keeps all
+    # The control: resumed from the same checkpoint again, without checkpoint_keep, it keeps all.
+    kept = tiekit.fit(DropoutNet, data(), max_steps=4, checkpoint_every=2, resume=earlier, **kw)
     assert kept.checkpoint == tmp_path / "step-00000004.safetensors"
     assert len(list(tmp_path.iterdir())) == 5
 

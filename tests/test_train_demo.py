@@ -37,3 +37,14 @@ def test_demo_trains_on_two_xla_devices_and_the_tie_survives(tmp_path: Path) -> 
     sample = out.split("sample:\n", 1)[1]
     assert sample.startswith("Shall I compare thee") and len(sample.strip()) > len("Shall I compare thee")
     assert "40/40" in done.stderr  # the progress bar
+
+    # Run again into the same --out: a fresh run, so fit would refuse the folder holding the first
+    # run's checkpoint; the demo writes into a folder of its own and the first one's stays.
+    first = (tmp_path / "checkpoints" / "step-00000040.safetensors").read_bytes()
+    command = [sys.executable, "-m", "tiekit.cli", "demo", "--steps", "2", "--out", str(tmp_path)]
+    again = subprocess.run([*command, "--sample-length", "5"], capture_output=True, text=True, env=env, timeout=400)
+    assert again.returncode == 0, again.stderr[-3000:]
+    moved = f"{tmp_path / 'checkpoints'} holds an earlier demo's checkpoints: this one writes into {tmp_path}"
+    assert f"{moved}/checkpoints-2" in again.stdout, again.stdout
+    assert (tmp_path / "checkpoints-2" / "step-00000002.safetensors").is_file()
+    assert (tmp_path / "checkpoints" / "step-00000040.safetensors").read_bytes() == first

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ RUN_A = """
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -137,3 +139,66 @@ def test_a_run_that_wrote_nothing_leaves_no_folder_the_lock_made(tmp_path: Path)
     (tmp_path / "runs" / "exp1" / "ckpt" / "step-00000002.safetensors").write_text("written")
     kept.release()
     assert [p.name for p in (tmp_path / "runs" / "exp1" / "ckpt").iterdir()] == ["step-00000002.safetensors"]
+
+
+def _contents(folder: Path) -> dict[str, bytes | None]:
+    """Every entry of ``folder`` by name: a file's bytes, None for a folder."""
+    return {p.name: p.read_bytes() if p.is_file() else None for p in sorted(folder.iterdir())}
+
+
+def test_a_fresh_run_in_a_folder_holding_an_earlier_runs_checkpoints_is_refused(tmp_path: Path) -> None:
+    """The lock covers runs at the same time only: a run started later without resume wrote its
+    step-<n> names over the earlier run's checkpoints, silently, deleted them with checkpoint_keep,
+    and a later resume="last" took the earlier run's newest step, trained on other data (probe)."""
+    folder = tmp_path / "ckpt"
+    kw: dict[str, Any] = {"loss_fn": F.mse_loss, "batch_size": 4, "progress": False, "devices": "cpu"}
+    kw |= {"checkpoint_dir": folder, "checkpoint_every": 2}
+    tiekit.fit(WeightSharingModule, data(), max_steps=4, **kw)  # the earlier run: step 2 and 4
+    before = _contents(folder)
+    assert sorted(before) == ["step-00000002.safetensors", "step-00000004.safetensors"]
+    refused = re.escape(
+        f"{folder}: checkpoint_dir already holds 2 checkpoint(s) of an earlier run (step-00000002.safetensors, "
+        "step-00000004.safetensors), and this run was started without resume"
+    )
+    with pytest.raises(tiekit.TiekitError, match=refused) as raised:
+        tiekit.fit(WeightSharingModule, data(), max_steps=3, checkpoint_keep=1, seed=5, **kw)
+    assert 'Pass resume="last" to continue that run, or give this run another (or an empty) checkpoint_dir' in str(
+        raised.value
+    )
+    assert _contents(folder) == before  # nothing written over, nothing deleted, the lock file gone
+    # resume="last" continues the folder, and resume=<path> an older step on purpose (its run's
+    # later steps are written again: the abandoned branch).
+    assert tiekit.fit(WeightSharingModule, data(), max_steps=6, resume="last", **kw).steps == 6
+    older = tiekit.fit(WeightSharingModule, data(), max_steps=4, resume=folder / "step-00000002.safetensors", **kw)
+    assert older.checkpoint == folder / "step-00000004.safetensors"
+
+    # What a killed run leaves beside its complete checkpoints is no checkpoint: alone it says nothing.
+    leftovers = tmp_path / "leftovers"
+    uncommitted = leftovers / "step-00000006"  # a sharded save killed before its marker
+    tiekit.save_sharded(WeightSharingModule(), uncommitted)
+    (uncommitted / tiekit.dcp.MARKER_NAME).unlink()
+    tiekit.save_sharded(WeightSharingModule(), leftovers / ".step-00000004.deleting")  # a deletion cut short
+    (leftovers / ".step-00000002.safetensors.tiekit-tmp-host-1-0123abcd").write_bytes(b"half a file")
+    (leftovers / LOCK_NAME).write_text('{"run": "killed"}')  # a killed run's lock file
+    fresh = tiekit.fit(WeightSharingModule, data(), max_steps=2, **{**kw, "checkpoint_dir": leftovers})
+    assert fresh.checkpoint == leftovers / "step-00000002.safetensors"
+    # A committed sharded folder is a checkpoint: refused too, naming it.
+    sharded = tmp_path / "sharded"
+    tiekit.save_sharded(WeightSharingModule(), sharded / "step-00000003")
+    with pytest.raises(tiekit.TiekitError, match=r"holds 1 checkpoint\(s\) of an earlier run \(step-00000003\)"):
+        tiekit.fit(WeightSharingModule, data(), max_steps=2, **{**kw, "checkpoint_dir": sharded})
+    assert sorted(p.name for p in sharded.iterdir()) == ["step-00000003"]
+
+
+def test_the_refusal_of_a_folder_holding_checkpoints_is_raised_on_every_rank(tmp_path: Path) -> None:
+    """Rank 0 decides (it holds the lock) and the others are told: none trains, none waits."""
+    folder = tmp_path / "ckpt"
+    kw: dict[str, Any] = {"loss_fn": F.mse_loss, "batch_size": 4, "progress": False, "checkpoint_dir": folder}
+    tiekit.fit(WeightSharingModule, data(), max_steps=2, devices="cpu", **kw)
+    before = _contents(folder)
+    started = time.monotonic()
+    with pytest.raises(tiekit.TiekitError, match=r"holds 1 checkpoint\(s\) of an earlier run") as raised:
+        tiekit.fit(WeightSharingModule, data(), max_steps=2, strategy="ddp", devices=2, **kw)
+    assert time.monotonic() - started < 90
+    assert str(raised.value).startswith("replicas 0, 1 (processes "), str(raised.value)  # both raised it
+    assert _contents(folder) == before

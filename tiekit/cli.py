@@ -7,6 +7,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import tiekit
@@ -19,7 +20,6 @@ def demo(args: argparse.Namespace) -> int:
     import functools
     import importlib
     import time
-    from pathlib import Path
 
     import torch
 
@@ -40,6 +40,9 @@ def demo(args: argparse.Namespace) -> int:
         print("torch_xla is not configured (no PJRT_DEVICE): training with DDP on the CPU cores instead")
         strategy, count = "ddp", os.cpu_count() or 1
     out = Path(args.out)
+    checkpoints = _unused_checkpoint_dir(out)
+    if checkpoints != out / "checkpoints":
+        print(f"{out / 'checkpoints'} holds an earlier demo's checkpoints: this one writes into {checkpoints}")
     started = time.perf_counter()
     result = tiekit.fit(
         tied_lm.build,
@@ -50,7 +53,7 @@ def demo(args: argparse.Namespace) -> int:
         optimizer=functools.partial(torch.optim.AdamW, lr=3e-3),
         strategy=strategy,
         devices=count,
-        checkpoint_dir=out / "checkpoints",
+        checkpoint_dir=checkpoints,
         log_dir=out / "logs",
     )
     first, last = result.losses[0], sum(result.losses[-10:]) / len(result.losses[-10:])
@@ -91,6 +94,19 @@ def demo(args: argparse.Namespace) -> int:
     print("sample:")
     print(tied_lm.generate(fresh, "Shall I compare thee", length=args.sample_length))
     return 0 if tied and same and result.ties_kept else 1
+
+
+def _unused_checkpoint_dir(out: Path) -> Path:
+    """``out/checkpoints``, or when it holds an earlier demo's checkpoints the first of
+    ``out/checkpoints-2``, ``-3``... that holds none: each demo trains from scratch, and fit
+    refuses a fresh run in a folder holding another run's checkpoints (it would write over them)."""
+    from tiekit.train.state import checkpoints_in
+
+    folder, n = out / "checkpoints", 1
+    while folder.exists() and checkpoints_in(folder):
+        n += 1
+        folder = out / f"checkpoints-{n}"
+    return folder
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -23,6 +23,26 @@ def choose(cfg: FitConfig) -> tuple[str | None, list[Path]]:
     return str(cfg.resume), []
 
 
+def earlier_run(folder: Path) -> str | None:
+    """For a run started without ``resume``: why it may not write into ``folder`` (None: it may).
+    Local, for the writer to decide once. A folder holding complete checkpoints holds an earlier
+    run's: this run would write its ``step-<n>`` names over them (and delete them with
+    ``checkpoint_keep``), and a later ``resume="last"`` would continue whichever run wrote the
+    newest step. Leftovers that are not checkpoints (uncommitted step folders, temporary files,
+    cut-short deletions, the lock file) say nothing."""
+    found = state.checkpoints_in(folder)
+    if not found:
+        return None
+    names = ", ".join(p.name for p in found[:3]) + (f", ..., {found[-1].name}" if len(found) > 3 else "")
+    return (
+        f"{folder}: checkpoint_dir already holds {len(found)} checkpoint(s) of an earlier run ({names}), and this "
+        "run was started without resume: it would write its step-<n> checkpoints over them, and a later "
+        'resume="last" would continue whichever run wrote the newest step. Pass resume="last" to continue that '
+        "run, or give this run another (or an empty) checkpoint_dir; to start from one of those checkpoints on "
+        "purpose, pass resume=<path>"
+    )
+
+
 def newest_here(cfg: FitConfig) -> str | None:
     """For ``resume="last"``: the newest checkpoint in this rank's ``checkpoint_dir`` (local)."""
     if cfg.resume != "last" or cfg.checkpoint_dir is None:
