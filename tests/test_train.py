@@ -183,6 +183,40 @@ def test_a_resume_with_another_drop_last_says_the_epochs_differ(tmp_path: Path) 
         tiekit.fit(DropoutNet, DataLoader(dataset, batch_size=5), max_steps=4, resume="last", **kw)
 
 
+def test_a_resume_with_a_dataset_of_another_length_says_the_epochs_differ(tmp_path: Path) -> None:
+    """A checkpoint at batch 6 of an epoch of 10, resumed with a dataset of 4 batches, skipped the
+    rest of that epoch without a word, and with one of 12 batches shifted the order (probe);
+    checkpoints record how many samples an epoch is drawn from now."""
+    kw: dict[str, Any] = {**CPU, "seed": 1, "batch_size": 4}
+    saved = tiekit.fit(DropoutNet, data(40), max_steps=6, checkpoint_dir=tmp_path / "a", **kw)
+    for size in (16, 48):
+        with pytest.warns(
+            UserWarning,
+            match=rf"saved by a run whose epoch was drawn from 40 samples, with {size} \(train_data, or the sampler "
+            r"of its DataLoader, has another length\): its position in the epoch \(6 batches\) .* \(all of it is "
+            r"skipped when this epoch has 6 batches or fewer\); the epochs and the data order differ",
+        ):
+            tiekit.fit(DropoutNet, data(size), max_steps=8, resume=saved.checkpoint, **kw)
+    with warnings.catch_warnings():  # the same length: nothing to say
+        warnings.simplefilter("error")
+        tiekit.fit(DropoutNet, data(40), max_steps=8, resume=saved.checkpoint, **kw)
+    # A sampler of the user's that fit keeps: its length is what an epoch is drawn from.
+    draws = {n: DataLoader(data(40), batch_size=4, sampler=SubsetRandomSampler(range(n))) for n in (24, 20)}
+    subset = tiekit.fit(DropoutNet, draws[24], max_steps=3, checkpoint_dir=tmp_path / "b", **kw)
+    with pytest.warns(UserWarning, match=r"whose epoch was drawn from 24 samples, with 20 \("):
+        tiekit.fit(DropoutNet, draws[20], max_steps=4, resume=subset.checkpoint, **kw)
+    # A checkpoint from before tiekit recorded it resumes as it did: quietly.
+    assert saved.checkpoint is not None
+    model = DropoutNet()
+    optimizer = ADAMW(model.parameters())
+    record = tiekit.load_checkpoint(saved.checkpoint, model=model, optimizer=optimizer)
+    older = {k: v for k, v in record["extra"].items() if k != "samples_per_epoch"}
+    tiekit.save_checkpoint(tmp_path / "older.safetensors", model=model, optimizer=optimizer, step=6, extra=older)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tiekit.fit(DropoutNet, data(16), max_steps=8, resume=tmp_path / "older.safetensors", **kw)
+
+
 def test_a_resume_with_another_seed_or_shuffle_says_the_position_is_taken_in_another_order(tmp_path: Path) -> None:
     kw: dict[str, Any] = {**CPU, "checkpoint_dir": tmp_path, "batch_size": 4}
     tiekit.fit(DropoutNet, data(), max_steps=3, seed=1, **kw)  # 3 of 10 batches of seed 1's permutation

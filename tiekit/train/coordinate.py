@@ -92,6 +92,7 @@ class Coordinator:
     seed: int | None = None
     shuffle: bool | None = None
     drop_last: bool | None = None
+    samples: int | None = None  # what the training loader's epoch is drawn from (`ReplicaLoader.samples_per_epoch`)
     last_saved: Path | None = None
     pending: SaveHandle | None = None  # this rank's background save, if one is under way
     # The host memory of the last background save, copied into by the next one once that save
@@ -231,6 +232,7 @@ class Coordinator:
             self.shuffle,
             backend.data_replicas,
             self.drop_last,
+            self.samples,
         )
 
     def save(

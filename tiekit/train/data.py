@@ -185,6 +185,14 @@ class ReplicaLoader:
         batches = self.batches_per_epoch()  # from the start of the epoch
         return len(self.sampler), batches
 
+    def samples_per_epoch(self) -> int:
+        """The samples one epoch is drawn from, over every replica, before any padding: the
+        dataset's length, or the length of the sampler of the user's that fit kept."""
+        inner = self.sampler.inner
+        if isinstance(inner, SplitSampler):
+            return len(cast(Sized, inner.sampler))
+        return len(cast(Sized, inner.dataset))
+
     def batches_per_epoch(self) -> int:
         """Batches one epoch yields on this replica (from the start of the epoch)."""
         self.sampler.start(0)

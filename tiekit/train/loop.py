@@ -162,6 +162,7 @@ def _trained(
     coordinator.batch_size = train.batch_size
     coordinator.seed, coordinator.shuffle = train.order_seed, train.order_shuffle
     coordinator.drop_last = train.drop_last
+    coordinator.samples = train.samples_per_epoch()
     position = coordinator.resume(resume_from, model, optimizer, backend, plan)  # every rank loads
     backend.end_step()  # XLA: run the set-up's pending work (a resume's copies) through the gate
     per_epoch = train.batches_per_epoch()

@@ -148,7 +148,7 @@ class TrainingRun:
     """What a training checkpoint records of the run beside its position: the run's id, the
     devices, the loaders and each loader's batch size its position counts in, and the ``seed`` and ``shuffle``
     of fit that ordered the epoch it counts in (None: the order did not depend on that option,
-    a sampler of the user's decided)."""
+    a sampler of the user's decided); ``samples``: how many samples an epoch is drawn from."""
 
     run_id: str
     world_size: int
@@ -157,6 +157,7 @@ class TrainingRun:
     shuffle: bool | None
     samplers: int = 1  # the data-parallel loaders (DDP, XLA replicas: one per replica; SPMD: per host)
     drop_last: bool | None = None  # whether the training loader drops an epoch's short last batch
+    samples: int | None = None  # what an epoch is drawn from: the dataset's length (or the user's sampler's)
 
 
 def contents(
@@ -174,6 +175,7 @@ def contents(
         "seed": run.seed,
         "shuffle": run.shuffle,
         "drop_last": run.drop_last,
+        "samples_per_epoch": run.samples,
         "run": run.run_id,
         "rng": _rng_states(device),
     }
@@ -204,10 +206,10 @@ def resume(
     """Load ``path`` (a file, or a sharded folder: then collective, as `tiekit.load_sharded`) into
     ``model`` and ``optimizer`` of ``run``, restore the RNG states; the saved `Position` (a
     `UserWarning` when it counts in other replicas or batches than ``run``'s, or in an order of
-    another ``seed`` or ``shuffle``). The optimizer keeps the options it was built with (a
-    `UserWarning` for each the checkpoint held otherwise); its state is the checkpoint's. A tie
-    the checkpoint holds and ``plan`` (the model's, as fit placed it) does not is a
-    `CheckpointError` before anything is loaded."""
+    another ``seed`` or ``shuffle``, or epochs of another ``drop_last`` or number of samples).
+    The optimizer keeps the options it was built with (a `UserWarning` for each the checkpoint
+    held otherwise); its state is the checkpoint's. A tie the checkpoint holds and ``plan`` (the
+    model's, as fit placed it) does not is a `CheckpointError` before anything is loaded."""
     given = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     if is_sharded_checkpoint(path):
         _refuse_ties_the_model_lacks(path, read_marker(path).plan, model, plan)
@@ -306,7 +308,8 @@ def _differs(saved: Any, given: Any) -> bool:
 def _warn_if_reordered(path: Path, extra: dict[str, Any], run: TrainingRun) -> None:
     """A `UserWarning` per option of fit that orders an epoch (``seed``, ``shuffle``) that differs
     from the saving run's: the position counts batches of the order that run drew, so the rest
-    of the epoch would repeat some samples and skip others. An option one of the runs' orders did
+    of the epoch would repeat some samples and skip others. The same for what makes an epoch
+    (``drop_last``, the number of samples it is drawn from). An option one of the runs' orders did
     not depend on (None), or a checkpoint saved before tiekit recorded them, says nothing."""
     for name in ("seed", "shuffle"):
         saved, now = extra.get(name), getattr(run, name)
@@ -326,6 +329,25 @@ def _warn_if_reordered(path: Path, extra: dict[str, Any], run: TrainingRun) -> N
             f"resuming {path}, saved by a run with drop_last={saved}, with drop_last={now}: an epoch has another "
             f"number of steps, so the epochs, and the data order, differ from the original run's from here on; "
             f"pass drop_last={saved} to fit to continue as it did",
+            UserWarning,
+            stacklevel=4,
+        )
+    saved, now = extra.get("samples_per_epoch"), run.samples
+    if saved is not None and now is not None and saved != now:  # None: saved before tiekit recorded it
+        batches = int(extra["batches"])
+        # The position counts batches of the saving run's epoch: in an epoch of other samples it
+        # points elsewhere, or past the end, and the loop goes on at the next epoch.
+        where = (
+            f"its position in the epoch ({batches} batches) is taken in an epoch of other samples, in another "
+            f"order, so the rest of this epoch skips or repeats samples (all of it is skipped when this epoch has "
+            f"{batches} batches or fewer); "
+            if batches
+            else ""
+        )
+        warnings.warn(
+            f"resuming {path}, saved by a run whose epoch was drawn from {saved} samples, with {now} (train_data, "
+            f"or the sampler of its DataLoader, has another length): {where}the epochs and the data order differ "
+            "from the original run's from here on; resume with the data the run was saved with to continue as it did",
             UserWarning,
             stacklevel=4,
         )
