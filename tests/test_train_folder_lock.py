@@ -171,6 +171,12 @@ def test_a_fresh_run_in_a_folder_holding_an_earlier_runs_checkpoints_is_refused(
     assert tiekit.fit(WeightSharingModule, data(), max_steps=6, resume="last", **kw).steps == 6
     older = tiekit.fit(WeightSharingModule, data(), max_steps=4, resume=folder / "step-00000002.safetensors", **kw)
     assert older.checkpoint == folder / "step-00000004.safetensors"
+    # A checkpoint from elsewhere, continued into this folder, would write over it all the same.
+    elsewhere = tiekit.fit(WeightSharingModule, data(), max_steps=2, **{**kw, "checkpoint_dir": tmp_path / "other"})
+    before = _contents(folder)
+    with pytest.raises(tiekit.TiekitError, match=f"started from {re.escape(str(elsewhere.checkpoint))}, a checkpoint"):
+        tiekit.fit(WeightSharingModule, data(), max_steps=4, resume=elsewhere.checkpoint, **kw)
+    assert _contents(folder) == before
 
     # What a killed run leaves beside its complete checkpoints is no checkpoint: alone it says nothing.
     leftovers = tmp_path / "leftovers"

@@ -8,7 +8,8 @@ the same order, in `tiekit.train.loop`); a run of one rank decides alone and wai
 1. `join`: rank 0's run id (the key of the run's XLA compile gate) and the options that must be
    equal on every rank (``checkpoint_dir``, ``resume``, ``max_steps``...), checked; the writer
    locks ``checkpoint_dir`` for the run (`tiekit.train.folder_lock`) and, for a run started
-   without ``resume``, refuses a folder holding an earlier run's checkpoints.
+   without ``resume`` or from a checkpoint elsewhere, refuses a folder holding an earlier run's
+   checkpoints.
 2. `Coordinator.agree_on_model`: every rank built the same model (names, shapes, dtypes, ties),
    checked before it is moved or sharded: a rank whose model differs is a `TiekitError` on
    every rank naming what differs (FSDP2 would pair tensors of different sizes); then
@@ -378,8 +379,9 @@ def join(job: Job, backend: Backend) -> Coordinator:
     equal checked on every rank (a `TiekitError` naming the option and the ranks that differ).
     The writer takes the ``checkpoint_dir``'s lock (`tiekit.train.folder_lock`): a folder another
     run holds is a `TiekitError` on every rank; the caller releases it (`Coordinator.release`).
-    Without ``resume``, a folder already holding checkpoints (an earlier run's, as the writer
-    finds it: `tiekit.train.resuming.earlier_run`) is a `TiekitError` on every rank too."""
+    Without ``resume`` (or with a checkpoint outside the folder), a folder already holding
+    checkpoints (an earlier run's, as the writer finds it: `tiekit.train.resuming.earlier_run`)
+    is a `TiekitError` on every rank too."""
     where = backend.ranks
     cfg = job.config
     lock: FolderLock | None = None
@@ -389,7 +391,7 @@ def join(job: Job, backend: Backend) -> Coordinator:
         try:
             lock = lock_checkpoint_dir(folder, job.run_id)
             # Looked at once the lock is held: a run starting beside it cannot add checkpoints meanwhile.
-            earlier = None if cfg.resume is not None else resuming.earlier_run(folder)
+            earlier = resuming.earlier_run(folder, cfg.resume)
             if earlier is not None:
                 raise TiekitError(earlier)
         except TiekitError as exc:

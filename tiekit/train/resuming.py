@@ -23,24 +23,34 @@ def choose(cfg: FitConfig) -> tuple[str | None, list[Path]]:
     return str(cfg.resume), []
 
 
-def earlier_run(folder: Path) -> str | None:
-    """For a run started without ``resume``: why it may not write into ``folder`` (None: it may).
-    Local, for the writer to decide once. A folder holding complete checkpoints holds an earlier
-    run's: this run would write its ``step-<n>`` names over them (and delete them with
-    ``checkpoint_keep``), and a later ``resume="last"`` would continue whichever run wrote the
-    newest step. Leftovers that are not checkpoints (uncommitted step folders, temporary files,
-    cut-short deletions, the lock file) say nothing."""
+def earlier_run(folder: Path, resume: Path | str | None) -> str | None:
+    """For a run started without ``resume``, or from a checkpoint outside ``folder``: why it may
+    not write into ``folder`` (None: it may). Local, for the writer to decide once. A folder
+    holding complete checkpoints holds an earlier run's: this run would write its ``step-<n>``
+    names over them (and delete them with ``checkpoint_keep``), and a later ``resume="last"``
+    would continue whichever run wrote the newest step. ``resume="last"`` continues the folder,
+    and a ``resume`` path inside it branches from one of its checkpoints on purpose. Leftovers
+    that are not checkpoints (uncommitted step folders, temporary files, cut-short deletions, the
+    lock file) say nothing."""
+    if resume == "last" or (resume is not None and _inside(Path(resume), folder)):
+        return None
     found = state.checkpoints_in(folder)
     if not found:
         return None
     names = ", ".join(p.name for p in found[:3]) + (f", ..., {found[-1].name}" if len(found) > 3 else "")
+    started = "without resume" if resume is None else f"from {resume}, a checkpoint outside it"
     return (
         f"{folder}: checkpoint_dir already holds {len(found)} checkpoint(s) of an earlier run ({names}), and this "
-        "run was started without resume: it would write its step-<n> checkpoints over them, and a later "
+        f"run was started {started}: it would write its step-<n> checkpoints over them, and a later "
         'resume="last" would continue whichever run wrote the newest step. Pass resume="last" to continue that '
         "run, or give this run another (or an empty) checkpoint_dir; to start from one of those checkpoints on "
         "purpose, pass resume=<path>"
     )
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    """``path`` is ``folder`` or in it, through symlinks too."""
+    return os.path.realpath(path).startswith(os.path.realpath(folder) + os.sep)
 
 
 def newest_here(cfg: FitConfig) -> str | None:
