@@ -533,3 +533,77 @@ def test_a_load_into_a_model_wrapped_after_its_tie_broke_is_refused_not_re_tied_
         assert "the tie broke before wrapping" in told[call]
     assert told["untouched"] is True
     assert told["tiekit.shard, tied after a forward"] is True
+
+
+SAVE_OF_SPLIT_TIES = """
+import json, os, sys, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+import tiekit
+
+rank, port, folder = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+sys.path.insert(0, sys.argv[4])
+from models import gpt2
+
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+ids = torch.arange(16).remainder(30).view(2, 8)
+
+
+def split():  # the user's own units: the head apart from the embedding it is tied to
+    model = gpt2()
+    fully_shard(model.lm_head)
+    return fully_shard(model)
+
+
+told = {}
+for case, steps in (("trained", 1), ("new", 0)):
+    torch.manual_seed(0)
+    model = split()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    try:
+        for _ in range(steps):
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+    except ValueError as exc:  # torch 2.13 and later refuse the split at the first forward
+        told[case] = {"torch refused": str(exc)}
+        continue
+    head, embedding = model.lm_head.weight, model.transformer.wte.weight
+    found = {"one tensor": head is embedding, "equal": torch.equal(head.full_tensor(), embedding.full_tensor())}
+    try:
+        tiekit.save_sharded(model, f"{folder}/{case}", optimizer=optimizer)
+        found["saved"] = True
+    except tiekit.CheckpointError as exc:
+        found["refused"] = str(exc)
+    found["written"] = os.path.exists(f"{folder}/{case}")
+    told[case] = found
+dist.barrier()  # every rank got here: none was left waiting in the save
+dist.destroy_process_group()
+print(json.dumps(told))
+"""
+
+
+def test_save_sharded_refuses_a_model_whose_fsdp_units_split_a_tie(tmp_path: Any) -> None:
+    """GPT-2 with its own fully_shard units splitting the tie, lm_head a unit apart from the
+    embedding: torch 2.9 accepts them and trains lm_head.weight and transformer.wte.weight apart
+    (the control: two tensors, different after a step). save_sharded wrote them as two tensors
+    and no tie, a checkpoint that loads nowhere ("different values, but the model ties them"),
+    and before the first step one tensor, as if the model were tied. Now it refuses on both ranks
+    with check_sharding's message, before writing anything, as load_sharded refuses to load into
+    such a model. torch 2.13 and later refuse the split at the first forward: only the save
+    before it is left to refuse there."""
+    port = str(free_port())
+    tests = str(ROOT / "tests")
+    commands = [[sys.executable, "-c", SAVE_OF_SPLIT_TIES, str(r), port, str(tmp_path), tests] for r in (0, 1)]
+    runs = run_ok(commands, env=base_env(), cwd=tmp_path)
+    for run in runs:
+        told = json.loads(run.output.strip().splitlines()[-1])
+        if NEW_TORCH:
+            assert SPLIT_REFUSED in told.pop("trained")["torch refused"], told
+        for case, found in told.items():
+            assert found["one tensor"] is False, (case, found)
+            assert found["equal"] is (case == "new"), (case, found)  # else trained apart
+            refused = found.get("refused", "no error")
+            assert refused.startswith(f"{tmp_path / case}: cannot save FSDPGPT2LMHeadModel: "), refused
+            assert "tiekit: FSDP would shard and update tied weights as separate tensors" in refused
+            listed = "transformer.wte.weight (unit '<root>'), lm_head.weight (unit 'lm_head')"
+            assert f"{listed} are tied but are managed by different units" in refused
+            assert found["written"] is False

@@ -57,6 +57,13 @@ def stored_only(plan: TiePlan, stored: set[str]) -> TiePlan:
     return replace(plan, groups=tuple(groups))
 
 
+def model_ties(model: nn.Module) -> TiePlan:
+    """The ties of ``model``: those it holds (`find_ties`) and all it declares (`declared_ties`),
+    holding or not. What a load re-ties, and what a sharded save checks FSDP2 keeps as one tensor
+    (`tiekit.sharding.check.refuse_split_model_ties`). Local; `TieError` as `find_ties` raises it."""
+    return find_ties(model, declared=declared_ties(model) or None)
+
+
 def declared_ties_holding(model: nn.Module) -> dict[str, str]:
     """The model's declared ties (`declared_ties`) whose two tensors are one, or equal in value:
     a tie a plain move broke, not one trained apart (tying those would lose data). Local."""

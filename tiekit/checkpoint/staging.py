@@ -12,8 +12,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from tiekit.analyze import dtype_name, find_ties
-from tiekit.checkpoint.contents import declared_ties, transformers4_ties
+from tiekit.analyze import dtype_name
+from tiekit.checkpoint.contents import declared_ties, model_ties, transformers4_ties
 from tiekit.checkpoint.layout import name_list
 from tiekit.checkpoint.reads import read_tensor
 from tiekit.checkpoint.source import Source
@@ -47,7 +47,7 @@ def stage(model: nn.Module, source: Source, *, strict: bool, device: torch.devic
     slots = slot_table(model)
     expected = [n for n in model.state_dict(keep_vars=True) if n in slots]
     try:
-        model_plan = find_ties(model, declared=declared_ties(model) or None)
+        model_plan = model_ties(model)
     except TieError as exc:
         raise CheckpointError(f"{where}: cannot load into {type(model).__name__}: {exc}") from exc
     if source.plan is None:

@@ -50,7 +50,8 @@ from tiekit.dcp.ranks import (
 from tiekit.dcp.replay import collective_write_copies, recipe_for
 from tiekit.dcp.staging import host_copies, optimizer_entries
 from tiekit.dcp.state import SaveState, dcp_save, running_dcp, save_state, xla_spmd
-from tiekit.errors import CheckpointError, TiekitError
+from tiekit.errors import CheckpointError, TieError, TiekitError
+from tiekit.sharding.check import refuse_split_model_ties
 from tiekit.wrappers import unwrap
 
 
@@ -72,6 +73,12 @@ def save_sharded(
     loaded until the new one is complete. Optimizer state is stored under each tie group's source
     name; ``extra`` may hold tensors, numbers, strings, None and lists/dicts of them (no pickle).
     Works in a single process without a process group.
+
+    A model whose tie FSDP2 units split (your own ``fully_shard`` calls putting its owners in
+    different units, which torch before 2.13 accepts) is refused with a `CheckpointError` carrying
+    `check_sharding`'s message, on every rank, before anything is written, as `load_sharded`
+    refuses to load into it: saved, the tied names would be two tensors (trained apart) that no
+    model loads.
 
     ``blocking=False`` copies the state to host memory (XLA SPMD: each device's shard), then
     returns at once: training may continue while one background thread of the process writes the
@@ -248,6 +255,7 @@ def _prepare(
     made = False
     try:
         check_optimizer(optimizer, "save_sharded(model, path, optimizer=...)")
+        _refuse_split_ties(model, root)
         state = save_state(model, optimizer, extra)  # first: what cannot be stored leaves no folder behind
         if rank() == 0:
             made = not root.exists()
@@ -272,6 +280,18 @@ def _prepare(
             f"{differences}. Nothing was written; the previous checkpoint stays the one loaded."
         )
     return save_id, state, digests[0], made
+
+
+def _refuse_split_ties(model: nn.Module, root: Path) -> None:
+    """`CheckpointError` with `check_sharding`'s message, as `load_sharded` gives it for the same
+    model, when FSDP2 units split one of the model's ties (`refuse_split_model_ties`; fully_shard
+    accepts such units before torch 2.13). Saved, the tied names would be two tensors (trained
+    apart) that no model loads, not even the one that saved them. Local and alike on every rank:
+    it reads module paths."""
+    try:
+        refuse_split_model_ties(model)
+    except TieError as exc:
+        raise CheckpointError(f"{root}: cannot save {type(model).__name__}: {exc}") from exc
 
 
 def _commit(root: Path, save_id: str, state: SaveState | None, before: str | None) -> None:

@@ -178,17 +178,35 @@ def _assignment_if_any(model: nn.Module) -> dict[str, Managed]:
         return {}
 
 
-def refuse_split_by_fsdp(model: nn.Module, group: TieGroup) -> None:
-    """`TieError` (`check_sharding`'s message) when FSDP2 manages parameters of ``group`` as
-    separate tensors: re-tying them by pointing a module attribute at the source would not last,
+def refuse_split_by_fsdp(model: nn.Module, *groups: TieGroup, across_units: bool = False) -> None:
+    """`TieError` (`check_sharding`'s message) when FSDP2 manages parameters of one of ``groups``
+    as separate tensors: re-tying them by pointing a module attribute at the source would not last,
     since FSDP2 puts its own parameter back at the next forward and trains each apart (a load
-    into a model wrapped after its tie broke reported the tie restored and trained wrong). Local;
-    nothing for a model no ``fully_shard`` touched."""
+    into a model wrapped after its tie broke reported the tie restored and trained wrong).
+    ``across_units``: only tensors of different units (a tie broken before wrapping, two tensors
+    of one unit, passes). Local; nothing for a model no ``fully_shard`` touched."""
     assignment = _assignment_if_any(model)
-    names = [m.name for m in group.members if m.kind == "parameter" and m.view is None]
-    problems = _split(names, assignment, "are tied") if assignment else []
+    if not assignment:
+        return
+    problems: list[tuple[str, str]] = []
+    for group in groups:
+        names = [m.name for m in group.members if m.kind == "parameter" and m.view is None]
+        problems.extend(p for p in _split(names, assignment, "are tied") if p[0] == "split" or not across_units)
     if problems:
         raise TieError(_message(problems))
+
+
+def refuse_split_model_ties(model: nn.Module) -> None:
+    """`refuse_split_by_fsdp` for every tie of ``model``, those it holds and those it declares
+    (`tiekit.checkpoint.contents.model_ties`, the ties a load re-ties), split across FSDP2 units:
+    what `save_sharded` checks. Such units (your own ``fully_shard`` calls; torch before 2.13
+    accepts them) train the tied names apart, and a save would write them as two tensors no model
+    loads. A tie broken before wrapping is an untied model to FSDP2, saved as any untied model is.
+    Local; nothing for a model no ``fully_shard`` touched (its declared ties are not even read)."""
+    if _assignment_if_any(model):
+        from tiekit.checkpoint.contents import model_ties  # contents imports this module (through tiekit.mixin)
+
+        refuse_split_by_fsdp(model, *model_ties(model).groups, across_units=True)
 
 
 def refuse_cast_after_first_forward(model: nn.Module, dtype: torch.dtype | None = None) -> None:
