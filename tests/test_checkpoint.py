@@ -475,6 +475,56 @@ def test_a_plan_tying_a_stored_key_of_another_shape_is_named_damaged(tmp_path: P
         inspect_file(path)
 
 
+def test_different_copies_tied_by_the_files_plan_blame_the_plan_not_the_model(tmp_path: Path) -> None:
+    """A file storing layer_1.weight and layer_3.weight apart (saved untied, trained apart), its
+    plan edited to tie them: load_model and load_checkpoint said "different values, but the model
+    ties them; load into a model built without this tie" into a model without the tie (probe).
+    Now the message names the file's tie plan as the side that ties them, and says whether the
+    model does too. A model's own tie (the file's plan tying nothing) is still named as before."""
+    untied = untied_weight_sharing()
+    with torch.no_grad():
+        untied.layer_3.weight.add_(1.0)
+    path = tmp_path / "m.safetensors"
+    save_model(untied, path)
+    model_tie = "stores 'layer_3.weight' and 'layer_1.weight' with different values, but the model ties them; "
+    model = WeightSharingModule()
+    with pytest.raises(CheckpointError, match=re.escape(f"{path}: {model_tie}load into a model built without")):
+        load_model(model, path)
+    header, data = header_of(path)
+    metadata = header["__metadata__"]
+    assert isinstance(metadata, dict)
+    plan = json.loads(metadata["tiekit.plan"])
+    assert plan["groups"] == []
+    member = {"name": "layer_1.weight", "kind": "parameter"}
+    plan["groups"] = [
+        {
+            "source": "layer_1.weight",
+            "kind": "parameter",
+            "shape": [10, 32],
+            "dtype": "float32",
+            "members": [member, {**member, "name": "layer_3.weight"}],
+        }
+    ]
+    plan["unique_count"] -= 1
+    metadata["tiekit.plan"] = json.dumps(plan)
+    write_file(path, header, data)
+    said = (
+        f"{path}: stores 'layer_3.weight' and 'layer_1.weight' with different values, but the checkpoint's tie "
+        f"plan ({path}, metadata key 'tiekit.plan') ties them, {{}}: the plan does not describe what was saved "
+        "(edited or damaged). Restore the plan as the save wrote it, or save the checkpoint again"
+    )
+    for model, side in (
+        (untied_weight_sharing(), "and the model does not"),
+        (WeightSharingModule(), "as the model does"),
+    ):
+        before = snapshot(model)
+        for load in (load_model, lambda m, p: tiekit.load_checkpoint(p, model=m)):
+            with pytest.raises(CheckpointError) as raised:
+                load(model, path)
+            assert str(raised.value) == said.format(side)
+            assert_unchanged(model, before)
+
+
 class Wider(nn.Module):
     def __init__(self, dtype: torch.dtype = torch.float32, out: int = 32) -> None:
         super().__init__()

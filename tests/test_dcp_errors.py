@@ -419,6 +419,37 @@ def test_a_model_whose_ties_disagree_with_the_checkpoint(tmp_path: Path) -> None
     assert_unchanged(model, before)
 
 
+def test_different_copies_tied_by_the_markers_plan_blame_the_plan_not_the_model(tmp_path: Path) -> None:
+    """A save storing head.weight and embed.weight apart, its marker's plan edited to tie them:
+    load_sharded refused into a model without the tie, saying "..., but the model ties them; load
+    into a model built without this tie" (probe; convert named the plan). Now the message names
+    tiekit-dcp.json's plan as the side that ties them, and says whether the model does too."""
+    untied = Tied()
+    untied.head.weight = nn.Parameter(untied.embed.weight.detach() * 2)
+    tiekit.save_sharded(untied, tmp_path / "ck")
+
+    def tie(marker: dict) -> None:
+        member = {"name": "embed.weight", "kind": "parameter"}
+        group = {"source": "embed.weight", "kind": "parameter", "shape": [50, 16], "dtype": "float32"}
+        marker["plan"]["groups"] = [{**group, "members": [member, {**member, "name": "head.weight"}]}]
+        marker["plan"]["unique_count"] -= 1
+
+    edit_marker(tmp_path / "ck", tie)
+    said = (
+        f"{save_folder(tmp_path / 'ck')}: stores 'head.weight' and 'embed.weight' with different values, but the "
+        f"checkpoint's tie plan ({tmp_path / 'ck' / MARKER_NAME}, key 'plan') ties them, {{}}: the plan does not "
+        "describe what was saved (edited or damaged). Restore the plan as the save wrote it, or save the checkpoint "
+        "again"
+    )
+    refused(tmp_path / "ck", re.escape(said.format("and the model does not")) + "$")
+    model = Tied()
+    before = snapshot(model)
+    with pytest.raises(tiekit.CheckpointError) as raised:
+        tiekit.load_sharded(model, tmp_path / "ck")
+    assert str(raised.value) == said.format("as the model does")
+    assert_unchanged(model, before)
+
+
 def test_a_folder_without_a_marker_is_not_a_checkpoint(saved: Path) -> None:
     folder = save_folder(saved)
     refused(folder, r"save-\w+: a save folder inside a checkpoint; load its parent")

@@ -48,6 +48,9 @@ class Source:
     # How a tensor's stored value is read whole, where the entries are not byte ranges of
     # safetensors files (a DCP folder's records: DCP reads them); None: `read_tensor` of the entry.
     reader: Callable[[str], torch.Tensor] | None = None
+    # Where ``plan`` is recorded, for messages that blame it (a DCP folder's marker file, not its
+    # save folder ``where``).
+    plan_where: str = ""
 
 
 def open_source(path: PathLike, preferred: tuple[str, ...] = (WEIGHTS_NAME, WEIGHTS_NAME + INDEX_SUFFIX)) -> Source:
@@ -198,7 +201,9 @@ def _with_plan(
                     f"but the file stores {entry.shape} {dtype_name(entry.dtype)}"
                 )
         refuse_members_stored_otherwise(plan, {k: e for k, (_, e) in entries.items()}, f"{where}: the tie metadata")
-        return Source(where, entries, metadata, plan, "tiekit", side, files)
+        return Source(
+            where, entries, metadata, plan, "tiekit", side, files, plan_where=f"{where}, metadata key {PLAN_KEY!r}"
+        )
     # safetensors.torch.save_model records each dropped duplicate as {removed: kept}.
     pairs: dict[str, list[str]] = {}
     for removed, kept in metadata.items():

@@ -83,7 +83,7 @@ def stage(model: nn.Module, source: Source, *, strict: bool, device: torch.devic
     missing = [n for n in expected if n not in anchor and (n in key_of or n not in entries)]
     absent = set(missing)
     consumed = {key_of.get(n, (n, None))[0] for n in expected if n not in absent}
-    consumed |= _equal_duplicates(expected, key_of, source)
+    consumed |= _equal_duplicates(expected, key_of, source, model_plan)
     unexpected = [k for k in entries if k not in consumed]
     unexpected += _planned_elsewhere(source.plan, slots, entries)
     if strict and (missing or unexpected):
@@ -220,11 +220,13 @@ def _reconcile(
             key_of[member.name] = (source_key, member)
 
 
-def _equal_duplicates(expected: list[str], key_of: Mapping[str, tuple[str, TieMember]], source: Source) -> set[str]:
+def _equal_duplicates(
+    expected: list[str], key_of: Mapping[str, tuple[str, TieMember]], source: Source, model_plan: TiePlan
+) -> set[str]:
     """Keys of the file that repeat a tensor the model ties (a file without tie metadata, or one
     saved untied): accepted when equal. Each stored source is read once, and held only while its
     own duplicates are compared."""
-    entries, where = source.entries, source.where
+    entries = source.entries
     by_key: dict[str, list[tuple[str, TieMember]]] = {}
     for name in expected:
         key, member = key_of.get(name, (name, None))
@@ -242,13 +244,28 @@ def _equal_duplicates(expected: list[str], key_of: Mapping[str, tuple[str, TieMe
                 value = value.reshape(-1).as_strided(v.size, v.stride, v.offset)
             copy = _stored(source, name)
             if copy.shape != value.shape or copy.dtype != value.dtype or not torch.equal(copy, value):
-                raise CheckpointError(
-                    f"{where}: stores {name!r} and {key!r} with different values, but the model ties them; "
-                    "load into a model built without this tie"
-                )
+                raise _different_copies(source, name, key, model_plan)
             duplicates.add(name)
         del stored
     return duplicates
+
+
+def _different_copies(source: Source, name: str, key: str, model_plan: TiePlan) -> CheckpointError:
+    """Two stored copies of one tie differ: the error names who ties them, with advice for that side.
+    The checkpoint's recorded plan tying two tensors it stores apart does not describe what was
+    saved (a save stores a tie once): edited or damaged, whatever the model. Otherwise the model
+    ties them: the file was saved from a model without the tie, or after it broke and trained."""
+    said = f"{source.where}: stores {name!r} and {key!r} with different values"
+    recorded = source.plan.group_of(name) if source.plan is not None else None
+    if recorded is not None and key in recorded.names:
+        held = model_plan.group_of(name)
+        model = "as the model does" if held is not None and key in held.names else "and the model does not"
+        return CheckpointError(
+            f"{said}, but the checkpoint's tie plan ({source.plan_where or source.where}) ties them, {model}: "
+            "the plan does not describe what was saved (edited or damaged). Restore the plan as the save wrote "
+            "it, or save the checkpoint again"
+        )
+    return CheckpointError(f"{said}, but the model ties them; load into a model built without this tie")
 
 
 def _stored(source: Source, key: str) -> torch.Tensor:

@@ -131,7 +131,10 @@ def as_source(marker: Marker, metadata: Any) -> Source:
             marker.plan, {k: e for k, (_, e) in entries.items()}, f"{marker.where}: key 'plan'"
         )
     reader = functools.partial(_read_whole, marker.folder, metadata)
-    return Source(os.fspath(marker.folder), entries, {}, marker.plan, "tiekit", side, reader=reader)
+    recorded = f"{marker.where}, key 'plan'"
+    return Source(
+        os.fspath(marker.folder), entries, {}, marker.plan, "tiekit", side, reader=reader, plan_where=recorded
+    )
 
 
 def _read_whole(folder: Path, metadata: Any, key: str) -> torch.Tensor:
