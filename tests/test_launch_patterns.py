@@ -615,3 +615,74 @@ def test_one_rank_with_wrong_arguments_fails_every_rank_without_waiting(tmp_path
     # Nothing was written by the refused calls; the last collective save was.
     assert sorted(p.name for p in out.iterdir()) == ["f", "g.safetensors", "h", "i.safetensors"]
     assert tiekit.load_sharded(torch.nn.Linear(2, 2), out / "h").extra == {"a": 1}
+
+
+NODE_LOCAL = """
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+from torch import nn
+
+import tiekit
+
+shared, own = Path(sys.argv[1]), Path(sys.argv[2])
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = nn.Linear(2, 2)
+calls = {
+    "model": lambda: tiekit.collective_save_model(model, shared / "m.safetensors", timeout=600),
+    "checkpoint": lambda: tiekit.collective_save_checkpoint(shared / "c.safetensors", model=model, timeout=600),
+    "per-rank": lambda: tiekit.collective_save_model(model, shared / f"r{rank}.safetensors", timeout=600),
+    "truly shared": lambda: tiekit.collective_save_model(model, own / "s.safetensors", timeout=600),
+}
+for label, call in calls.items():
+    try:
+        call()
+        print(f"rank {rank}: {label}: returned", flush=True)
+    except Exception as error:
+        print(f"rank {rank}: {label}: {type(error).__name__}: {error}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_shared_path_on_node_local_disks_fails_every_rank(tmp_path: Path) -> None:
+    """One path string, a different folder on each rank, as on two nodes' own disks: ``local``
+    links to ``/proc/self/cwd`` and each rank runs in its own folder. Rank 1 used to return as
+    if saved, with no file at its path (its next load: "no such checkpoint file")."""
+    (tmp_path / "node_local.py").write_text(NODE_LOCAL)
+    disks = [tmp_path / f"disk{rank}" for rank in range(WORLD)]
+    for disk in disks:
+        disk.mkdir()
+    (tmp_path / "local").symlink_to("/proc/self/cwd")
+    # Node 1 holds an earlier run's file at the checkpoint path: seen, but not the file rank 0 wrote.
+    (disks[1] / "c.safetensors").write_bytes(b"an earlier run's checkpoint")
+    shared, own = tmp_path / "local", tmp_path
+    commands = [
+        ["env", "-C", str(disk), *command]
+        for disk, command in zip(
+            disks, plain_processes([str(tmp_path / "node_local.py"), str(shared), str(own)], free_port()), strict=True
+        )
+    ]
+    runs = run_ok(commands, env=base_env(), cwd=tmp_path)
+    output = "\n".join(r.output for r in runs)
+    for rank in range(WORLD):
+        lines = runs[rank].output
+        assert (
+            f"rank {rank}: model: CheckpointError: collective_save_model: 1 of 2 rank(s) do not see the file another "
+            f"rank wrote for them: rank 1 cannot open {shared / 'm.safetensors'} (No such file or directory) "
+            "(written by rank 0)"
+        ) in lines, output
+        assert "node-local disks?" in lines and "if tiekit.is_writer()" in lines, output
+        assert (
+            f"rank {rank}: checkpoint: CheckpointError: collective_save_checkpoint: 1 of 2 rank(s) do not see the "
+            f"file another rank wrote for them: rank 1 sees another file at {shared / 'c.safetensors'} (27 bytes"
+        ) in lines, output
+        # Unchanged: per-rank paths, and one path that is the same file on every rank.
+        assert f"rank {rank}: per-rank: returned" in lines, output
+        assert f"rank {rank}: truly shared: returned" in lines, output
+    # What rank 0 wrote is kept, a good file on its disk; rank 1's earlier file is untouched.
+    assert tiekit.load_model(torch.nn.Linear(2, 2), disks[0] / "m.safetensors") is not None
+    assert (disks[0] / "c.safetensors").is_file() and not (disks[1] / "m.safetensors").exists()
+    assert (disks[1] / "c.safetensors").read_bytes() == b"an earlier run's checkpoint"
+    assert sorted(p.name for p in disks[1].glob("r*.safetensors")) == ["r1.safetensors"]

@@ -9,7 +9,8 @@ waits. The one convention for multi-rank code:
   on rank 0 only: that is this pattern);
 * or every rank calls `collective_save_model` (or `collective_save_checkpoint`): each distinct
   path is written once, by the lowest rank that names it (so one shared path is written once,
-  per-rank paths each by their rank), and a failure of any writer is raised on every rank.
+  per-rank paths each by their rank), and a failure of any writer, or a rank that cannot see
+  the file written at its path (node-local disks), is raised on every rank.
 
 Ranks are torch.distributed processes, ``torch_xla.launch`` replicas (threads of one process on
 XLA:CPU, processes on TPU hosts), or the hosts of a multi-host SPMD run (one process each,
@@ -166,6 +167,8 @@ def collective_run(
 ) -> None:
     """Collective: run ``write`` once per distinct ``path_key`` (on the lowest rank naming it) and
     raise every writer's failure on every rank (`CheckpointError` naming the rank and its error).
+    Then each rank whose path another rank wrote checks it sees that file (same size and
+    modification time); a rank that does not (node-local disks) is a `CheckpointError` on every rank.
     ``refusal``: this rank's arguments are wrong (its own check); any rank's refusal is raised on
     every rank before anything is written, so no rank waits for one that gave up alone. The
     building block of `collective_save_model`; ``what`` names the operation in errors."""
@@ -178,18 +181,40 @@ def collective_run(
             raise refusal  # the same mistake on every rank (or the only one): its own error says it all
         raise TiekitError(f"{failure_message(what, refusals)}. Nothing was written") from refusal
     keys = [k for k, _ in gathered]
+    writers = [keys.index(k) for k in keys]
     error: str | None = None
     own: Exception | None = None
-    if keys.index(path_key) == where.rank:
+    written: tuple[int, int] | None = None
+    if writers[where.rank] == where.rank:
         try:
             write()
+            written = _identity(path_key)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below, then raised here too
             error = f"{type(exc).__name__}: {exc}"
             own = exc
-    errors = collective_gather(error, timeout=timeout)
+    reports = collective_gather((error, written), timeout=timeout)
+    errors = [e for e, _ in reports]
     if any(e is not None for e in errors):
         # The same error on every rank, the writer's own included: it names the ranks that failed.
         raise CheckpointError(failure_message(what, errors, keys)) from own
+    if all(w == r for r, w in enumerate(writers)):
+        return  # per-rank paths: each rank wrote its own, no rank reads another's
+    # A path written by another rank is the same file here only on a filesystem both see: on
+    # node-local disks the others returned as if saved and their next load found nothing.
+    unseen: str | None = None
+    if writers[where.rank] != where.rank:
+        unseen = _unseen(path_key, reports[writers[where.rank]][1])
+    unseens = collective_gather(unseen, timeout=timeout)
+    missing = [r for r, u in enumerate(unseens) if u is not None]
+    if missing:
+        shown = "; ".join(f"rank {r} {unseens[r]} (written by rank {writers[r]})" for r in missing)
+        raise CheckpointError(
+            f"{what}: {len(missing)} of {len(keys)} rank(s) do not see the file another rank wrote for them: "
+            f"{shown}. Each path was written once, by the lowest rank naming it, so one path must be the same "
+            "file on every rank: these ranks' storage is their own (node-local disks?). Use a filesystem every "
+            "rank sees, give each rank its own path, or save with `if tiekit.is_writer(): tiekit.save_model(...)` "
+            "and copy the file yourself. The written file was left in place"
+        )
 
 
 def collective_save_model(
@@ -197,8 +222,9 @@ def collective_save_model(
 ) -> None:
     """Collective: every rank calls it; `tiekit.save_model` runs once per distinct path, on the
     lowest rank naming it (one shared path: written once; per-rank paths: each by its rank). A
-    failure of any writer raises `CheckpointError` on every rank. ``timeout`` as in
-    `collective_gather`; other keywords as `tiekit.save_model`."""
+    failure of any writer raises `CheckpointError` on every rank, and so does a rank that cannot
+    see the file another rank wrote at its path (a shared path on node-local disks); the written
+    file is kept. ``timeout`` as in `collective_gather`; other keywords as `tiekit.save_model`."""
     from tiekit.checkpoint import save_model
 
     target, refusal = _target(path, "collective_save_model(model, path)")
@@ -216,7 +242,8 @@ def collective_save_checkpoint(
     path: str | os.PathLike[str], *, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any
 ) -> None:
     """Collective: `tiekit.save_checkpoint` as `collective_save_model` runs `tiekit.save_model`:
-    once per distinct path, every writer's failure raised on every rank."""
+    once per distinct path, every writer's failure (or a rank not seeing the file written for
+    it) raised on every rank."""
     from tiekit.checkpoint import save_checkpoint
 
     target, refusal = _target(path, "collective_save_checkpoint(path, model=...)")
@@ -243,6 +270,31 @@ def _target(path: Any, call: str) -> tuple[str, Exception | None]:
     except CheckpointError as exc:
         return "", exc
     return os.path.abspath(os.fspath(path)), None
+
+
+def _identity(path: str) -> tuple[int, int]:
+    """The size and modification time of ``path``, read through an open file: on NFS an open
+    revalidates what this machine cached (close-to-open), a bare stat may answer from its cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    return st.st_size, st.st_mtime_ns
+
+
+def _unseen(path: str, written: tuple[int, int] | None) -> str | None:
+    """Why this rank does not see the file the writer reported as ``written`` at ``path`` (None: it does)."""
+    try:
+        here = _identity(path)
+    except OSError as exc:
+        return f"cannot open {path} ({exc.strerror or exc})"
+    if written is not None and here != written:
+        return (
+            f"sees another file at {path} ({here[0]} bytes, modified {here[1]} ns; "
+            f"the writer's: {written[0]} bytes, modified {written[1]} ns)"
+        )
+    return None
 
 
 def _unknown_keywords(function: Callable[..., Any], *args: Any, **kwargs: Any) -> TypeError | None:
