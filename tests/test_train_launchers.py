@@ -365,6 +365,46 @@ def test_a_relative_sharded_checkpoint_dir_in_different_working_directories_is_r
     assert not any((tmp_path / f"rank{rank}" / "ckpt").exists() for rank in range(2))  # nothing saved
 
 
+def torchrun_two_nodes(tmp_path: Path, nodes: tuple[str, str], options: dict[str, Any], timeout: float = 150) -> Any:
+    """Two "nodes" (``torchrun --nnodes=2``, c10d rendezvous, one process each), each started in
+    its own folder ``tmp_path / node``: each rank's record (the rendezvous picks which is rank 0)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent(WORKER))
+    port = free_port()
+    processes = []
+    for node_rank, node in enumerate(nodes):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1"]
+        command += [f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
+        command += ["--rdzv-id=tiekit-test", str(script), str(out), json.dumps(options)]
+        processes.append(_start(command, cwd=tmp_path / node))
+    outputs = _wait(processes, timeout=timeout)
+    assert all(p.returncode == 0 for p in processes), "\n".join(o[-12000:] for o in outputs)
+    return _records(out)
+
+
+@pytest.mark.newest_torch_only  # fit's start-up, the same code on both stacks: one torchrun is enough
+@pytest.mark.parametrize("option", ["checkpoint_dir", "log_dir"])
+def test_a_folder_option_one_node_refuses_is_refused_on_every_rank(tmp_path: Path, option: str) -> None:
+    # Node B's working directory holds a file where the relative folder goes. Its rank refused it
+    # alone, before joining the process group, and node A's rank waited in init_process_group for
+    # torch's 30 minutes (probe); here every rank raises it, naming node B's rank.
+    for node in ("nodeA", "nodeB"):
+        (tmp_path / node).mkdir()
+    (tmp_path / "nodeB" / "folder").write_text("not a folder")
+    options = {option: "folder", "max_steps": 2}
+    records = torchrun_two_nodes(tmp_path, ("nodeA", "nodeB"), options, timeout=120)
+    refusing = next(r["rank"] for r in records if Path(r["cwd"]).name == "nodeB")
+    for record in records:
+        assert record.get("tiekit"), record
+        assert f"rank {refusing}: {option}='folder' is a file, not a folder" in record["message"], record
+        assert "failed on 1 of 2 rank(s)" in record["message"]
+        assert record["seconds"] < 60
+    assert (tmp_path / "nodeB" / "folder").read_text() == "not a folder"
+    assert os.listdir(tmp_path / "nodeA") == []  # nothing made on the node that could have
+
+
 @pytest.mark.newest_torch_only  # fit's own logic, the same on both stacks: one run keeps CI short
 def test_a_checkpoint_every_rank_fails_to_load_is_reported_as_that_failure(tmp_path: Path) -> None:
     # The ranks all read one file and all refused it alike; the error said they "did not all load

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -10,6 +11,8 @@ from typing import Any
 
 from torch import nn
 
+from tiekit.backends.torch_distributed import launched_rank
+from tiekit.backends.xla import spmd_hosts
 from tiekit.errors import TiekitError
 from tiekit.train.config import DEFAULT_OPTIMIZER, FitConfig, Job, LossFn, OptimizerFactory
 from tiekit.train.launch import refuse_a_replica_importing_main, resolve_strategy, run
@@ -134,7 +137,9 @@ def fit(
         log_every=log_every,
     )
     refuse_a_replica_importing_main()
-    config.check()
+    # A rank of several (torchrun, a launcher, SPMD hosts) checks its folders once it has joined
+    # the others, who are told of its refusal there: raised here, it would leave them waiting.
+    config.check(folders=launched_rank(os.environ) is None and spmd_hosts() is None)
     if not isinstance(model, nn.Module) and not callable(model):
         raise TiekitError(f"model must be an nn.Module or a zero-argument factory, not {type(model).__name__}")
     job = Job(

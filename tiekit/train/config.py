@@ -59,8 +59,20 @@ class FitConfig:
             return self.epochs
         return 1 if self.max_steps is None else None
 
-    def check(self) -> None:
-        """Raise `TiekitError` naming the first bad option; touches nothing."""
+    def folder_problem(self) -> str | None:
+        """Local: what is wrong with ``checkpoint_dir`` or ``log_dir`` on this process's
+        filesystem (a file where the folder goes), or None. Its answer may differ from rank to
+        rank (each node its own disk, each rank its own working directory): a rank of several
+        must not raise it alone, before the others hear of it (they would wait for it)."""
+        for name in ("checkpoint_dir", "log_dir"):
+            folder = getattr(self, name)
+            if folder is not None and folder.exists() and not folder.is_dir():
+                return f"{name}={str(folder)!r} is a file, not a folder"
+        return None
+
+    def check(self, *, folders: bool = True) -> None:
+        """Raise `TiekitError` naming the first bad option; touches nothing. ``folders=False``:
+        not `folder_problem` (one rank of several checks it in `tiekit.train.coordinate.join`)."""
         if self.strategy not in STRATEGIES:
             raise TiekitError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
         check_precision(self.precision)
@@ -77,10 +89,8 @@ class FitConfig:
                 raise TiekitError(f"{name} must be True or False, not {getattr(self, name)!r}")
         if self.drop_last is not None and not isinstance(self.drop_last, bool):
             raise TiekitError(f"drop_last must be True, False or None (the DataLoader's), not {self.drop_last!r}")
-        for name in ("checkpoint_dir", "log_dir"):
-            folder = getattr(self, name)
-            if folder is not None and folder.exists() and not folder.is_dir():
-                raise TiekitError(f"{name}={str(folder)!r} is a file, not a folder")
+        if folders and (problem := self.folder_problem()) is not None:
+            raise TiekitError(problem)
         if isinstance(self.devices, bool) or not isinstance(self.devices, int | str):
             raise TiekitError(f"devices must be 'auto', a number of devices or a device string, not {self.devices!r}")
         if isinstance(self.devices, int) and self.devices < 1:

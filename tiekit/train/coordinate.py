@@ -386,7 +386,10 @@ def join(job: Job, backend: Backend) -> Coordinator:
     cfg = job.config
     lock: FolderLock | None = None
     refused: TiekitError | None = None
-    if where.is_writer and cfg.checkpoint_dir is not None:
+    # This rank's own filesystem (a file where checkpoint_dir or log_dir goes): told to every rank
+    # by `_agree_on_run`; raised here alone, it would leave the others waiting for this rank.
+    unusable = cfg.folder_problem()
+    if where.is_writer and cfg.checkpoint_dir is not None and unusable is None:
         folder = Path(os.path.abspath(str(cfg.checkpoint_dir)))
         try:
             lock = lock_checkpoint_dir(folder, job.run_id)
@@ -397,7 +400,7 @@ def join(job: Job, backend: Backend) -> Coordinator:
         except TiekitError as exc:
             refused = exc
     try:
-        run_id = _agree_on_run(job, backend, refused)
+        run_id = _agree_on_run(job, backend, refused, unusable)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -405,11 +408,14 @@ def join(job: Job, backend: Backend) -> Coordinator:
     return Coordinator(where, run_id, folder_lock=lock)
 
 
-def _agree_on_run(job: Job, backend: Backend, refused: TiekitError | None) -> str:
+def _agree_on_run(job: Job, backend: Backend, refused: TiekitError | None, unusable: str | None) -> str:
     """Collective: `join`'s checks; rank 0's run id. ``refused``: the writer could not lock the
-    folder, or found an earlier run's checkpoints in it (raised on every rank)."""
+    folder, or found an earlier run's checkpoints in it; ``unusable``: this rank's
+    `FitConfig.folder_problem` (each raised on every rank, naming the ranks)."""
     where = backend.ranks
     if where.world == 1:
+        if unusable is not None:
+            raise TiekitError(unusable)
         if refused is not None:
             raise refused
         return job.run_id
@@ -426,14 +432,21 @@ def _agree_on_run(job: Job, backend: Backend, refused: TiekitError | None) -> st
     folder_shared = backend.sharded_checkpoints and cfg.checkpoint_dir is not None
     if folder_shared:  # every rank writes into the folder: one absolute path, whatever each one's cwd
         options["checkpoint_dir"] = os.path.abspath(str(cfg.checkpoint_dir))
-    gathered = collective_gather((job.run_id, options, None if refused is None else str(refused)), operation="fit")
+    held_here = None if refused is None else str(refused)
+    gathered = collective_gather((job.run_id, options, held_here, unusable), operation="fit")
+    problems = [problem for _, _, _, problem in gathered]
+    if any(p is not None for p in problems):
+        raise TiekitError(
+            failure_message("fit's check of checkpoint_dir and log_dir", problems)
+            + " (each rank looks on its own filesystem, a relative path in its own working directory)"
+        )
     held = gathered[0][2]  # the writer's refusal: every rank raises it
     if held is not None:
         if refused is not None:
             raise refused
         raise TiekitError(held)
     shared_folder = backend.name if folder_shared else None
-    agreements.refuse_different_options([other for _, other, _ in gathered], shared_folder)
+    agreements.refuse_different_options([other for _, other, _, _ in gathered], shared_folder)
     return str(gathered[0][0])
 
 
