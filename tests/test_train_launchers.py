@@ -405,6 +405,28 @@ def test_a_folder_option_one_node_refuses_is_refused_on_every_rank(tmp_path: Pat
     assert os.listdir(tmp_path / "nodeA") == []  # nothing made on the node that could have
 
 
+@pytest.mark.newest_torch_only
+def test_a_sharded_checkpoint_dir_a_rank_names_through_a_symbolic_link_is_accepted(tmp_path: Path) -> None:
+    # Each node mounts the shared folder at a path of its own (here: a link in each rank's working
+    # directory): the absolute paths differ, the folder is one. fit refused it ("passed fit
+    # different checkpoint_dir") where save_sharded and load_sharded accept it.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    for rank in range(2):
+        (tmp_path / f"rank{rank}").mkdir()
+        (tmp_path / f"rank{rank}" / "data").symlink_to(shared, target_is_directory=True)
+    options = {"strategy": "fsdp", "checkpoint_dir": "data/ckpt", "checkpoint_every": 2, "max_steps": 4}
+    records = torchrun_one_node(tmp_path, "out", {**options, "own_folder": str(tmp_path / "rank{rank}")})
+    for record in records:
+        assert "error" not in record, record
+        assert record["steps"] == 4 and record["ties"], record
+    assert sorted(p.name for p in (shared / "ckpt").iterdir()) == ["step-00000002", "step-00000004"]
+    resumed = torchrun_one_node(
+        tmp_path, "again", {**options, "max_steps": 6, "resume": "last", "own_folder": str(tmp_path / "rank{rank}")}
+    )
+    assert all(r.get("steps") == 6 for r in resumed), resumed
+
+
 @pytest.mark.newest_torch_only  # fit's own logic, the same on both stacks: one run keeps CI short
 def test_a_checkpoint_every_rank_fails_to_load_is_reported_as_that_failure(tmp_path: Path) -> None:
     # The ranks all read one file and all refused it alike; the error said they "did not all load

@@ -54,7 +54,7 @@ from tiekit.collective import (
     failure_message,
 )
 from tiekit.dcp import SaveHandle
-from tiekit.dcp.ranks import process_group_needed
+from tiekit.dcp.ranks import folder_names, process_group_needed
 from tiekit.dcp.saving import save_sharded_staged
 from tiekit.errors import CheckpointError, TieError, TiekitError
 from tiekit.plan import TiePlan
@@ -431,7 +431,8 @@ def _agree_on_run(job: Job, backend: Backend, refused: TiekitError | None, unusa
     options = {"strategy": job.strategy, **{name: _comparable(getattr(job.config, name)) for name in SHARED_OPTIONS}}
     folder_shared = backend.sharded_checkpoints and cfg.checkpoint_dir is not None
     if folder_shared:  # every rank writes into the folder: one absolute path, whatever each one's cwd
-        options["checkpoint_dir"] = os.path.abspath(str(cfg.checkpoint_dir))
+        # (or the same folder once symbolic links are resolved: one rank reaching it through a link)
+        options["checkpoint_dir"] = folder_names(Path(os.path.abspath(str(cfg.checkpoint_dir))))
     held_here = None if refused is None else str(refused)
     gathered = collective_gather((job.run_id, options, held_here, unusable), operation="fit")
     problems = [problem for _, _, _, problem in gathered]
