@@ -427,6 +427,24 @@ def test_a_sharded_checkpoint_dir_a_rank_names_through_a_symbolic_link_is_accept
     assert all(r.get("steps") == 6 for r in resumed), resumed
 
 
+@pytest.mark.newest_torch_only
+def test_a_node_local_sharded_checkpoint_dir_is_refused_before_the_first_step(tmp_path: Path) -> None:
+    # One absolute path, a folder of its own in each rank's working directory (node-local disks):
+    # every rank of a sharded run writes its part there, and this showed only at the first
+    # checkpoint's commit, after the steps before it. Rank 0 locks the folder for the run at the
+    # start; a rank that does not see that lock file does not share the folder.
+    for rank in range(2):
+        (tmp_path / f"rank{rank}").mkdir()
+    options = {"strategy": "fsdp", "checkpoint_dir": LOCAL, "checkpoint_every": 2, "max_steps": 4}
+    records = torchrun_one_node(tmp_path, "out", {**options, "own_folder": str(tmp_path / "rank{rank}")}, timeout=90)
+    for record in records:
+        assert record.get("tiekit"), record
+        assert f"the ranks do not share checkpoint_dir='{LOCAL}': rank(s) 1 of 2 do not see" in record["message"]
+        assert "(node-local storage?)" in record["message"]
+    # Nothing saved: rank 0's folder, made for the lock, went with it.
+    assert not any((tmp_path / f"rank{rank}" / "ckpt").exists() for rank in range(2))
+
+
 @pytest.mark.newest_torch_only  # fit's own logic, the same on both stacks: one run keeps CI short
 def test_a_checkpoint_every_rank_fails_to_load_is_reported_as_that_failure(tmp_path: Path) -> None:
     # The ranks all read one file and all refused it alike; the error said they "did not all load

@@ -32,7 +32,9 @@ the same order, in `tiekit.train.loop`); a run of one rank decides alone and wai
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,7 +62,7 @@ from tiekit.errors import CheckpointError, TieError, TiekitError
 from tiekit.plan import TiePlan
 from tiekit.train import agreements, resuming, state
 from tiekit.train.config import FitConfig, Job
-from tiekit.train.folder_lock import FolderLock, lock_checkpoint_dir
+from tiekit.train.folder_lock import LOCK_NAME, FolderLock, lock_checkpoint_dir
 from tiekit.train.losses import LossWatch
 
 #: The options of `tiekit.fit` every rank must pass alike: a rank with another ``max_steps`` or
@@ -401,6 +403,8 @@ def join(job: Job, backend: Backend) -> Coordinator:
             refused = exc
     try:
         run_id = _agree_on_run(job, backend, refused, unusable)
+        if backend.sharded_checkpoints and cfg.checkpoint_dir is not None and where.world > 1:
+            _agree_on_one_folder(cfg.checkpoint_dir, run_id, backend)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -449,6 +453,42 @@ def _agree_on_run(job: Job, backend: Backend, refused: TiekitError | None, unusa
     shared_folder = backend.name if folder_shared else None
     agreements.refuse_different_options([other for _, other, _, _ in gathered], shared_folder)
     return str(gathered[0][0])
+
+
+def _agree_on_one_folder(folder: Path, run_id: str, backend: Backend) -> None:
+    """Collective: every rank sees the lock file the writer made in ``folder`` for the run
+    ``run_id``, else a `TiekitError` on every rank naming the ranks that do not. Every rank of a
+    sharded run writes its part into the folder: node-local disks showed only at the first
+    checkpoint's commit, after the steps before it. Unchecked when the writer itself reads no
+    such file (a filesystem without locks)."""
+    lock = Path(os.path.abspath(str(folder))) / LOCK_NAME
+    seen = _sees_run(lock, run_id, patience=0.0 if backend.ranks.is_writer else 5.0)
+    gathered = collective_gather(seen, operation="fit")
+    if not gathered[0]:
+        return
+    blind = [rank for rank, saw in enumerate(gathered) if not saw]
+    if blind:
+        raise TiekitError(
+            f"the ranks do not share checkpoint_dir={str(folder)!r}: rank(s) {', '.join(map(str, blind))} of "
+            f"{len(gathered)} do not see the lock file {LOCK_NAME} rank 0 made in it for this run (node-local "
+            "storage?). Every rank of a sharded run writes its part of each checkpoint into that folder: give "
+            "a checkpoint_dir on storage every node shares"
+        )
+
+
+def _sees_run(lock: Path, run_id: str, patience: float) -> bool:
+    """Local: ``lock`` names the run ``run_id``; looked at again for up to ``patience`` seconds
+    (a shared filesystem may show another node's new file late)."""
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            if json.loads(lock.read_text(encoding="utf-8")).get("run") == run_id:
+                return True
+        except (OSError, ValueError, AttributeError):
+            pass  # not there (yet), or not written whole yet
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
 
 
 def abort(backend: Backend, reason: str) -> None:
