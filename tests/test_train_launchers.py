@@ -795,7 +795,7 @@ def test_several_spmd_hosts_without_a_process_group_are_refused_before_anything_
     from tiekit.collective import Ranks
     from tiekit.dcp.ranks import process_group_needed
     from tiekit.train.config import FitConfig, Job
-    from tiekit.train.coordinate import join
+    from tiekit.train.joining import join
 
     host = Ranks(1, 2, "spmd-hosts")
     needed = process_group_needed(host, False, "save_sharded", tmp_path)

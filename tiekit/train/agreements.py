@@ -1,5 +1,5 @@
 """What the ranks of one `tiekit.fit` run must have passed and built alike, and how a difference
-is told: local judgements over values every rank gathered (`tiekit.train.coordinate.join` and the
+is told: local judgements over values every rank gathered (`tiekit.train.joining.join` and the
 ``Coordinator.agree_on_*`` collectives gather them, then call these on every rank, so every rank
 raises the same `TiekitError`)."""
 

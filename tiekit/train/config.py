@@ -72,7 +72,7 @@ class FitConfig:
 
     def check(self, *, folders: bool = True) -> None:
         """Raise `TiekitError` naming the first bad option; touches nothing. ``folders=False``:
-        not `folder_problem` (one rank of several checks it in `tiekit.train.coordinate.join`)."""
+        not `folder_problem` (one rank of several checks it in `tiekit.train.joining.join`)."""
         if self.strategy not in STRATEGIES:
             raise TiekitError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
         check_precision(self.precision)

@@ -25,7 +25,7 @@ from tiekit.backends.base import Backend
 from tiekit.checkpoint.direct import host_bytes
 from tiekit.errors import TiekitError
 from tiekit.retie import verify
-from tiekit.train import coordinate, state
+from tiekit.train import coordinate, joining, state
 from tiekit.train.config import Job, LossFn, Outcome
 from tiekit.train.data import ReplicaLoader, derived_seed, make_loader
 from tiekit.train.log import TrainLog
@@ -118,7 +118,7 @@ def run_replica(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
 
 def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
     started = time.perf_counter()
-    coordinator = coordinate.join(job, backend)  # rank 0's run id; the options checked equal
+    coordinator = joining.join(job, backend)  # rank 0's run id; the options checked equal
     passed = PutBack(job.model)
     try:
         return _trained(job, backend, coordinator, passed, started)
