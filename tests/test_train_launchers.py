@@ -428,11 +428,14 @@ def test_a_sharded_checkpoint_dir_a_rank_names_through_a_symbolic_link_is_accept
 
 
 @pytest.mark.newest_torch_only
-def test_a_node_local_sharded_checkpoint_dir_is_refused_before_the_first_step(tmp_path: Path) -> None:
+def test_a_node_local_sharded_checkpoint_dir_is_refused_before_the_first_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # One absolute path, a folder of its own in each rank's working directory (node-local disks):
     # every rank of a sharded run writes its part there, and this showed only at the first
     # checkpoint's commit, after the steps before it. Rank 0 locks the folder for the run at the
     # start; a rank that does not see that lock file does not share the folder.
+    monkeypatch.setenv("TIEKIT_SHARED_FOLDER_WAIT", "3")  # not NFS here: no cache to outwait (65 s)
     for rank in range(2):
         (tmp_path / f"rank{rank}").mkdir()
     options = {"strategy": "fsdp", "checkpoint_dir": LOCAL, "checkpoint_every": 2, "max_steps": 4}

@@ -131,11 +131,7 @@ def _agree_on_one_folder(folder: Path, run_id: str, backend: Backend) -> None:
     checkpoint's commit, after the steps before it. Unchecked when the writer itself reads no
     such file (a filesystem without locks)."""
     lock = Path(os.path.abspath(str(folder))) / LOCK_NAME
-    # An NFS client that looked the name up before rank 0 made it (fit's own check of the folder
-    # did) may answer "no such file" from its cache until it revalidates the directory, up to
-    # acdirmax (60 s by default): a shared folder must not be taken for a node-local one. The
-    # wait costs only a run that is refused anyway.
-    seen = _sees_run(lock, run_id, patience=0.0 if backend.ranks.is_writer else 65.0)
+    seen = _sees_run(lock, run_id, patience=0.0 if backend.ranks.is_writer else _shared_folder_wait())
     gathered = collective_gather(seen, operation="fit")
     if not gathered[0]:
         return
@@ -147,6 +143,23 @@ def _agree_on_one_folder(folder: Path, run_id: str, backend: Backend) -> None:
             "storage?). Every rank of a sharded run writes its part of each checkpoint into that folder: give "
             "a checkpoint_dir on storage every node shares"
         )
+
+
+#: Seconds a rank looks for the lock file of a sharded run's checkpoint_dir before it calls the
+#: folder node-local (default 65).
+SHARED_FOLDER_WAIT = "TIEKIT_SHARED_FOLDER_WAIT"
+
+
+def _shared_folder_wait() -> float:
+    """``TIEKIT_SHARED_FOLDER_WAIT``, else 65 s: an NFS client that looked the name up before rank
+    0 made it (fit's own check of the folder did) may answer "no such file" from its cache until
+    it revalidates the directory, up to acdirmax (60 s by default), and a shared folder must not
+    be taken for a node-local one. The wait costs only a run that is refused anyway."""
+    given = os.environ.get(SHARED_FOLDER_WAIT)
+    try:
+        return 65.0 if given is None else max(0.0, float(given))
+    except ValueError:
+        raise TiekitError(f"{SHARED_FOLDER_WAIT}={given!r} is not a number of seconds") from None
 
 
 def _sees_run(lock: Path, run_id: str, patience: float) -> bool:
