@@ -635,6 +635,9 @@ calls = {
     "checkpoint": lambda: tiekit.collective_save_checkpoint(shared / "c.safetensors", model=model, timeout=600),
     "per-rank": lambda: tiekit.collective_save_model(model, shared / f"r{rank}.safetensors", timeout=600),
     "truly shared": lambda: tiekit.collective_save_model(model, own / "s.safetensors", timeout=600),
+    # A file path saved as shards holds no file at the path: its index and shards are beside it.
+    "shards": lambda: tiekit.collective_save_model(model, own / "h.safetensors", max_shard_size=16, timeout=600),
+    "local shards": lambda: tiekit.collective_save_model(model, shared / "h.safetensors", max_shard_size=16),
 }
 for label, call in calls.items():
     try:
@@ -681,6 +684,8 @@ def test_a_shared_path_on_node_local_disks_fails_every_rank(tmp_path: Path) -> N
         # Unchanged: per-rank paths, and one path that is the same file on every rank.
         assert f"rank {rank}: per-rank: returned" in lines, output
         assert f"rank {rank}: truly shared: returned" in lines, output
+        assert f"rank {rank}: shards: returned" in lines, output  # failed: "No such file ... h.safetensors"
+        assert f"rank 1 cannot open {shared / 'h.safetensors'} (No such file or directory)" in lines, output
     # What rank 0 wrote is kept, a good file on its disk; rank 1's earlier file is untouched.
     assert tiekit.load_model(torch.nn.Linear(2, 2), disks[0] / "m.safetensors") is not None
     assert (disks[0] / "c.safetensors").is_file() and not (disks[1] / "m.safetensors").exists()

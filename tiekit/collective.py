@@ -273,8 +273,14 @@ def _target(path: Any, call: str) -> tuple[str, Exception | None]:
 
 
 def _identity(path: str) -> tuple[int, int]:
-    """The size and modification time of ``path``, read through an open file: on NFS an open
-    revalidates what this machine cached (close-to-open), a bare stat may answer from its cache."""
+    """The size and modification time of what a save to ``path`` wrote, read through an open
+    file: on NFS an open revalidates what this machine cached (close-to-open), a bare stat may
+    answer from its cache. A file path saved as shards (``max_shard_size``) holds no file at
+    ``path`` but its index beside it, which names the shards."""
+    from tiekit.checkpoint.layout import INDEX_SUFFIX  # the checkpoint package imports this module
+
+    if not os.path.exists(path) and os.path.exists(path + INDEX_SUFFIX):
+        path += INDEX_SUFFIX
     fd = os.open(path, os.O_RDONLY)
     try:
         st = os.fstat(fd)
