@@ -177,6 +177,9 @@ def test_a_fresh_run_in_a_folder_holding_an_earlier_runs_checkpoints_is_refused(
     with pytest.raises(tiekit.TiekitError, match=f"started from {re.escape(str(elsewhere.checkpoint))}, a checkpoint"):
         tiekit.fit(WeightSharingModule, data(), max_steps=4, resume=elsewhere.checkpoint, **kw)
     assert _contents(folder) == before
+    # The folder itself is no checkpoint: said so, naming those it holds (not "outside it").
+    with pytest.raises(tiekit.TiekitError, match=r"is a folder, not a checkpoint"):
+        tiekit.fit(WeightSharingModule, data(), max_steps=4, resume=folder, **kw)
 
     # What a killed run leaves beside its complete checkpoints is no checkpoint: alone it says nothing.
     leftovers = tmp_path / "leftovers"

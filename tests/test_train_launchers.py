@@ -78,6 +78,8 @@ options["strategy"] = options.pop("strategies", {}).get(str(rank), options["stra
 size = options.pop("sizes", {}).get(str(rank), 256)  # {"1": 240}: rank 1's dataset is shorter
 failing = options.pop("failing", {})  # {"rank": 1, "after": 16}: its dataset raises after 16 samples
 lr = options.pop("lrs", {}).get(str(rank), 1e-2)  # {"1": 0.1}: rank 1's optimizer factory differs
+if "resumes" in options:  # {"1": "data/ckpt/step-00000004"}: rank 1 names the checkpoint its own way
+    options["resume"] = options.pop("resumes").get(str(rank), options.get("resume"))
 if "threads" in options:  # the script's own choice of torch's threads, which fit must keep
     torch.set_num_threads(options.pop("threads"))
 try:
@@ -425,6 +427,12 @@ def test_a_sharded_checkpoint_dir_a_rank_names_through_a_symbolic_link_is_accept
         tmp_path, "again", {**options, "max_steps": 6, "resume": "last", "own_folder": str(tmp_path / "rank{rank}")}
     )
     assert all(r.get("steps") == 6 for r in resumed), resumed
+    # A checkpoint named through the link on one rank and by its real path on the other: one folder.
+    step4 = {"0": str(shared / "ckpt" / "step-00000004"), "1": "data/ckpt/step-00000004"}
+    branched = torchrun_one_node(
+        tmp_path, "branch", {**options, "max_steps": 8, "resumes": step4, "own_folder": str(tmp_path / "rank{rank}")}
+    )
+    assert all(r.get("steps") == 8 for r in branched), branched  # refused: "passed fit different resume"
 
 
 @pytest.mark.newest_torch_only

@@ -59,20 +59,18 @@ def refuse_different_data(gathered: list[dict[str, tuple[int, int]]]) -> None:
 def refuse_different_options(gathered: list[dict[str, Any]], shared_folder: str | None) -> None:
     """Local: ``gathered`` holds every rank's options of `tiekit.fit` (strategy first), in rank
     order; a `TiekitError` naming the first that differs and the ranks. ``shared_folder``: the
-    strategy whose every rank writes into one ``checkpoint_dir``: its ``checkpoint_dir`` is each
-    rank's `tiekit.dcp.ranks.folder_names`, the same folder when either name is the same."""
+    strategy whose every rank writes into one ``checkpoint_dir`` and reads its part of one
+    ``resume`` folder: those paths are each rank's `tiekit.dcp.ranks.folder_names` (a tuple), the
+    same folder when either name is the same."""
     first = gathered[0]
     for name in first:
-        one_folder = name == "checkpoint_dir" and shared_folder is not None
-        differ = [r for r, other in enumerate(gathered) if _differs(other[name], first[name], one_folder)]
+        differ = [r for r, other in enumerate(gathered) if _differs(other[name], first[name])]
         if differ:
-            shown = "; ".join(
-                f"rank {r}: {(gathered[r][name][0] if one_folder else gathered[r][name])!r}" for r in [0, *differ[:7]]
-            )
+            shown = "; ".join(f"rank {r}: {_shown(gathered[r][name])!r}" for r in [0, *differ[:7]])
             why = (
-                f" (strategy={shared_folder!r} has every rank write its part into one folder; a relative path "
-                "names a folder in each rank's working directory)"
-                if name == "checkpoint_dir" and shared_folder is not None
+                f" (strategy={shared_folder!r} has every rank write or read its part of one folder; a relative "
+                "path names a folder in each rank's working directory)"
+                if name in ("checkpoint_dir", "resume") and shared_folder is not None
                 else ""
             )
             raise TiekitError(
@@ -80,10 +78,14 @@ def refuse_different_options(gathered: list[dict[str, Any]], shared_folder: str 
             )
 
 
-def _differs(value: Any, first: Any, one_folder: bool) -> bool:
-    if one_folder:  # (absolute, resolved): one rank may reach the folder through a symbolic link
-        return bool(value[0] != first[0] and value[1] != first[1])
+def _differs(value: Any, first: Any) -> bool:
+    if isinstance(value, tuple) and isinstance(first, tuple):  # a folder's (absolute, resolved) names:
+        return bool(value[0] != first[0] and value[1] != first[1])  # one rank may reach it through a link
     return bool(value != first)
+
+
+def _shown(value: Any) -> Any:
+    return value[0] if isinstance(value, tuple) else value  # a folder as the rank named it (made absolute)
 
 
 def optimizer_description(optimizer: torch.optim.Optimizer) -> dict[str, str]:

@@ -106,6 +106,8 @@ def _agree_on_run(job: Job, backend: Backend, refused: TiekitError | None, unusa
     if folder_shared:  # every rank writes into the folder: one absolute path, whatever each one's cwd
         # (or the same folder once symbolic links are resolved: one rank reaching it through a link)
         options["checkpoint_dir"] = folder_names(Path(os.path.abspath(str(cfg.checkpoint_dir))))
+    if backend.sharded_checkpoints and cfg.resume not in (None, "last"):  # every rank reads its part of one folder
+        options["resume"] = folder_names(Path(os.path.abspath(str(cfg.resume))))
     held_here = None if refused is None else str(refused)
     gathered = collective_gather((job.run_id, options, held_here, unusable), operation="fit")
     problems = [problem for _, _, _, problem in gathered]
@@ -119,7 +121,7 @@ def _agree_on_run(job: Job, backend: Backend, refused: TiekitError | None, unusa
         if refused is not None:
             raise refused
         raise TiekitError(held)
-    shared_folder = backend.name if folder_shared else None
+    shared_folder = backend.name if backend.sharded_checkpoints else None
     agreements.refuse_different_options([other for _, other, _, _ in gathered], shared_folder)
     return str(gathered[0][0])
 
@@ -131,7 +133,8 @@ def _agree_on_one_folder(folder: Path, run_id: str, backend: Backend) -> None:
     checkpoint's commit, after the steps before it. Unchecked when the writer itself reads no
     such file (a filesystem without locks)."""
     lock = Path(os.path.abspath(str(folder))) / LOCK_NAME
-    seen = _sees_run(lock, run_id, patience=0.0 if backend.ranks.is_writer else _shared_folder_wait())
+    wait = _shared_folder_wait()  # on every rank: a bad value is refused by all alike, before the gather
+    seen = _sees_run(lock, run_id, patience=0.0 if backend.ranks.is_writer else wait)
     gathered = collective_gather(seen, operation="fit")
     if not gathered[0]:
         return

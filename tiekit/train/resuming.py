@@ -49,8 +49,10 @@ def earlier_run(folder: Path, resume: Path | str | None) -> str | None:
 
 
 def _inside(path: Path, folder: Path) -> bool:
-    """``path`` is ``folder`` or in it, through symlinks too."""
-    return os.path.realpath(path).startswith(os.path.realpath(folder) + os.sep)
+    """``path`` is ``folder`` or in it, through symlinks too (``resume=`` the folder itself is
+    refused later, as a folder that is no checkpoint, naming the ones it holds)."""
+    real, real_folder = os.path.realpath(path), os.path.realpath(folder)
+    return real == real_folder or real.startswith(real_folder + os.sep)
 
 
 def newest_here(cfg: FitConfig) -> str | None:
