@@ -610,7 +610,7 @@ def test_a_killed_ddp_worker_ends_fit_within_seconds_and_the_last_checkpoint_loa
     assert error is not None and error["tiekit"], error  # before: torch's ProcessExitedException
     assert "replica 1" in error["message"] and "killed by signal SIGKILL" in error["message"]
     last = tmp_path / "ckpt" / "step-00000006.safetensors"
-    assert f"the last checkpoint: {last}" in error["message"]
+    assert f'resume="last" would go on from: {last}' in error["message"]
     killed = float((tmp_path / "killed").read_text())
     assert record["at"] - killed < 20  # the survivor was stopped, not left waiting in its all-reduce
     model = WeightSharingModule()

@@ -346,7 +346,7 @@ def test_a_killed_replica_process_is_reported_with_the_last_checkpoint(tmp_path:
     finally:
         caller.kill()
     assert "TiekitError: the process running the 2 replicas ended before they finished: killed" in error, error[-3000:]
-    assert f"the last checkpoint: {folder}{os.sep}step-" in error, error[-3000:]
+    assert f'resume="last" would go on from: {folder}{os.sep}step-' in error, error[-3000:]
 
 
 UNDER_TORCHRUN = """

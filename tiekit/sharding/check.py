@@ -201,7 +201,10 @@ def refuse_split_model_ties(model: nn.Module) -> None:
     (`tiekit.checkpoint.contents.model_ties`, the ties a load re-ties), split across FSDP2 units:
     what `save_sharded` checks. Such units (your own ``fully_shard`` calls; torch before 2.13
     accepts them) train the tied names apart, and a save would write them as two tensors no model
-    loads. A tie broken before wrapping is an untied model to FSDP2, saved as any untied model is.
+    loads. A tie broken before wrapping is an untied model to FSDP2: saved as any untied model is
+    when its two tensors share a unit, refused when a declared tie's (``tie_word_embeddings``)
+    two tensors fall in different units, as the checkpoint would not load into the model that
+    declares it.
     Local; nothing for a model no ``fully_shard`` touched (its declared ties are not even read)."""
     if _assignment_if_any(model):
         from tiekit.checkpoint.contents import model_ties  # contents imports this module (through tiekit.mixin)

@@ -52,7 +52,8 @@ def _where(model: nn.Module) -> dict[str, tuple[torch.device, torch.dtype]]:
 class PutBack:
     """The module passed to `fit` (``passed``; a factory has none), put back where it was if the
     run fails: on its device, in its dtypes and training modes, ties kept. Its weights are those
-    the run left (the ones it came with when the run failed before its first step); on XLA its
+    the run left (the ones it came with when the run failed before its first optimizer step, but
+    for buffers a forward updates, such as BatchNorm's statistics); on XLA its
     parameters are new `torch.nn.Parameter` objects, as after a run that succeeds."""
 
     def __init__(self, passed: nn.Module | Callable[[], nn.Module]) -> None:

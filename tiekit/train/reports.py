@@ -160,11 +160,12 @@ def failure(job: Job, world: int, exc: Exception) -> TiekitError:
 
 
 def last_checkpoint_note(job: Job) -> str:
-    """``; the last checkpoint: <path or 'none written'>`` of a run that failed ('' without a
-    checkpoint folder): where its next run resumes from."""
+    """``; the last checkpoint in <folder>: <path or 'none written'>`` of a run that failed ('' without
+    a checkpoint folder): where ``resume="last"`` goes on from (perhaps an earlier run's: a run
+    refused at its start wrote none)."""
     folder = job.config.checkpoint_dir
     last = None if folder is None or not folder.is_dir() else state.last_checkpoint(folder)
-    return "" if folder is None else f"; the last checkpoint: {last or 'none written'}"
+    return "" if folder is None else f'; resume="last" would go on from: {last or "none (the folder holds none)"}'
 
 
 _TIEKIT_ERRORS: dict[str, type[TiekitError]] = {e.__name__: e for e in (TiekitError, CheckpointError, TieError)}
