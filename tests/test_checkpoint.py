@@ -227,6 +227,41 @@ def test_view_buffers_are_rebuilt_as_views(tmp_path: Path) -> None:
         assert target.wt[0, 0] == 42.0 and target.wv[0] == 42.0  # views of the parameter, not copies
 
 
+class TransposedBuffer(nn.Module):
+    """A weight and one buffer viewing it transposed (a decoder reading an encoder's weight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(4, 6, bias=False)
+        self.register_buffer("wt", self.enc.weight.detach().t())
+
+
+def test_a_view_buffer_a_move_made_a_copy_of_loads_back_as_a_view_when_equal(tmp_path: Path) -> None:
+    """A model whose view became a copy (moved to XLA without a plan made on the CPU, which the
+    save warns about) is saved with both stored; its own class refused that file, even with
+    strict=False ("stores 'wt' and 'enc.weight' as separate tensors, but the model ties"), where
+    a parameter tie stored apart with equal values loads (probe)."""
+    source = TransposedBuffer()
+    source.enc.weight.data = source.enc.weight.data.clone()  # what such a move leaves: a copy
+    assert source.wt.data_ptr() != source.enc.weight.data_ptr()  # the control: the view is broken
+    save_model(source, tmp_path / "v.safetensors")
+    assert sorted(safetensors.torch.load_file(tmp_path / "v.safetensors")) == ["enc.weight", "wt"]
+    for strict in (True, False):
+        target = TransposedBuffer()
+        load_model(target, tmp_path / "v.safetensors", strict=strict)
+        assert target.wt.data_ptr() == target.enc.weight.data_ptr()  # a view again
+        assert torch.equal(target.enc.weight, source.enc.weight) and torch.equal(target.wt, source.wt)
+    # A copy that differs from the view of its source: one would be dropped, so refused.
+    with torch.no_grad():
+        source.wt[0, 0] += 1.0
+    save_model(source, tmp_path / "d.safetensors")
+    other = TransposedBuffer()
+    before = snapshot(other)
+    with pytest.raises(CheckpointError, match=r"stores 'wt' and 'enc.weight' with different values, but the model"):
+        load_model(other, tmp_path / "d.safetensors")
+    assert_unchanged(other, before)
+
+
 class SharedMask(nn.Module):
     """A tied weight, and one non-persistent buffer every layer registers (a causal mask or a
     rotary inv_freq built once): not in the state dict, so no file stores it."""

@@ -197,10 +197,11 @@ def _reconcile(
                 key_of[group.source] = (key, source_member)
                 source_key = key
                 continue
-            if key == member.name and key in entries and key not in groups and member.view is None:
+            if key == member.name and key in entries and key not in groups:
                 # Stored apart in the file (saved from a model without this tie, or through a copy
-                # of each tensor): taken as one tensor when both copies are equal, as in a file
-                # without a tie plan (`_equal_duplicates` compares them).
+                # of each tensor; a view saved from XLA, where views are not seen): taken as one
+                # tensor when both copies are equal, as in a file without a tie plan
+                # (`_equal_duplicates` compares them, a view with its source's rebuilt view).
                 groups.setdefault(source_key, [TieMember(source_key, "parameter")]).append(member)
                 key_of[member.name] = (source_key, member)
                 continue
