@@ -14,7 +14,7 @@ from models import WeightSharingModule, assert_unchanged, broken_tie, gpt2, snap
 from torch import nn
 
 from tiekit import CheckpointError, load_checkpoint, load_model, save_checkpoint, save_model
-from tiekit.checkpoint import reads
+from tiekit.checkpoint import loading, reads
 
 # -- dtypes -------------------------------------------------------------------------------------
 
@@ -40,6 +40,30 @@ def test_cast_matches_load_state_dict(tmp_path: Path) -> None:
     for name, value in theirs.state_dict().items():
         assert ours.state_dict()[name].dtype == torch.float64
         assert torch.equal(ours.state_dict()[name], value), name
+
+
+@pytest.mark.parametrize("budget", [100, 3000])
+def test_a_float32_file_cast_in_pieces_gives_a_plain_casts_values(
+    tmp_path: Path, budget: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A tensor that changes dtype is read through one small buffer and cast into its tensor: with
+    # 100 bytes each 1280-byte weight is cut in pieces, with 3000 two weights share the buffer.
+    monkeypatch.setattr(loading, "CAST_BATCH_BYTES", budget)
+    trained = WeightSharingModule()
+    save_model(trained, tmp_path / "m.safetensors")
+    with torch.device("meta"):
+        meta = WeightSharingModule().to(torch.bfloat16)
+    for model in (meta, WeightSharingModule().to(torch.bfloat16), broken_tie().to(torch.bfloat16)):
+        load_model(model, tmp_path / "m.safetensors")
+        assert model.layer_3.weight is model.layer_1.weight
+        for name, value in trained.state_dict().items():
+            assert model.state_dict()[name].dtype == torch.bfloat16, name
+            assert torch.equal(model.state_dict()[name], value.to(torch.bfloat16)), name
+    with torch.device("meta"):
+        wide = WeightSharingModule().to(torch.float64)  # and widening, into new tensors
+    load_model(wide, tmp_path / "m.safetensors")
+    assert wide.layer_3.weight is wide.layer_1.weight
+    assert all(torch.equal(wide.state_dict()[n], v.double()) for n, v in trained.state_dict().items())
 
 
 def test_dtype_file_gives_a_meta_model_the_files_dtypes(tmp_path: Path) -> None:
@@ -168,13 +192,16 @@ def test_failure_at_the_index_stage(tmp_path: Path) -> None:
     assert_unchanged(model, before)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bfloat16: each value cast as it is read
 @pytest.mark.parametrize("sharded", [False, True])
-def test_failure_at_the_read_stage(tmp_path: Path, sharded: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failure_at_the_read_stage(
+    tmp_path: Path, sharded: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(reads, "READ_ATTEMPTS", 1)  # a load would otherwise start again from the new save
     folder = tmp_path / "ckpt"
     kwargs = {"max_shard_size": 1500} if sharded else {}
     save_model(WeightSharingModule(), folder, **kwargs)  # type: ignore[arg-type]
-    model = SavedOverDuringLoad(lambda: save_model(WeightSharingModule(), folder, **kwargs))  # type: ignore[arg-type]
+    model = SavedOverDuringLoad(lambda: save_model(WeightSharingModule(), folder, **kwargs)).to(dtype)  # type: ignore[arg-type]
     before = snapshot(model)
     with pytest.raises(CheckpointError, match="changed on disk after its header was checked"):
         load_model(model, folder)

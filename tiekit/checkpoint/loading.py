@@ -7,6 +7,7 @@ per unique weight, then re-tied.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,7 @@ from tiekit.checkpoint.arguments import check_model, check_optimizer, check_path
 from tiekit.checkpoint.codec import Reader, decode
 from tiekit.checkpoint.layout import CHECKPOINT_NAME, Device, PathLike
 from tiekit.checkpoint.optimizer import sharded_state_rows, stage_optimizer
-from tiekit.checkpoint.reads import read_into, read_tensors, reading_again
+from tiekit.checkpoint.reads import TensorReader, read_tensors, reading_again
 from tiekit.checkpoint.source import Source, open_source, training_record
 from tiekit.checkpoint.staging import DtypePolicy, Staged, stage
 from tiekit.checkpoint.streaming import Job, stream_to_devices
@@ -160,7 +161,10 @@ def _fill(jobs: list[Job], files: Mapping[str, FileIdentity]) -> dict[int, torch
     transfer each), first; then the CPU reads. Tensors filled in place are written as their
     bytes arrive (same-dtype CPU tensors are read straight into their memory, tensors already on
     their device are overwritten batch by batch): holding their new values aside would hold the
-    model twice. Whatever else changes the model happens after every read succeeded.
+    model twice. A tensor that changes dtype is cast as its bytes arrive, through one small buffer
+    (`_read_cast`): a new tensor is held in its new dtype only, a value held aside for a tensor
+    filled in place in the smaller of the file's dtype and the model's. Whatever else changes the model
+    happens after every read succeeded.
     """
     # A sharded (DTensor) parameter: each rank reads only its rows when its shard is whole rows
     # (FSDP2), else the whole tensor, keeping its shard of it. Never the whole model per rank.
@@ -168,8 +172,8 @@ def _fill(jobs: list[Job], files: Mapping[str, FileIdentity]) -> dict[int, torch
     streamed = [job for job in jobs if job.device.type != "cpu" and id(job.tensor) not in sharded]
     on_device = stream_to_devices(streamed, files)
     reads: list[tuple[str, TensorEntry, torch.Tensor]] = []
-    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-    replaced: list[tuple[Job, torch.Tensor]] = []
+    held: list[tuple[str, TensorEntry, torch.dtype]] = []  # read, cast at once, kept: one per owner
+    owners: list[tuple[Job, bool]] = []  # (job, replaced) of each held value
     for job in jobs:
         if job.device.type != "cpu" and id(job.tensor) not in sharded:
             continue
@@ -185,14 +189,20 @@ def _fill(jobs: list[Job], files: Mapping[str, FileIdentity]) -> dict[int, torch
             if local.device.type == "cpu" and local.dtype == entry.dtype and _holds_its_values(local):
                 reads.append((path, entry, local.detach()))  # straight into this rank's shard
                 continue
-        host = torch.empty(entry.shape, dtype=entry.dtype)
-        reads.append((path, entry, host))
         if job.replace:
-            replaced.append((job, host))
+            held.append((path, entry, job.dtype))
         else:
-            copies.append((job.tensor, host))
-    read_into(reads, files)
-    fresh = {id(job.tensor): host.to(job.dtype) for job, host in replaced}  # no copy when the dtype is right
+            # copy_ casts, so a value held aside until every read succeeded can be held in the
+            # model's dtype when that is the smaller: a bfloat16 model never holds a float32 file.
+            smaller = job.dtype if job.dtype.itemsize < entry.dtype.itemsize else entry.dtype
+            held.append((path, entry, smaller))
+        owners.append((job, job.replace))
+    with TensorReader(files) as reader:
+        reader.open({path for path, _, _ in reads} | {path for path, _, _ in held})
+        values = _read_cast(reader, held)  # first: a failure here leaves the model as it was
+        reader.read(reads)
+    fresh = {id(job.tensor): value for (job, replace), value in zip(owners, values, strict=True) if replace}
+    copies = [(job.tensor, value) for (job, replace), value in zip(owners, values, strict=True) if not replace]
     # Everything is read and on its device: only now does the rest of the model change.
     for tensor, host in copies:
         if sharded.get(id(tensor)) is not None:
@@ -203,6 +213,61 @@ def _fill(jobs: list[Job], files: Mapping[str, FileIdentity]) -> dict[int, torch
             tensor.copy_(host)  # casts
     fresh.update((id(job.tensor), value) for job, value in on_device)
     return fresh
+
+
+#: `_read_cast` reads the bytes of tensors that change dtype through one buffer of this size (a
+#: larger tensor in pieces): beyond the values it returns, a load holds no more of the file.
+CAST_BATCH_BYTES = 1 << 24
+_ALIGN = 64
+
+
+def _read_cast(reader: TensorReader, entries: list[tuple[str, TensorEntry, torch.dtype]]) -> list[torch.Tensor]:
+    """Each entry read into a new CPU tensor of its dtype. An entry of another dtype in the file
+    goes through one reused buffer of `CAST_BATCH_BYTES`, piece by piece, cast into its tensor:
+    reading every file-dtype tensor before the first cast held the whole file beside the model
+    (2.1 GiB for a 0.7 GiB bfloat16 model from a float32 file)."""
+    values = [torch.empty(entry.shape, dtype=dtype) for _, entry, dtype in entries]
+    reader.read(
+        [
+            (path, entry, value)
+            for (path, entry, dtype), value in zip(entries, values, strict=True)
+            if entry.dtype == dtype
+        ]
+    )
+    pieces: list[tuple[str, TensorEntry, torch.Tensor]] = []  # file, range of the file, where it goes
+    for (path, entry, dtype), value in zip(entries, values, strict=True):
+        if entry.dtype == dtype or value.numel() == 0:
+            continue
+        size = entry.dtype.itemsize
+        step = max(CAST_BATCH_BYTES // size, 1)
+        flat = value.view(-1)
+        for first in range(0, flat.numel(), step):
+            count = min(step, flat.numel() - first)
+            start = entry.start + first * size
+            part = dataclasses.replace(entry, shape=(count,), start=start, end=start + count * size)
+            pieces.append((path, part, flat[first : first + count]))
+    if not pieces:
+        return values
+    staging = torch.empty(
+        min(CAST_BATCH_BYTES, sum(part.end - part.start + _ALIGN for _, part, _ in pieces)), dtype=torch.uint8
+    )
+    batch: list[tuple[str, TensorEntry, torch.Tensor, torch.Tensor]] = []
+    used = 0
+    for path, part, out in pieces:
+        nbytes = part.end - part.start
+        if batch and used + nbytes > staging.numel():
+            _cast_batch(reader, batch)
+            batch, used = [], 0
+        batch.append((path, part, out, staging[used : used + nbytes].view(part.dtype)))
+        used += -(-nbytes // _ALIGN) * _ALIGN
+    _cast_batch(reader, batch)
+    return values
+
+
+def _cast_batch(reader: TensorReader, batch: list[tuple[str, TensorEntry, torch.Tensor, torch.Tensor]]) -> None:
+    reader.read([(path, part, buffer) for path, part, _, buffer in batch])
+    for _, _, out, buffer in batch:
+        out.copy_(buffer)  # casts, rounding as .to() does
 
 
 def _holds_its_values(t: torch.Tensor) -> bool:
