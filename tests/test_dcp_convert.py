@@ -291,6 +291,31 @@ def test_inspect_reads_a_plain_dcp_folder_and_finds_its_tie_stored_twice(
         tiekit.load_model(gpt2(), tmp_path / "sharded")
 
 
+@pytest.mark.parametrize("piece", [16, 1 << 22])
+def test_check_values_of_a_plain_dcp_folder_compares_every_piece(
+    tmp_path: Path, piece: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Values are hashed and checked for constancy piece by piece (16 bytes: 4 floats a piece);
+    a difference or a non-constant value in the last piece only still counts."""
+    from torch.distributed.checkpoint import save
+
+    from tiekit.dcp import report
+
+    monkeypatch.setattr(report, "_PIECE_BYTES", piece)
+    a = torch.randn(64)
+    almost = a.clone()
+    almost[-1] += 1
+    ones_then_two = torch.ones(64)
+    ones_then_two[-1] = 2
+    state = {"a": a, "b": a.clone(), "almost": almost, "z1": torch.zeros(64), "z2": torch.zeros(64)}
+    state.update(d=ones_then_two, e=ones_then_two.clone(), half=a[:32].clone(), half2=a[:32].to(torch.float64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: "torch.distributed is disabled ... single process"
+        save(state, checkpoint_id=tmp_path / "plain", no_dist=True)
+    found = inspect_file(tmp_path / "plain", check_values=True).identical
+    assert sorted(tuple(sorted(g)) for g in found or ()) == [("a", "b"), ("d", "e")]
+
+
 MEMORY = """
 import pathlib, sys, torch
 import tiekit
