@@ -12,7 +12,13 @@ GPT-2 small from a config (124M parameters, 498 MB fp32, wte/lm_head tied):
   ``safe_open`` reading the same header (the floor; target < 5x, tiekit validates every entry in
   Python) and against reading the file's bytes once (target < 2% of that);
 * ``tiekit verify`` = build on meta + ``tiekit.load_model`` + checks: its time against build on
-  meta + ``load_model`` alone (the floor; target < 1.2x).
+  meta + ``load_model`` alone (the floor; target < 1.2x);
+* ``tiekit inspect FOLDER --check-values`` of a plain ``dcp.save`` folder of the model's state dict
+  (the tie stored under both names): peak resident memory above the imports, against the largest
+  tensor (it reads one tensor at a time); ``--baseline DIR`` runs it with another tiekit source tree
+  too (a folder holding a ``tiekit`` package, e.g. ``git archive HEAD~1 tiekit | tar -x -C DIR``).
+
+Every process imports the tiekit of this script's tree.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -51,9 +58,12 @@ for line in open("/proc/self/status"):
 """
 
 
-def peak_rss(body: str, cwd: Path) -> tuple[int, float]:
-    """Peak resident bytes and wall time of a fresh interpreter running ``body``."""
-    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "PYTHONPATH": str(cwd)}
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def peak_rss(body: str, cwd: Path, tree: Path = ROOT) -> tuple[int, float]:
+    """Peak resident bytes and wall time of a fresh interpreter running ``body`` with the tiekit of ``tree``."""
+    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "PYTHONPATH": os.pathsep.join([str(tree), str(cwd)])}
     start = time.perf_counter()
     out = subprocess.run(
         [sys.executable, "-c", body + "\n" + PEAK],
@@ -70,6 +80,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--small", action="store_true", help="a tiny GPT-2, to check the script quickly")
+    parser.add_argument("--baseline", type=Path, action="append", default=[], help="another tiekit tree")
+    parser.add_argument("--check-values-only", action="store_true", help="only the --check-values case")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -83,6 +95,11 @@ def main() -> None:
         tiekit.save_model(model, path)
         del model
         print(f"GPT-2 {'tiny' if args.small else 'small'}: {model_bytes / 1e6:.0f} MB of unique fp32 parameters")
+
+        # 4 first (the quick one to run alone): inspect --check-values of a plain DCP folder.
+        check_values(gpt2, folder, args.baseline)
+        if args.check_values_only:
+            return
 
         # 1. Memory of inspecting a factory: meta against the CPU, above the imports alone.
         imports = "import torch, tiekit.inspection\nfrom transformers import GPT2Config, GPT2LMHeadModel"
@@ -133,6 +150,28 @@ def main() -> None:
         print(f"\nverify (best of {args.repeats}):")
         for name, t in times.items():
             print(f"  {name:32s} {t * 1e3:8.1f} ms  {t / floor_t:5.2f}x the floor")
+
+
+def check_values(gpt2: Callable[[], torch.nn.Module], folder: Path, baselines: list[Path]) -> None:
+    """Peak RSS of ``tiekit inspect FOLDER --check-values`` on a plain ``dcp.save`` folder."""
+    import warnings
+
+    from torch.distributed.checkpoint import save
+
+    state = gpt2().state_dict()
+    largest = max(t.nbytes for t in state.values())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: "torch.distributed is disabled ... single process"
+        save(state, checkpoint_id=folder / "plain", no_dist=True)
+    del state
+    imports = "import torch, tiekit.cli, tiekit.dcp.report, torch.distributed.checkpoint"
+    run = imports + f"\ntiekit.cli.main(['inspect', {str(folder / 'plain')!r}, '--check-values', '--json'])"
+    print("\ninspect FOLDER --check-values (plain dcp.save folder), peak RSS above the imports:")
+    for name, tree in [("tiekit", ROOT), *((f"tiekit {d.name}", d) for d in baselines)]:
+        floor, _ = peak_rss(imports, folder, tree)
+        peak, seconds = peak_rss(run, folder, tree)
+        growth = peak - floor
+        print(f"  {name:24s} {growth / 1e6:7.1f} MB = {growth / largest:5.2f}x the largest tensor, {seconds:.1f} s")
 
 
 if __name__ == "__main__":
