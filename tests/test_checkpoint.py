@@ -260,6 +260,33 @@ def test_a_view_buffer_a_move_made_a_copy_of_loads_back_as_a_view_when_equal(tmp
     with pytest.raises(CheckpointError, match=r"stores 'wt' and 'enc.weight' with different values, but the model"):
         load_model(other, tmp_path / "d.safetensors")
     assert_unchanged(other, before)
+    # Equal bytes holding NaN are equal copies (torch.equal says NaN != NaN).
+    with torch.no_grad():
+        source.enc.weight[0, 0] = float("nan")
+        source.wt.copy_(source.enc.weight.t())
+    save_model(source, tmp_path / "n.safetensors")
+    load_model(TransposedBuffer(), tmp_path / "n.safetensors")
+
+
+class ConjugateBuffer(nn.Module):
+    """A complex weight and a buffer viewing its conjugate (lazily: the view's bytes are the weight's)."""
+
+    def __init__(self, *, plain: bool = False) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 6, dtype=torch.complex64))
+        self.register_buffer("b", self.w.detach().clone() if plain else self.w.detach().conj())
+
+
+def test_a_conjugate_view_stored_apart_is_refused_not_loaded_with_other_values(tmp_path: Path) -> None:
+    """A conjugate view's geometry leaves its lazy bit out, so its stored copy cannot be compared
+    with the view rebuilt from its source: a file storing b equal to w (not its conjugate) was
+    accepted by the comparison and b silently took conj(w) (second adversarial probe)."""
+    save_model(ConjugateBuffer(plain=True), tmp_path / "a.safetensors")
+    target = ConjugateBuffer()
+    before = snapshot(target)
+    with pytest.raises(CheckpointError, match=r"stores 'b' and 'w' as separate tensors, but the model ties 'b'"):
+        load_model(target, tmp_path / "a.safetensors")
+    assert_unchanged(target, before)
 
 
 class SharedMask(nn.Module):

@@ -4,7 +4,7 @@ commits what this returns."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -20,7 +20,7 @@ from tiekit.checkpoint.source import Source
 from tiekit.errors import CheckpointError, TieError
 from tiekit.header import TensorEntry
 from tiekit.plan import TieGroup, TieMember, TiePlan
-from tiekit.retie import lasting_tie_changes
+from tiekit.retie import lasting_tie_changes, tensor_difference
 from tiekit.slots import slot_table
 
 
@@ -54,7 +54,10 @@ def stage(model: nn.Module, source: Source, *, strict: bool, device: torch.devic
         groups = _rekey(_group_table(model_plan), entries)
     else:
         groups = _group_table(source.plan)
-        _reconcile(groups, model_plan, entries, where, type(model).__name__)
+        # A conjugate or negative view's geometry leaves its lazy bit out: its stored copy cannot
+        # be compared with the view its source rebuilds.
+        lazy = {name for name, slot in slots.items() if slot[2].is_conj() or slot[2].is_neg()}
+        _reconcile(groups, model_plan, entries, where, type(model).__name__, lazy)
     key_of = {m.name: (source_key, m) for source_key, members in groups.items() for m in members}
 
     retie_groups: list[TieGroup] = []
@@ -173,15 +176,20 @@ def _rekey(groups: dict[str, list[TieMember]], entries: Mapping[str, Any]) -> di
 
 
 def _reconcile(
-    groups: dict[str, list[TieMember]], model_plan: TiePlan, entries: Mapping[str, Any], where: str, cls: str
+    groups: dict[str, list[TieMember]],
+    model_plan: TiePlan,
+    entries: Mapping[str, Any],
+    where: str,
+    cls: str,
+    lazy: Collection[str] = (),
 ) -> None:
     """Check the file's ties against the model's (detected and declared) and extend them.
 
     A model tie the file has no data for (``lm_head.weight`` absent) joins the file's group; a
     model tie between two tensors the file stores separately joins them too, and their values
     are compared (`_equal_duplicates`): loading two different tensors into one would silently
-    drop one of them. Any other disagreement (a member of another of the file's groups) is a
-    `CheckpointError`.
+    drop one of them. Any other disagreement (a member of another of the file's groups, a view
+    of ``lazy``, the model's conjugate or negative views, stored apart) is a `CheckpointError`.
     """
     key_of = {m.name: (key, m) for key, members in groups.items() for m in members}
     for group in model_plan.groups:
@@ -197,7 +205,7 @@ def _reconcile(
                 key_of[group.source] = (key, source_member)
                 source_key = key
                 continue
-            if key == member.name and key in entries and key not in groups:
+            if key == member.name and key in entries and key not in groups and member.name not in lazy:
                 # Stored apart in the file (saved from a model without this tie, or through a copy
                 # of each tensor; a view saved from XLA, where views are not seen): taken as one
                 # tensor when both copies are equal, as in a file without a tie plan
@@ -243,8 +251,7 @@ def _equal_duplicates(
                 if v.end > value.numel():
                     continue
                 value = value.reshape(-1).as_strided(v.size, v.stride, v.offset)
-            copy = _stored(source, name)
-            if copy.shape != value.shape or copy.dtype != value.dtype or not torch.equal(copy, value):
+            if tensor_difference(_stored(source, name), value):  # bytes: copies holding NaN are equal
                 raise _different_copies(source, name, key, model_plan)
             duplicates.add(name)
         del stored
