@@ -126,6 +126,8 @@ def test_inspect_sharded_index_and_its_folder(tmp_path: Path, capsys: pytest.Cap
     index = tmp_path / "model.safetensors.index.json"
     by_index = json.loads(run(capsys, "inspect", str(index), "--json")[1])
     assert by_folder == by_index
+    # The file path such a save is given (no file there: its index beside it) reads the index.
+    assert json.loads(run(capsys, "inspect", str(tmp_path / "model.safetensors"), "--json")[1]) == by_index
     assert len(by_index["files"]) > 1 and by_index["path"] == str(index)
     assert (by_index["stored_tensors"], by_index["names"], by_index["saved_bytes"]) == (28, 29, WTE_BYTES)
     out = run(capsys, "inspect", str(index), "--tensors")[1]

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import tiekit
+from tiekit.checkpoint.layout import INDEX_SUFFIX
 from tiekit.errors import CheckpointError, TieError, TiekitError
 
 
@@ -217,7 +218,8 @@ def inspect_command(args: argparse.Namespace) -> int:
         model_report = inspection.inspect_model(args.target)
         print(json.dumps(model_report.to_dict(), indent=2) if args.json else model_report.render())
         return 0
-    if not os.path.exists(args.target):
+    # A file path a sharded save wrote its index beside (max_shard_size) is read through the index.
+    if not os.path.exists(args.target) and not os.path.exists(args.target + INDEX_SUFFIX):
         raise inspection.TargetError(f"{args.target}: no such file or folder, and not module:factory")
     report = inspection.inspect_file(args.target, check_values=args.check_values)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.render(tensors=args.tensors))
