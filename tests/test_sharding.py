@@ -576,6 +576,8 @@ for case, steps in (("trained", 1), ("new", 0)):
     found["written"] = os.path.exists(f"{folder}/{case}")
     told[case] = found
 dist.barrier()  # every rank got here: none was left waiting in the save
+del model, optimizer
+tiekit.clear_dtensor_caches()  # else gloo can abort the process at exit (docs/launching.md)
 dist.destroy_process_group()
 print(json.dumps(told))
 """
