@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import tiekit
-from tiekit.checkpoint.layout import INDEX_SUFFIX
+from tiekit.checkpoint.layout import saved_at
 from tiekit.errors import CheckpointError, TieError, TiekitError
 
 
@@ -219,7 +219,7 @@ def inspect_command(args: argparse.Namespace) -> int:
         print(json.dumps(model_report.to_dict(), indent=2) if args.json else model_report.render())
         return 0
     # A file path a sharded save wrote its index beside (max_shard_size) is read through the index.
-    if not os.path.exists(args.target) and not os.path.exists(args.target + INDEX_SUFFIX):
+    if not saved_at(args.target).exists():
         raise inspection.TargetError(f"{args.target}: no such file or folder, and not module:factory")
     report = inspection.inspect_file(args.target, check_values=args.check_values)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.render(tensors=args.tensors))

@@ -277,11 +277,9 @@ def _identity(path: str) -> tuple[int, int]:
     file: on NFS an open revalidates what this machine cached (close-to-open), a bare stat may
     answer from its cache. A file path saved as shards (``max_shard_size``) holds no file at
     ``path`` but its index beside it, which names the shards."""
-    from tiekit.checkpoint.layout import INDEX_SUFFIX  # the checkpoint package imports this module
+    from tiekit.checkpoint.layout import saved_at  # the checkpoint package imports this module
 
-    if not os.path.exists(path) and os.path.exists(path + INDEX_SUFFIX):
-        path += INDEX_SUFFIX
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(saved_at(path), os.O_RDONLY)
     try:
         st = os.fstat(fd)
     finally:

@@ -23,7 +23,7 @@ import torch
 
 from tiekit.checkpoint.direct import write_safetensors
 from tiekit.checkpoint.image import FileImage, LentMemory, write_image
-from tiekit.checkpoint.layout import INDEX_SUFFIX, PLAN_KEY, SAVE_ID_KEY, nbytes, shard_name
+from tiekit.checkpoint.layout import PLAN_KEY, SAVE_ID_KEY, index_of, nbytes, shard_name
 from tiekit.errors import CheckpointError
 from tiekit.header import read_json
 from tiekit.plan import TiePlan
@@ -57,7 +57,7 @@ def write_single(
     with _folder_for(target):
         _commit_file(target, lambda tmp: _save_tensors(state, tmp, header, durable, lent), durable, before_publish)
     # A sharded save that this file now replaces: drop it, or a loader might still pick it.
-    index = target.with_name(target.name + INDEX_SUFFIX)
+    index = index_of(target)
     if index.exists():
         _remove(target.parent, [index.name, *_weight_map_files(index)])
     _remove(target.parent, _backups(target))
@@ -76,7 +76,7 @@ def _write_sharded(
     folder = target.parent
     shards = _split(state, limit)
     files = [shard_name(target, i + 1, len(shards)) for i in range(len(shards))]
-    index_path = target.with_name(target.name + INDEX_SUFFIX)
+    index_path = index_of(target)
     old_files = _weight_map_files(index_path) if index_path.exists() else []
     save_id = secrets.token_hex(8)
     shard_header = {k: v for k, v in header.items() if k != PLAN_KEY}

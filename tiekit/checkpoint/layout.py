@@ -33,6 +33,19 @@ def target_path(path: PathLike, default_name: str) -> Path:
     return target
 
 
+def index_of(target: Path) -> Path:
+    """The index a sharded save to the file path ``target`` (``max_shard_size``) writes beside it."""
+    return target.with_name(target.name + INDEX_SUFFIX)
+
+
+def saved_at(path: PathLike) -> Path:
+    """The file a save to ``path`` left: ``path``, or the index beside it when only that exists (a
+    sharded save given a file path holds no file there; its index names the shards)."""
+    target = Path(path)
+    index = index_of(target)
+    return index if not target.exists() and index.is_file() else target
+
+
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 

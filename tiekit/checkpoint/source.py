@@ -26,6 +26,7 @@ from tiekit.checkpoint.layout import (
     WEIGHTS_NAME,
     PathLike,
     is_shard_name,
+    saved_at,
 )
 from tiekit.errors import CheckpointError, TieError
 from tiekit.header import FileIdentity, Header, TensorEntry, read_header, read_json
@@ -60,9 +61,7 @@ def open_source(path: PathLike, preferred: tuple[str, ...] = (WEIGHTS_NAME, WEIG
     target = Path(path)
     if target.is_dir():
         target = _pick_in_folder(target, preferred)
-    index = target.with_name(target.name + INDEX_SUFFIX)
-    if not target.exists() and index.is_file():
-        target = index  # the path a sharded save was given (max_shard_size): its index names the shards
+    target = saved_at(target)
     if not target.is_file():
         what = "not a regular file" if target.exists() else "no such checkpoint file"
         raise CheckpointError(f"{target}: {what}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tiekit.checkpoint.layout import INDEX_SUFFIX, WEIGHTS_NAME, shards_beside
+from tiekit.checkpoint.layout import INDEX_SUFFIX, WEIGHTS_NAME, index_of, shards_beside
 from tiekit.dcp.layout import DCP_METADATA, MARKER_NAME, is_save_folder
 from tiekit.errors import CheckpointError
 
@@ -96,7 +96,7 @@ def refuse_existing_files(file: Path, *, sharded: bool) -> None:
     and the shards it lists), convert writes a new checkpoint and replaces no file: shards
     without their index (a user's, or those of a save or convert killed before its index) are
     not known to be a previous save of this destination, so they are named, not guessed at."""
-    existing = [p for p in (file, file.with_name(file.name + INDEX_SUFFIX)) if p.exists() or p.is_symlink()]
+    existing = [p for p in (file, index_of(file)) if p.exists() or p.is_symlink()]
     if existing:
         raise CheckpointError(f"{existing[0]}: exists; convert writes a new checkpoint (remove it first)")
     shards = shards_beside(file) if sharded else []

@@ -44,11 +44,16 @@ def folder_names(root: Path) -> tuple[str, str]:
     return os.fspath(root), os.path.realpath(root)
 
 
+def same_folder(names: tuple[str, str], other: tuple[str, str]) -> bool:
+    """Whether two ranks' `folder_names` name one folder: the same absolute path, or the same
+    folder once symbolic links are resolved (one rank reaching it through a link). Local."""
+    return names[0] == other[0] or names[1] == other[1]
+
+
 def refuse_different_folders(paths: list[tuple[str, str]], what: str) -> None:
     """`CheckpointError` unless every rank's folder (``paths``: each rank's `folder_names`, in rank
-    order, as gathered) is the same: the same absolute path on every rank, or the same folder
-    once symbolic links are resolved (one rank reaching it through a link). Local."""
-    if len({named for named, _ in paths}) > 1 and len({real for _, real in paths}) > 1:
+    order, as gathered) is rank 0's (`same_folder`). Local."""
+    if not all(same_folder(names, paths[0]) for names in paths[1:]):
         shown = "; ".join(f"rank {r}: {p}" for r, (p, _) in enumerate(paths))
         raise CheckpointError(f"{what} needs the same folder on every rank ({shown})")
 

@@ -23,7 +23,7 @@ from typing import Any, cast
 import torch
 
 from tiekit.checkpoint.files import _fsync, _work_folder
-from tiekit.checkpoint.layout import INDEX_SUFFIX, PLAN_KEY, SAVE_ID_KEY, shard_name
+from tiekit.checkpoint.layout import PLAN_KEY, SAVE_ID_KEY, index_of, shard_name
 from tiekit.errors import CheckpointError
 from tiekit.header import DTYPE_CODES
 from tiekit.plan import TiePlan
@@ -155,7 +155,7 @@ def write_safetensors(
         (file, shard(part)) for file, part in zip(files, shards, strict=True)
     ]
     text = json.dumps(index, indent=2)
-    writes.append((target.with_name(target.name + INDEX_SUFFIX), lambda tmp: tmp.write_text(text, encoding="utf-8")))
+    writes.append((index_of(target), lambda tmp: tmp.write_text(text, encoding="utf-8")))
     return _publish_new(writes)
 
 

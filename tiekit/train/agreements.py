@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from tiekit.checkpoint.layout import name_list
+from tiekit.dcp.ranks import same_folder
 from tiekit.errors import TiekitError
 
 
@@ -79,8 +80,8 @@ def refuse_different_options(gathered: list[dict[str, Any]], shared_folder: str 
 
 
 def _differs(value: Any, first: Any) -> bool:
-    if isinstance(value, tuple) and isinstance(first, tuple):  # a folder's (absolute, resolved) names:
-        return bool(value[0] != first[0] and value[1] != first[1])  # one rank may reach it through a link
+    if isinstance(value, tuple) and isinstance(first, tuple):  # a folder's (absolute, resolved) names
+        return not same_folder(value, first)
     return bool(value != first)
 
 
