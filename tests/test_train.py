@@ -402,6 +402,8 @@ BAD_OPTIONS: list[tuple[dict[str, Any], str]] = [
     ({"checkpoint_dir": 5}, "checkpoint_dir must be a path"),
     ({"checkpoint_dir": "FILE"}, "checkpoint_dir='.*' is a file, not a folder"),
     ({"log_dir": "FILE"}, "log_dir='.*' is a file, not a folder"),
+    ({"checkpoint_dir": "FILE/ck"}, "checkpoint_dir='.*ck' cannot be made: '.*a-file' is a file, not a folder"),
+    ({"log_dir": "FILE/a/logs"}, "log_dir='.*logs' cannot be made: '.*a-file' is a file, not a folder"),
     ({"optimizer": lambda params: None}, "the optimizer factory .* returned None, not a torch.optim.Optimizer"),
 ]
 
@@ -412,11 +414,11 @@ def test_bad_option_values_are_refused_before_anything_trains(
 ) -> None:
     """Each was a raw TypeError or ValueError from deep inside (NumPy's seed, the DataLoader's
     drop_last, Path(123), the optimizer's first use), accepted silently (shuffle=None,
-    checkpoint_async="x", log_every=True), or, for a checkpoint_dir that is a file, a CheckpointError
-    at the first save after training (probe)."""
+    checkpoint_async="x", log_every=True), or, for a checkpoint_dir that is a file or below one, a
+    CheckpointError at the first save after training (probe)."""
     afile = tmp_path / "a-file"
     afile.write_text("not a folder")
-    options = {k: str(afile) if v == "FILE" else v for k, v in options.items()}
+    options = {k: v.replace("FILE", str(afile)) if isinstance(v, str) else v for k, v in options.items()}
     model = DropoutNet()
     before = weights(model)
     with pytest.raises(tiekit.TiekitError, match=told):

@@ -66,8 +66,14 @@ class FitConfig:
         must not raise it alone, before the others hear of it (they would wait for it)."""
         for name in ("checkpoint_dir", "log_dir"):
             folder = getattr(self, name)
-            if folder is not None and folder.exists() and not folder.is_dir():
+            if folder is None:
+                continue
+            if folder.exists() and not folder.is_dir():
                 return f"{name}={str(folder)!r} is a file, not a folder"
+            # The nearest existing folder above it: a file there means the folder cannot be made.
+            above = next((p for p in folder.parents if p.exists()), None)
+            if above is not None and not above.is_dir():
+                return f"{name}={str(folder)!r} cannot be made: {str(above)!r} is a file, not a folder"
         return None
 
     def check(self, *, folders: bool = True) -> None:
