@@ -434,6 +434,97 @@ def test_checkpoint_io_round_trips_lightning_entries_and_refuses_pickle(tmp_path
         io.load_checkpoint(tmp_path / "x.ckpt", map_location=absent)
 
 
+class Scale(nn.Module):
+    """A submodule with extra state (``get_extra_state``), as quantisation and FP8 modules keep metadata."""
+
+    def __init__(self, extra: Any) -> None:
+        super().__init__()
+        self.extra = extra
+        self.restored: Any = None
+
+    def get_extra_state(self) -> Any:
+        return self.extra
+
+    def set_extra_state(self, state: Any) -> None:
+        self.restored = state
+
+
+class Opaque:
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Opaque)
+
+
+class WithExtraState(TiedViews):
+    def __init__(self, extra: Any = None) -> None:
+        super().__init__()
+        self.mid = Scale(extra)
+
+
+def test_checkpoint_io_stores_and_restores_extra_state(tmp_path: Path) -> None:
+    # The state dict holds 'mid._extra_state' (a dict, or a tensor) beside the tensors: it was refused
+    # whole ("'state_dict' must map names to tensors", allow_pickle or not), naming no key.
+    for name, extra in {"dict": {"scale": 1.5, "axes": [0, 1]}, "tensor": torch.tensor([1.5, 2.0])}.items():
+        checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / name, save_top_k=-1)
+        trainer(
+            tmp_path, max_steps=2, plugins=[TiedCheckpointIO()], callbacks=[checkpoint], enable_checkpointing=True
+        ).fit(WithExtraState(extra), data())
+        path = tmp_path / name / "epoch=0-step=2.ckpt"
+        resumed = WithExtraState(None)
+        resume = trainer(tmp_path / f"resume_{name}", max_steps=4, plugins=[TiedCheckpointIO()])
+        resume.fit(resumed, data(), ckpt_path=path)
+        assert resume.global_step == 4 and resumed.head.weight is resumed.embed.weight
+        restored = resumed.mid.restored
+        assert torch.equal(restored, extra) if isinstance(extra, torch.Tensor) else restored == extra, name
+
+    # A value JSON cannot hold is refused naming the entry, and pickled with allow_pickle=True.
+    model = WithExtraState(Opaque())
+    state = {"state_dict": model.state_dict(), "global_step": 1}
+    with pytest.raises(tiekit.CheckpointError, match=r"'state_dict/mid\._extra_state': a Opaque.*allow_pickle"):
+        TiedCheckpointIO().save_checkpoint(state, tmp_path / "opaque.ckpt")
+    assert not (tmp_path / "opaque.ckpt").exists()
+    TiedCheckpointIO(allow_pickle=True).save_checkpoint(state, tmp_path / "opaque.ckpt")
+    loaded = TiedCheckpointIO(allow_pickle=True).load_checkpoint(tmp_path / "opaque.ckpt")
+    assert set(loaded["state_dict"]) == set(state["state_dict"]) and "tiekit_state_dict_values" not in loaded
+    assert loaded["state_dict"]["mid._extra_state"] == Opaque() and loaded["global_step"] == 1
+    # One pickle cannot hold (a local class) was pickle's AttributeError, naming no entry.
+    unpicklable = {"state_dict": {**state["state_dict"], "mid._extra_state": type("Local", (), {})()}}
+    with pytest.raises(tiekit.CheckpointError, match=r"'state_dict/mid\._extra_state': pickling its Local failed"):
+        TiedCheckpointIO(allow_pickle=True).save_checkpoint(unpicklable, tmp_path / "local.ckpt")
+    assert not (tmp_path / "local.ckpt").exists()
+
+
+def test_checkpoint_io_refuses_url_paths_writing_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A URL became a relative local path: ModelCheckpoint(dirpath="memory://ckpts") recorded
+    # 'memory://ckpts/epoch=0-step=2.ckpt' while the file went to ./memory:/ckpts/, silently.
+    monkeypatch.chdir(tmp_path)
+
+    def run(callbacks: list[Any]) -> Any:
+        checkpoint = pl.callbacks.ModelCheckpoint(dirpath="memory://tiekit-test/ckpts")
+        options = dict(max_steps=2, plugins=[TiedCheckpointIO()], enable_checkpointing=True)
+        return trainer(tmp_path, callbacks=[*callbacks, checkpoint], **options)
+
+    alone = run([])
+    with pytest.raises(tiekit.TiekitError, match=r"local files only; got the URL 'memory://tiekit-test/ckpts/epoch"):
+        alone.fit(TiedViews(), data())
+    assert not list(tmp_path.rglob("*.ckpt")) and not (tmp_path / "memory:").exists()
+    # KeepTies sees the callback's folder: refused when fit starts, before any step.
+    early = run([KeepTies()])
+    with pytest.raises(tiekit.TiekitError, match=r"got the URL 'memory://tiekit-test/ckpts'"):
+        early.fit(TiedViews(), data())
+    assert early.global_step == 0
+
+    io = TiedCheckpointIO()
+    checkpoint = {"state_dict": {"w": torch.ones(2)}}
+    for url in ("s3://bucket/x.ckpt", "gs://bucket/x.ckpt", "file:///tmp/x.ckpt", "simplecache::s3://bucket/x.ckpt"):
+        with pytest.raises(tiekit.TiekitError, match="local files only"):
+            io.save_checkpoint(checkpoint, url)
+        with pytest.raises(tiekit.TiekitError, match="local files only"):
+            io.load_checkpoint(url)
+        with pytest.raises(tiekit.TiekitError, match="local files only"):
+            io.remove_checkpoint(url)
+    assert not [p for p in tmp_path.iterdir() if ":" in p.name]
+
+
 def test_checkpoint_io_reads_files_of_the_earlier_encoding(tmp_path: Path) -> None:
     """Before the codec was shared, a pickled value was a tensor inside the marker object."""
     checkpoint = {"state_dict": {"w": torch.ones(2)}, "hyper_parameters": {"args": argparse.Namespace(lr=0.1)}}

@@ -13,7 +13,7 @@ from torch import nn
 
 from tiekit.analyze import checked_declared, find_ties
 from tiekit.errors import TieError, TiekitError, TieWarning
-from tiekit.integrations.lightning.checkpoint_io import TiedCheckpointIO
+from tiekit.integrations.lightning.checkpoint_io import TiedCheckpointIO, local_path
 from tiekit.plan import TieGroup, TiePlan
 from tiekit.retie import OnError, checked_on_error, lasting_tie_changes, retie, verify
 from tiekit.sharding.check import check_sharding
@@ -119,7 +119,9 @@ class KeepTies(Callback):
             verify(pl_module, self.plan, on_error=self.on_error)
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        """Check the ties before training starts."""
+        """Check the ties before training starts; refuse a ``ModelCheckpoint`` folder that is a URL
+        when `TiedCheckpointIO` writes the checkpoints (it writes local files only)."""
+        _refuse_tied_io_to_urls(trainer)
         self._check(pl_module)
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
@@ -208,6 +210,18 @@ def _refuse_tied_io_in_async(strategy: Any) -> None:
             "checkpoints in the background while training goes on, "
             "train with tiekit.fit (checkpoint_async=True) or save with tiekit.save_checkpoint(..., blocking=False)"
         )
+
+
+def _refuse_tied_io_to_urls(trainer: Any) -> None:
+    """`TiekitError` naming a ``ModelCheckpoint`` folder that is a URL (``s3://``) when the
+    strategy's plugins hold `TiedCheckpointIO`: raised at the start of fit (the callbacks' setup
+    has resolved their folders by then) rather than at the first save, after the first epoch."""
+    if not _holds_tied_io(_checkpoint_io_chain(trainer.strategy)):
+        return
+    for callback in trainer.checkpoint_callbacks:
+        dirpath = getattr(callback, "dirpath", None)
+        if dirpath is not None:
+            local_path(dirpath)
 
 
 def _refuse_unfitting_plan(pl_module: nn.Module, plan: TiePlan) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+from fsspec.utils import get_protocol
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from torch import nn
 
@@ -19,6 +20,9 @@ from tiekit.checkpoint.saving import write_training_checkpoint
 from tiekit.devices import storage_key
 from tiekit.errors import CheckpointError, TiekitError
 from tiekit.moving import move
+
+#: The checkpoint entry holding the state dict's values that are no tensors (extra state).
+_VALUES_KEY = "tiekit_state_dict_values"
 
 
 class TiedCheckpointIO(CheckpointIO):
@@ -46,18 +50,27 @@ class TiedCheckpointIO(CheckpointIO):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Write ``checkpoint`` to ``path`` atomically (a crash leaves the previous file)."""
+        target = local_path(path)
         if storage_options is not None:
             raise TiekitError(
                 "TiedCheckpointIO does not support storage_options; got "
                 f"{storage_options!r}. Use a CheckpointIO that understands them."
             )
         state = checkpoint.get("state_dict", {})
-        if not isinstance(state, Mapping) or not all(isinstance(t, torch.Tensor) for t in state.values()):
-            raise CheckpointError(f"{path}: the checkpoint's 'state_dict' must map names to tensors")
+        if not isinstance(state, Mapping) or not all(isinstance(name, str) for name in state):
+            raise CheckpointError(f"{target}: the checkpoint's 'state_dict' must map names (strings) to values")
+        if _VALUES_KEY in checkpoint:
+            raise CheckpointError(f"{target}: the checkpoint has an entry {_VALUES_KEY!r}, which TiedCheckpointIO uses")
+        tensors = {name: v for name, v in state.items() if isinstance(v, torch.Tensor)}
+        # Extra state (get_extra_state) that is no tensor: stored as the other entries are (JSON, or
+        # pickled with allow_pickle), under a key of its own, and put back into the state dict on load.
+        values = {name: v for name, v in state.items() if not isinstance(v, torch.Tensor)}
         rest = {k: v for k, v in checkpoint.items() if k != "state_dict"}
+        if values:
+            rest[_VALUES_KEY] = values
         write_training_checkpoint(
-            _target(path),
-            model=_holder(state),
+            target,
+            model=_holder(tensors),
             optimizer=None,
             step=None,
             extra=rest,
@@ -75,7 +88,7 @@ class TiedCheckpointIO(CheckpointIO):
         """
         from tiekit.inspection import inspect_file
 
-        target = _target(path)
+        target = local_path(path)
         report = inspect_file(target)
         holder = _holder(_meta_state(report))
         readers = {"__pickle__": _unpickler(self.allow_pickle, str(target))}
@@ -89,11 +102,14 @@ class TiedCheckpointIO(CheckpointIO):
             # leave the views it has behind, as separate copies on the device.
             move(holder, device)
             rest = cast(dict[str, Any], _map_tensors(rest, device))
-        return {"state_dict": _tensors_by_name(holder), **rest}
+        values = rest.pop(_VALUES_KEY, {})
+        if not isinstance(values, dict):
+            raise CheckpointError(f"{target}: corrupted checkpoint metadata ({_VALUES_KEY!r} is not a dict)")
+        return {"state_dict": {**_tensors_by_name(holder), **values}, **rest}
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the checkpoint file."""
-        target = _target(path)
+        target = local_path(path)
         if target.is_file():
             target.unlink()
 
@@ -111,8 +127,17 @@ def _device(map_location: Any, target: Path) -> torch.device:
     raise TiekitError(f"TiedCheckpointIO: map_location must be a device or a string, not {map_location!r}")
 
 
-def _target(path: Any) -> Path:
-    return Path(os.fspath(path))
+def local_path(path: Any) -> Path:
+    """The local path ``path`` names; a URL (``s3://``, ``memory://``, ``file://``, ``a::b``) is a
+    `TiekitError`: as a `Path` it would name a folder ``s3:`` in the working directory, while
+    Lightning records the URL."""
+    text = os.fspath(path)
+    if isinstance(text, str) and ("://" in text or get_protocol(text) != "file"):
+        raise TiekitError(
+            f"TiedCheckpointIO writes local files only; got the URL {text!r}. Give ModelCheckpoint (dirpath=) "
+            "and ckpt_path a local or mounted path, or use a CheckpointIO that writes through fsspec for URLs."
+        )
+    return Path(text)
 
 
 def _holder(tensors: Mapping[str, torch.Tensor]) -> nn.Module:
@@ -172,12 +197,20 @@ def _storer(allow_pickle: bool) -> Fallback:
     ``allow_pickle``, else a `CheckpointError` naming the entry."""
 
     def store(value: Any, key: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+        # The codec's key for the state dict's extra state names the plugin's storage, not the user's entry.
+        shown = key.replace(f"extra/value/{_VALUES_KEY}/", "state_dict/", 1)
         if not allow_pickle:
             raise CheckpointError(
-                f"cannot store {key!r}: a {type(value).__name__}, which has no JSON form; store plain values, or "
+                f"cannot store {shown!r}: a {type(value).__name__}, which has no JSON form; store plain values, or "
                 "use TiedCheckpointIO(allow_pickle=True) to pickle such values"
             )
-        tensors[key] = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+        try:
+            data = pickle.dumps(value)
+        except Exception as exc:  # a local class, a lock, an open file: pickle's error named no entry
+            raise CheckpointError(
+                f"cannot store {shown!r}: pickling its {type(value).__name__} failed ({exc})"
+            ) from exc
+        tensors[key] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         return {"__pickle__": key}
 
     return store
