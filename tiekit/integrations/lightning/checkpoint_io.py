@@ -41,6 +41,8 @@ class TiedCheckpointIO(CheckpointIO):
     bypass it (`KeepTies` refuses the pair), nor inside Lightning's ``AsyncCheckpointIO``, which
     clones each tensor on its own so that the file would store tied names untied (`KeepTies`
     refuses that too, when the run starts). It writes each checkpoint before training goes on.
+    Extra state in the state dict (``get_extra_state``) is stored as a tensor, or as the other
+    values are. Paths must be local: a URL (``s3://``, ``memory://``) is a `tiekit.TiekitError`.
     """
 
     def __init__(self, *, allow_pickle: bool = False, durable: bool = True) -> None:
