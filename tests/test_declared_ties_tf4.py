@@ -151,3 +151,15 @@ def test_a_tied_save_loaded_into_a_transformers4_model_built_untied_names_the_co
     message = str(info.value)
     assert "missing 'lm_head.weight'" in message
     assert "ties lm_head.weight to transformer.wte.weight when its config says so" in message
+
+
+def test_a_transformers4_model_held_by_a_wrapper_declares_its_ties_under_its_path() -> None:
+    """Read from the wrapper (a LightningModule's self.model) as from the model, prefixed; a tie a
+    plain move broke is restored by a tiekit.move of the wrapper."""
+    wrapper = nn.Module()
+    wrapper.model = quietly(gpt2_4)
+    assert declared_ties(wrapper) == {"model.lm_head.weight": "model.transformer.wte.weight"}
+    model = wrapper.model
+    model.lm_head.weight = nn.Parameter(model.transformer.wte.weight.detach().clone())  # type: ignore[union-attr]
+    tiekit.move(wrapper, dtype=torch.float64)
+    assert model.lm_head.weight is model.transformer.wte.weight  # type: ignore[union-attr]

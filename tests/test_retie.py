@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 from pathlib import Path
 from typing import ClassVar
@@ -710,3 +711,46 @@ def test_a_parameter_also_registered_as_a_buffer_stays_one_tensor_in_both_tables
     control = ParameterAlsoABuffer(buffer_first)
     control.load_state_dict({k: v.clone() for k, v in control.state_dict().items()}, assign=True)
     assert control.b.w is not control.a.weight  # the control: torch's assign-load unties them
+
+
+class DeclaringMixin(tiekit.TPUMixin, nn.Module):
+    """A TPUMixin declaring b.weight -> a.weight, built untied (two equal copies)."""
+
+    tied_weights: ClassVar[dict[str, str]] = {"b.weight": "a.weight"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+        self.b.weight = nn.Parameter(self.a.weight.detach().clone())
+
+
+@pytest.mark.parametrize("how", ["move", "preserve_ties"])
+def test_a_declared_tie_of_a_submodule_a_plain_move_broke_is_restored_through_its_wrapper(how: str) -> None:
+    """A GPT-2 held by a wrapper (a LightningModule's self.model): only the root's declarations were
+    read, so a tie a plain .to broke stayed broken through move/preserve_ties of the wrapper (probe).
+    Compiled submodels are read under their _orig_mod. names; transformers' own submodels once."""
+    from tiekit.checkpoint.contents import declared_ties
+
+    wrapper = nn.Module()
+    wrapper.model = gpt2()
+    wrapper.compiled = torch.compile(gpt2(), backend="eager")
+    wrapper.mixin = DeclaringMixin()
+    for lm in (wrapper.model, wrapper.compiled._orig_mod):
+        lm.lm_head.weight = nn.Parameter(lm.transformer.wte.weight.detach().clone())  # what a plain .to(xla) leaves
+    assert declared_ties(wrapper) == {
+        "model.lm_head.weight": "model.transformer.wte.weight",
+        "compiled._orig_mod.lm_head.weight": "compiled._orig_mod.transformer.wte.weight",
+        "mixin.b.weight": "mixin.a.weight",
+    }
+    assert declared_ties(wrapper.model) == {"lm_head.weight": "transformer.wte.weight"}  # at the root, as before
+    control = copy.deepcopy(wrapper).double()  # a plain cast leaves them broken
+    assert control.model.lm_head.weight is not control.model.transformer.wte.weight
+    if how == "move":
+        tiekit.move(wrapper, dtype=torch.float64)
+    else:
+        with tiekit.preserve_ties(wrapper):
+            wrapper.double()
+    for lm in (wrapper.model, wrapper.compiled._orig_mod):
+        assert lm.lm_head.weight is lm.transformer.wte.weight and lm.lm_head.weight.dtype == torch.float64
+    assert wrapper.mixin.b.weight is wrapper.mixin.a.weight
+    assert len(list(wrapper.parameters())) == 28 + 28 + 1

@@ -61,7 +61,7 @@ def move(
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TieError(f"tiekit.move: optimizer must be a torch.optim.Optimizer, not a {type(optimizer).__name__}")
     # A plan made here is checked too: one retie could not apply must refuse before anything moves.
-    planned = _moving_plan(model, None) if plan is None else _given_plan(model, plan)
+    planned = moving_plan(model, None) if plan is None else _given_plan(model, plan)
     plan = fitting_plan(model, planned, counted=on_error == "raise")
     names = {id(p): n for n, p in model.named_parameters()} if optimizer is not None else {}
     kwargs: dict[str, object] = {}
@@ -85,10 +85,11 @@ def move(
     return model
 
 
-def _moving_plan(model: nn.Module, declared: Mapping[str, str] | None) -> TiePlan:
-    """The ties ``model`` holds, the ones it declares (``TPUMixin.tied_weights``, transformers'
-    ``_tied_weights_keys``) where their tensors are equal in value (a tie a plain ``.to`` broke
-    before: the move restores it), and ``declared``."""
+def moving_plan(model: nn.Module, declared: Mapping[str, str] | None) -> TiePlan:
+    """The ties ``model`` holds, the ones it and its submodules declare (``TPUMixin.tied_weights``,
+    transformers' ``_tied_weights_keys``: `tiekit.checkpoint.contents.declared_ties`) where their
+    tensors are equal in value (a tie a plain ``.to`` broke before: the move restores it), and
+    ``declared``. What every move plans with: `move`, `preserve_ties`, ``prepare_tied``, ``KeepTies``."""
     from tiekit.checkpoint.contents import declared_ties_holding  # the checkpoint package imports this one
     from tiekit.errors import CheckpointError
 
@@ -259,7 +260,7 @@ def preserve_ties(
     it becomes the tie's; different values given to two names raise `TieError`.
     """
     checked_on_error(on_error, "tiekit.preserve_ties")
-    planned = _moving_plan(model, declared) if plan is None else _given_plan(model, plan)
+    planned = moving_plan(model, declared) if plan is None else _given_plan(model, plan)
     plan = fitting_plan(model, planned, counted=on_error == "raise")
     entry = tensors_at_entry(model, plan)
     with retied_if_interrupted(model, plan), converting_once(model):

@@ -87,34 +87,36 @@ def _same_values(model: nn.Module, target: str, source: str) -> bool:
 
 
 def declared_ties(model: nn.Module) -> dict[str, str]:
-    """``{target: source}`` ties the model declares: ``TPUMixin.tied_weights`` and transformers'
-    ``_tied_weights_keys`` (restricted to names that exist in the model): transformers 5's
-    expanded ``{target: source}``, or transformers 4's list of targets (`transformers4_ties`). A
-    ``tied_weights`` name that does not resolve is a `CheckpointError`, as it is a `TieError`
-    when the module moves. Through ``torch.compile``'s wrapper, the wrapped model's, under its
-    ``_orig_mod.`` names (the wrapper forwards the attribute, but its names carry the prefix)."""
-    inner = model._modules.get("_orig_mod") if isinstance(model, nn.Module) else None
-    if inner is not None and len(model._modules) == 1 and not model._parameters and not model._buffers:
-        return {f"_orig_mod.{t}": f"_orig_mod.{s}" for t, s in declared_ties(inner).items()}
+    """``{target: source}`` ties the model and its submodules declare: ``TPUMixin.tied_weights``
+    and transformers' ``_tied_weights_keys`` (restricted to names that exist in the model):
+    transformers 5's expanded ``{target: source}``, or transformers 4's list of targets
+    (`transformers4_ties`). A submodule's are named from ``model`` (a LightningModule holding a
+    ``GPT2LMHeadModel`` as ``self.model`` declares ``model.lm_head.weight``); where two modules
+    declare one target, the outermost's holds. A ``tied_weights`` name that does not resolve is a
+    `CheckpointError`, as it is a `TieError` when the module moves. Through ``torch.compile``'s
+    wrapper, the wrapped model's, under its ``_orig_mod.`` names (the wrapper forwards the
+    attribute, but its names carry the prefix)."""
     declared: dict[str, str] = {}
-    expand = getattr(model, "get_expanded_tied_weights_keys", None)
-    if callable(expand):
-        with contextlib.suppress(TypeError, AttributeError, KeyError, ValueError, RuntimeError):
-            found = expand(all_submodels=True)
-            if isinstance(found, Mapping):
-                declared.update({t: s for t, s in found.items() if isinstance(t, str) and isinstance(s, str)})
-    else:
-        declared.update(transformers4_ties(model))
-    if isinstance(model, TPUMixin):
-        for target, source in model.tied_weights.items():
-            if not isinstance(target, str) or not isinstance(source, str):
-                raise CheckpointError(f"{type(model).__name__}.tied_weights maps names to names; got {target!r}")
-            try:
-                resolve(model, target, "declared tie target (tied_weights)")
-                resolve(model, source, "declared tie source (tied_weights)")
-            except TieError as exc:
-                raise CheckpointError(f"{type(model).__name__}: {exc}") from exc
-        declared.update(model.tied_weights)
+    expanded: list[str] = []  # transformers 5 models, each read with its submodels: their prefixes
+    for path, module in model.named_modules() if isinstance(model, nn.Module) else ():
+        prefix = f"{path}." if path else ""
+        if _compile_wrapper(module):
+            continue  # it forwards the wrapped model's attributes, whose names lack "_orig_mod."
+        if isinstance(module, TPUMixin):  # before its transformers declarations: tied_weights wins
+            for target, source in _mixin_ties(module).items():
+                declared.setdefault(prefix + target, prefix + source)
+        expand = getattr(module, "get_expanded_tied_weights_keys", None)
+        if callable(expand) and not any(prefix.startswith(e) for e in expanded):
+            expanded.append(prefix)
+            with contextlib.suppress(TypeError, AttributeError, KeyError, ValueError, RuntimeError):
+                found = expand(all_submodels=True)  # its submodels' own, with their prefixes
+                if isinstance(found, Mapping):
+                    for t, s in found.items():
+                        if isinstance(t, str) and isinstance(s, str):
+                            declared.setdefault(prefix + t, prefix + s)
+    if "" not in expanded:  # transformers 4 models, each read by transformers4_ties's own walk
+        for target, source in transformers4_ties(model).items():
+            declared.setdefault(target, source)
     out = {}
     for target, source in declared.items():
         try:
@@ -126,12 +128,33 @@ def declared_ties(model: nn.Module) -> dict[str, str]:
     return out
 
 
+def _compile_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is ``torch.compile``'s wrapper: the wrapped model alone, as ``_orig_mod``."""
+    inner = module._modules.get("_orig_mod")
+    return inner is not None and len(module._modules) == 1 and not module._parameters and not module._buffers
+
+
+def _mixin_ties(module: TPUMixin) -> Mapping[str, str]:
+    """``module.tied_weights``, each name checked to resolve in ``module`` (`CheckpointError`)."""
+    assert isinstance(module, nn.Module)
+    for target, source in module.tied_weights.items():
+        if not isinstance(target, str) or not isinstance(source, str):
+            raise CheckpointError(f"{type(module).__name__}.tied_weights maps names to names; got {target!r}")
+        try:
+            resolve(module, target, "declared tie target (tied_weights)")
+            resolve(module, source, "declared tie source (tied_weights)")
+        except TieError as exc:
+            raise CheckpointError(f"{type(module).__name__}: {exc}") from exc
+    return module.tied_weights
+
+
 def transformers4_ties(model: nn.Module, *, by_config: bool = True) -> dict[str, str]:
     """``{target: source}`` ties a transformers 4.x model declares, as its ``tie_weights`` makes
     them in each (sub)model: the names its class lists in ``_tied_weights_keys`` take the input
     embedding's weight, when the (text decoder) config ties word embeddings (the default; with
     ``torchscript`` it clones instead); with ``is_encoder_decoder`` and ``tie_encoder_decoder``
-    each encoder weight and bias takes its decoder counterpart's. ``by_config=False``: the
+    each encoder weight and bias takes its decoder counterpart's (a transformers 5 model among
+    them is left out: it expands its own). ``by_config=False``: the
     embedding ties the classes declare whatever the config says. Names relative to ``model``;
     those that do not exist are left for the caller to drop."""
     ties: dict[str, str] = {}
@@ -140,8 +163,8 @@ def transformers4_ties(model: nn.Module, *, by_config: bool = True) -> dict[str,
     for path, module in model.named_modules():
         prefix = f"{path}." if path else ""
         config = getattr(module, "config", None)
-        if config is None:
-            continue
+        if config is None or callable(getattr(module, "get_expanded_tied_weights_keys", None)):
+            continue  # a transformers 5 model declares its own ties, expanded (`declared_ties`)
         pairs = dict(_embedding_ties(module)) if not by_config or _ties_word_embeddings(config) else {}
         if by_config and getattr(config, "is_encoder_decoder", False) and getattr(config, "tie_encoder_decoder", False):
             pairs.update(_encoder_decoder_ties(module))
