@@ -157,6 +157,34 @@ def test_prepare_tied_applies_declared_ties_and_refuses_bad_ones(cpu_accelerator
         prepare_tied(accelerator, gpt2(), on_error="skip")  # type: ignore[arg-type]
 
 
+def broken_gpt2() -> torch.nn.Module:
+    """A GPT-2 whose declared tie (lm_head.weight -> transformer.wte.weight) a plain .to(xla) broke: equal copies."""
+    model = gpt2()
+    model.lm_head.weight = torch.nn.Parameter(model.transformer.wte.weight.detach().clone())
+    return model
+
+
+def test_prepare_tied_reties_a_declared_tie_a_plain_move_broke(cpu_accelerator: accelerate.Accelerator) -> None:
+    """tiekit.move re-ties it (docs/integrations.md), prepare_tied planned with plain find_ties and
+    left it two tensors, silently: 29 parameters, trained apart (probe). Through a wrapper too."""
+    accelerator = cpu_accelerator
+    plain = accelerator.prepare(broken_gpt2())  # the control: prepare keeps the two copies
+    assert plain.lm_head.weight is not plain.transformer.wte.weight and len(list(plain.parameters())) == 29
+
+    model = broken_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # built before, over both copies
+    model, optimizer = prepare_tied(accelerator, model, optimizer)
+    assert model.lm_head.weight is model.transformer.wte.weight and len(list(model.parameters())) == 28
+    assert [len(g["params"]) for g in optimizer.optimizer.param_groups] == [28]
+    step(accelerator, model, optimizer)
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+    wrapper = torch.nn.Module()  # the model held by a module of the user's: its declaration read through it
+    wrapper.model = broken_gpt2()
+    wrapper = prepare_tied(accelerator, wrapper)
+    assert wrapper.model.lm_head.weight is wrapper.model.transformer.wte.weight
+
+
 def test_prepare_tied_of_a_model_compiled_before_prepare(cpu_accelerator: accelerate.Accelerator) -> None:
     """The plan was made on the compile wrapper ("_orig_mod." names) and applied to the model
     prepare unwrapped: a TieError naming '_orig_mod.transformer', after prepare had run (probe)."""

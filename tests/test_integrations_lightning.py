@@ -191,6 +191,100 @@ def test_keep_ties_with_a_plan_made_before_fit_restores_a_view_the_module_lost(t
         KeepTies(plan=plan, declared={"head.weight": "embed.weight"})
 
 
+class GPT2Module(pl.LightningModule):
+    """The usual pattern: a transformers model held as self.model (declaring lm_head.weight -> wte.weight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(
+            n_layer=1, n_embd=8, n_head=2, vocab_size=VOCAB, n_positions=8, bos_token_id=0, eos_token_id=0
+        )
+        self.model = GPT2LMHeadModel(config)
+        # What a plain .to(xla) before the Trainer leaves: two equal copies.
+        self.model.lm_head.weight = nn.Parameter(self.model.transformer.wte.weight.detach().clone())
+
+    def training_step(self, batch: Any, _: int) -> torch.Tensor:
+        return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=0.05)
+
+
+def test_keep_ties_reties_a_declared_tie_of_a_submodel_a_plain_move_broke(tmp_path: Path) -> None:
+    """KeepTies planned with find_ties alone, which reads no declaration (and those of the root
+    only), so the GPT-2 trained untied and TiedCheckpointIO stored both copies (probe); tiekit.move
+    re-ties such a tie."""
+    plain = GPT2Module()
+    trainer(tmp_path, max_steps=2).fit(plain, data())
+    lm = plain.model
+    assert lm.lm_head.weight is not lm.transformer.wte.weight  # the control: trained apart
+    assert not torch.equal(lm.lm_head.weight, lm.transformer.wte.weight)
+
+    module = GPT2Module()
+    checkpoints = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt")
+    run = trainer(
+        tmp_path,
+        max_steps=2,
+        enable_checkpointing=True,
+        callbacks=[KeepTies(), checkpoints],
+        plugins=[TiedCheckpointIO()],
+    )
+    run.fit(module, data())
+    lm = module.model
+    assert lm.lm_head.weight is lm.transformer.wte.weight and len(list(module.parameters())) == 16
+    with safe_open(checkpoints.best_model_path, "pt") as f:
+        stored = set(f.keys())
+    assert "model.transformer.wte.weight" in stored and "model.lm_head.weight" not in stored
+
+
+class Evaluated(TiedViews):
+    def validation_step(self, batch: Any, index: int) -> None:
+        self.log("val_loss", self.training_step(batch, index))
+
+
+def test_keep_ties_refuses_a_stage_whose_module_lost_a_tie_since_the_last(tmp_path: Path) -> None:
+    """Each stage planned from the module as it then was: a tie broken between fit and validate
+    (load_state_dict(assign=True)) was two tensors to the plan, no error, and validation ran untied (probe)."""
+
+    def untie(module: TiedViews) -> None:
+        module.load_state_dict({k: v.clone() for k, v in module.state_dict().items()}, assign=True)
+
+    module, keep = Evaluated(), KeepTies()
+    run = trainer(tmp_path, callbacks=[keep])
+    run.fit(module, data())
+    untie(module)
+    assert module.head.weight is not module.embed.weight  # the control: assign=True unties
+    with pytest.raises(
+        tiekit.TieError,
+        match=r"KeepTies: at the start of validate, Evaluated no longer holds ties .*: head\.weight is not "
+        r"embed\.weight; embed_t is not a view of embed\.weight\. ",
+    ):
+        run.validate(module, data(), verbose=False)
+    tiekit.retie(module, keep.plan)  # tied again as the message says: the stage runs
+    run.validate(module, data(), verbose=False)
+    assert module.head.weight is module.embed.weight
+
+    del module.head  # a tied name gone is an error too
+    with pytest.raises(tiekit.TieError, match=r"no longer holds ties .*'head\.weight': no module at 'head'"):
+        run.validate(module, data(), verbose=False)
+
+    # Not errors: a rebuilt part (its module replaced), another module, a warning when asked for.
+    module = Evaluated()
+    run.fit(module, data())
+    module.head = nn.Linear(WIDTH, VOCAB, bias=False)
+    run.validate(module, data(), verbose=False)
+    assert module.head.weight is not module.embed.weight and keep.plan.group_of("head.weight") is None
+    run.validate(Evaluated(), data(), verbose=False)
+    module, keep = Evaluated(), KeepTies(on_error="warn")
+    run = trainer(tmp_path, callbacks=[keep])
+    run.fit(module, data())
+    untie(module)
+    with pytest.warns(tiekit.TieWarning, match=r"at the start of validate, .*head\.weight is not embed\.weight"):
+        run.validate(module, data(), verbose=False)
+
+
 def test_keep_ties_refuses_bad_arguments_when_made() -> None:
     """A misspelt on_error or a plan that is no TiePlan failed only at the Trainer's setup (or its
     last check, after training), as torch's TypeError or a ValueError from deep inside."""

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiekit.analyze import checked_declared, find_ties
+from tiekit.analyze import checked_declared
 from tiekit.errors import TiekitError
-from tiekit.moving import move, rebind_optimizer
+from tiekit.moving import move, moving_plan, rebind_optimizer
 from tiekit.retie import OnError, checked_on_error, retie, verify
 
 __all__ = ["prepare_tied"]
@@ -39,8 +39,10 @@ def prepare_tied(
 
     Returns what ``prepare`` returns: the prepared model alone, or a tuple with the prepared
     ``objects`` in order. Call it before building the optimizer, or pass the optimizer in
-    ``objects``. ``declared`` adds ``{target: source}`` ties the model declares but does not
-    hold yet. A tie that cannot be restored raises `tiekit.TieError` (a `tiekit.TieWarning`
+    ``objects``. The ties are planned as `tiekit.move` plans them: those the model holds, and
+    those it (or a submodule) declares whose tensors are equal in value (a tie a plain ``.to``
+    broke), which are tied again. ``declared`` adds ``{target: source}`` ties the model declares
+    but does not hold yet. A tie that cannot be restored raises `tiekit.TieError` (a `tiekit.TieWarning`
     with ``on_error="warn"``). Arguments of the wrong kind are a `tiekit.TiekitError`, raised
     before anything moves.
     """
@@ -51,7 +53,8 @@ def prepare_tied(
     base = accelerator.unwrap_model(model, keep_torch_compile=False)
     if base is not model and declared:
         declared = {_unprefixed(t): _unprefixed(s) for t, s in declared.items()}
-    plan = find_ties(base, declared=dict(declared) if declared else None)
+    # As tiekit.move plans: a tie the model declares and a plain .to broke (equal copies) is tied again.
+    plan = moving_plan(base, declared)
     if accelerator.device_placement and accelerator.distributed_type.name not in _SELF_PLACING:
         names = {id(p): n for n, p in base.named_parameters()}
         move(base, accelerator.device, plan=plan, on_error=on_error)

@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from tiekit.analyze import checked_declared, find_ties
+from tiekit.analyze import checked_declared
 from tiekit.errors import TieError, TiekitError, TieWarning
 from tiekit.integrations.lightning.checkpoint_io import TiedCheckpointIO, local_path
+from tiekit.moving import moving_plan
 from tiekit.plan import TieGroup, TiePlan
-from tiekit.retie import OnError, checked_on_error, lasting_tie_changes, retie, verify
+from tiekit.retie import OnError, checked_on_error, lasting_tie_changes, member_holds, retie, verify
 from tiekit.sharding.check import check_sharding
 from tiekit.sharding.wrap import fsdp2
 from tiekit.slots import has_module, resolve
@@ -24,9 +26,17 @@ from tiekit.slots import has_module, resolve
 class KeepTies(Callback):
     """Keep the LightningModule's tied weights tied through the Trainer's cast, device move and teardown.
 
-    ``declared`` adds ties the module declares as ``{target: source}`` but does not hold in
-    memory. ``on_error="warn"`` turns a failed check into a `tiekit.TieWarning`. ``plan`` is
-    the plan made at the last setup.
+    The plan is made as `tiekit.move` makes it: the ties the module holds, and those it or a
+    submodule declares (transformers' ``_tied_weights_keys``) whose tensors are equal in value,
+    which are tied again. ``declared`` adds ties the module declares as ``{target: source}`` but
+    does not hold in memory. ``on_error="warn"`` turns a failed check into a `tiekit.TieWarning`.
+    ``plan`` is the plan made at the last setup.
+
+    The plan is kept for the module between stages: at the start of each later stage
+    (``trainer.test(module)`` after ``fit``), a tie it holds that the same module no longer holds
+    (its names given separate tensors, or gone) is a `tiekit.TieError` naming them, raised before
+    the stage plans again. Not an error: another module object (planned afresh), ties added, and
+    a tie whose member's submodule was replaced by another module object (that part was rebuilt).
 
     ``plan=tiekit.find_ties(module)``, made before ``trainer.fit``, is used instead of planning
     at setup. ``strategy="ddp_spawn"`` on the CPU needs it when buffers are views of weights:
@@ -55,6 +65,9 @@ class KeepTies(Callback):
         self.plan: TiePlan | None = plan
         self._given = plan
         self._wrapped: tuple[Any, dict[str, Callable[..., Any]]] | None = None
+        # The module the plan was made for, and each tied name's owning submodule then (weakly:
+        # the callback must not keep a module alive).
+        self._kept: tuple[weakref.ref[nn.Module], dict[str, weakref.ref[nn.Module]]] | None = None
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Wrap this run's strategy: plan when its setup starts, re-tie right after its move.
@@ -64,15 +77,17 @@ class KeepTies(Callback):
         tie raise `tiekit.TieError` naming them (`tiekit.check_sharding`), before the first step.
         A model ``configure_model`` builds itself is checked as it stands after the hook."""
         self._unwrap()
+        self._check_kept(pl_module, stage)
         strategy = trainer.strategy
         _refuse_tied_io_where_unused(strategy)
         _refuse_tied_io_in_async(strategy)
         originals = {"setup": strategy.setup, "model_to_device": strategy.model_to_device}
-        before = self._given if self._given is not None else find_ties(pl_module, declared=self.declared)
+        before = self._given if self._given is not None else moving_plan(pl_module, self.declared)
 
         def setup(trainer_: Any) -> None:
             # After configure_model, before the precision plugin casts and the strategy moves.
-            self.plan = self._given if self._given is not None else find_ties(pl_module, declared=self.declared)
+            self.plan = self._given if self._given is not None else moving_plan(pl_module, self.declared)
+            self._kept = (weakref.ref(pl_module), _owners(pl_module, self.plan))
             self._check_configured(pl_module, before)
             if self._given is not None:
                 _refuse_unfitting_plan(pl_module, self._given)
@@ -85,6 +100,29 @@ class KeepTies(Callback):
         strategy.setup = setup
         strategy.model_to_device = model_to_device
         self._wrapped = (strategy, originals)
+
+    def _check_kept(self, pl_module: nn.Module, stage: str) -> None:
+        """Refuse a stage whose module lost a tie of the plan the last stage kept.
+
+        Planning again from the module as it is would take the broken tie for two tensors, and
+        the stage would run untied with nothing said."""
+        kept, plan = self._kept, self.plan
+        if kept is None or plan is None or kept[0]() is not pl_module:
+            return
+        broken = _broken_since(pl_module, plan, kept[1])
+        if not broken:
+            return
+        stage = getattr(stage, "value", stage)  # Lightning passes its TrainerFn, a str enum
+        message = (
+            f"KeepTies: at the start of {stage}, {type(pl_module).__name__} no longer holds ties it held at the end "
+            f"of the stage before: {'; '.join(broken)}. Something between the stages gave the tied names separate "
+            "tensors (load_state_dict(..., assign=True), a plain .to, an assignment) or removed them. Tie them again "
+            "with tiekit.retie(module, keep.plan), or load without assign=True; to drop a tie on purpose, run the "
+            "stage with a new KeepTies"
+        )
+        if self.on_error == "raise":
+            raise TieError(message)
+        warnings.warn(message, TieWarning, stacklevel=2)
 
     def _retie(self, pl_module: nn.Module) -> None:
         if self.plan is not None:
@@ -252,6 +290,45 @@ def _still_named(model: nn.Module, plan: TiePlan) -> TiePlan:
     groups = tuple(g for g in plan.groups if present(g.names))
     reads = tuple(u for u in plan.cross_module if present([u.name]) and has_module(model, u.reader))
     return dataclasses.replace(plan, groups=groups, cross_module=reads)
+
+
+def _owners(model: nn.Module, plan: TiePlan) -> dict[str, weakref.ref[nn.Module]]:
+    """The submodule owning each name of ``plan``'s groups, by its path in ``model`` (weakly)."""
+    owners: dict[str, weakref.ref[nn.Module]] = {}
+    for name in (n for g in plan.groups for n in g.names):
+        path = name.rpartition(".")[0]
+        if path not in owners and has_module(model, path):
+            owners[path] = weakref.ref(model.get_submodule(path))
+    return owners
+
+
+def _broken_since(model: nn.Module, plan: TiePlan, owners: Mapping[str, weakref.ref[nn.Module]]) -> list[str]:
+    """What ``model`` no longer holds of ``plan``'s ties: a name that is not its group's source
+    (or the view of it the plan records), or that no longer resolves. A group one of whose
+    names' submodule is another object now than ``owners`` recorded was rebuilt, not broken."""
+
+    def replaced(name: str) -> bool:
+        path = name.rpartition(".")[0]
+        was = owners.get(path)
+        return was is not None and has_module(model, path) and model.get_submodule(path) is not was()
+
+    broken: list[str] = []
+    for group in plan.groups:
+        if any(replaced(name) for name in group.names):
+            continue
+        try:
+            _, _, source, _ = resolve(model, group.source, "tie source")
+        except TieError as exc:
+            broken.append(str(exc))
+            continue
+        for member in group.members[1:]:
+            try:
+                if not member_holds(model, member, source):
+                    what = "" if member.view is None else "a view of "
+                    broken.append(f"{member.name} is not {what}{group.source}")
+            except TieError as exc:
+                broken.append(str(exc))
+    return broken
 
 
 def _untied(plan: TiePlan, group: TieGroup) -> list[str]:
