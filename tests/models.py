@@ -70,6 +70,37 @@ class FunctionalHeadLM(nn.Module):
         return nn.functional.linear(h, self.embed.weight)
 
 
+class Scaled(nn.Module):
+    """A linear layer keeping extra state (as FP8 and quantised layers do): an amax history tensor
+    that is no parameter or buffer, in the state dict as ``'<path>._extra_state'``."""
+
+    def __init__(self, state: str = "tensor") -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.state = state
+        self.amax = torch.zeros(4, dtype=torch.float64)
+        self.given: list[object] = []
+
+    def get_extra_state(self) -> object:
+        return self.amax if self.state == "tensor" else {"amax": self.amax.tolist()}
+
+    def set_extra_state(self, state: object) -> None:
+        self.given.append(state)
+        assert isinstance(state, torch.Tensor)
+        self.amax = state
+
+
+class ExtraStateLM(nn.Module):
+    """A tied embedding and head around a `Scaled` layer: ``mid._extra_state`` beside a tie."""
+
+    def __init__(self, state: str = "tensor") -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.mid = Scaled(state)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+
 def gpt2(**overrides: object) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 

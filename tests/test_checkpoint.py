@@ -17,7 +17,7 @@ from typing import ClassVar
 import pytest
 import safetensors.torch
 import torch
-from models import ViewBuffers, WeightSharingModule, assert_unchanged, gpt2, snapshot
+from models import ExtraStateLM, Scaled, ViewBuffers, WeightSharingModule, assert_unchanged, gpt2, snapshot
 from safetensors import safe_open
 from torch import nn
 
@@ -208,6 +208,106 @@ def test_device_argument_materialises_on_cpu(tmp_path: Path) -> None:
         model = WeightSharingModule()
     load_model(model, tmp_path / "m.safetensors", device="cpu")
     assert model.layer_1.weight.device.type == "cpu" and model.layer_3.weight is model.layer_1.weight
+
+
+# -- extra state (get_extra_state) ---------------------------------------------------------------
+
+
+def saved_extra_state_model() -> ExtraStateLM:
+    torch.manual_seed(0)
+    model = ExtraStateLM()
+    model.mid.amax = torch.tensor([1.0, 2.5, -3.0, 4.0], dtype=torch.float64)
+    return model
+
+
+@pytest.mark.parametrize("meta", [False, True], ids=["real", "meta"])
+@pytest.mark.parametrize("training", [False, True], ids=["save_model", "save_checkpoint"])
+def test_tensor_extra_state_round_trips_to_set_extra_state(tmp_path: Path, meta: bool, training: bool) -> None:
+    """save_model stored 'mid._extra_state' and load_model of that same file refused it as
+    unexpected (save_checkpoint/load_checkpoint too). Now set_extra_state gets what torch's
+    load_state_dict of the saved state dict gives it: the stored tensor, its dtype, on the CPU."""
+    model = saved_extra_state_model()
+    plan = find_ties(model)
+    tiekit.move(model, "cpu")
+    tiekit.verify(model, plan)  # extra state is no tie slot: nothing to trip on
+    if training:
+        tiekit.save_checkpoint(tmp_path / "ck", model=model, step=3)
+    else:
+        save_model(model, tmp_path / "m.safetensors")
+    if meta:
+        with torch.device("meta"):
+            fresh = ExtraStateLM()
+    else:
+        fresh = ExtraStateLM()
+    if training:
+        result = tiekit.load_checkpoint(tmp_path / "ck", model=fresh)["load_result"]
+    else:
+        result = load_model(fresh, tmp_path / "m.safetensors")
+    assert result.missing == () and result.unexpected == ()
+    control = ExtraStateLM()
+    control.load_state_dict(model.state_dict())
+    (given,) = fresh.mid.given
+    assert isinstance(given, torch.Tensor) and torch.equal(given, model.mid.amax)
+    assert (given.dtype, given.device) == (control.mid.given[0].dtype, control.mid.given[0].device)  # type: ignore[union-attr]
+    assert fresh.head.weight is fresh.embed.weight and not fresh.embed.weight.is_meta
+    assert_same_state(model, fresh)
+
+
+def test_extra_state_follows_the_device_asked_for(tmp_path: Path) -> None:
+    save_model(saved_extra_state_model(), tmp_path / "m.safetensors")
+    with torch.device("meta"):
+        fresh = ExtraStateLM()
+    load_model(fresh, tmp_path / "m.safetensors", device="cpu")
+    assert fresh.mid.amax.device.type == "cpu" and fresh.mid.amax.dtype == torch.float64
+
+
+def test_strict_loads_refuse_extra_state_missing_or_without_a_taker(tmp_path: Path) -> None:
+    """As torch's load_state_dict: a module with set_extra_state needs its key, and a key for a
+    module without it is unexpected. strict=False loads the rest and says which."""
+    save_model(saved_extra_state_model(), tmp_path / "with.safetensors")
+    plain = ExtraStateLM()
+    plain.mid = nn.Module()
+    plain.mid.linear = nn.Linear(8, 8)
+    save_model(plain, tmp_path / "without.safetensors")
+
+    model = ExtraStateLM()
+    before = snapshot(model)
+    with pytest.raises(CheckpointError, match=r"does not match ExtraStateLM: missing 'mid\._extra_state'"):
+        load_model(model, tmp_path / "without.safetensors")
+    assert_unchanged(model, before)
+    assert model.mid.given == []
+    assert load_model(model, tmp_path / "without.safetensors", strict=False).missing == ("mid._extra_state",)
+
+    other = ExtraStateLM()
+    other.mid = nn.Module()
+    other.mid.linear = nn.Linear(8, 8)
+    before = snapshot(other)
+    with pytest.raises(CheckpointError, match=r"does not match ExtraStateLM: unexpected 'mid\._extra_state'"):
+        load_model(other, tmp_path / "with.safetensors")
+    assert_unchanged(other, before)
+    assert load_model(other, tmp_path / "with.safetensors", strict=False).unexpected == ("mid._extra_state",)
+
+
+def test_non_tensor_extra_state_is_refused_naming_its_module(tmp_path: Path) -> None:
+    with pytest.raises(
+        CheckpointError, match=r"'mid\._extra_state' is a dict, not a tensor: Scaled\.get_extra_state returned it"
+    ):
+        save_model(ExtraStateLM("dict"), tmp_path / "m.safetensors")
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_set_extra_state_refusing_the_value_names_the_key(tmp_path: Path) -> None:
+    class Refusing(Scaled):
+        def set_extra_state(self, state: object) -> None:
+            raise ValueError("amax history of another recipe")
+
+    save_model(saved_extra_state_model(), tmp_path / "m.safetensors")
+    model = ExtraStateLM()
+    model.mid = Refusing()
+    with pytest.raises(
+        CheckpointError, match=r"Refusing\.set_extra_state refused 'mid\._extra_state' \(ValueError: amax history"
+    ):
+        load_model(model, tmp_path / "m.safetensors")
 
 
 def test_view_buffers_are_rebuilt_as_views(tmp_path: Path) -> None:

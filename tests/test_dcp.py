@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from launching import ROOT, base_env, describe, free_port, run_ok
-from models import assert_unchanged, snapshot
+from models import ExtraStateLM, assert_unchanged, snapshot
 from torch import nn
 
 import tiekit
@@ -319,6 +319,40 @@ def test_single_process_roundtrip_with_optimizer(tmp_path: Path) -> None:
     train_step(fresh, fresh_optimizer)
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("meta", [False, True], ids=["real", "meta"])
+def test_single_process_tensor_extra_state_reaches_set_extra_state(tmp_path: Path, meta: bool) -> None:
+    """save_sharded stored 'mid._extra_state' beside the weights, and load_sharded refused its own
+    save as unexpected. Now set_extra_state gets the stored tensor (its dtype, on the CPU), as torch's
+    load_state_dict hands it over; the tie is restored beside it."""
+    model = ExtraStateLM()
+    model.mid.amax = torch.tensor([1.0, 2.5, -3.0, 4.0], dtype=torch.float64)
+    tiekit.save_sharded(model, tmp_path / "ck")
+    if meta:
+        with torch.device("meta"):
+            fresh = ExtraStateLM()
+    else:
+        fresh = ExtraStateLM()
+    result = tiekit.load_sharded(fresh, tmp_path / "ck")
+    assert result.missing == () and result.unexpected == ()
+    (given,) = fresh.mid.given
+    assert isinstance(given, torch.Tensor) and torch.equal(given, model.mid.amax)
+    assert given.dtype == torch.float64 and given.device.type == "cpu"
+    assert fresh.head.weight is fresh.embed.weight
+    assert torch.equal(fresh.embed.weight, model.embed.weight)
+
+    plain = ExtraStateLM()
+    plain.mid = nn.Module()
+    plain.mid.linear = nn.Linear(8, 8)
+    with pytest.raises(tiekit.CheckpointError, match=r"does not match ExtraStateLM: unexpected 'mid\._extra_state'$"):
+        tiekit.load_sharded(plain, tmp_path / "ck")
+
+
+def test_single_process_non_tensor_extra_state_is_refused_before_writing(tmp_path: Path) -> None:
+    with pytest.raises(tiekit.CheckpointError, match=r"'mid\._extra_state' is a dict, not a tensor: Scaled\."):
+        tiekit.save_sharded(ExtraStateLM("dict"), tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()
 
 
 def test_a_tied_name_the_model_lacks_refuses_the_load(tmp_path: Path) -> None:

@@ -264,6 +264,7 @@ def unique_tensors(model: nn.Module, plan: TiePlan) -> tuple[list[str], list[tor
         if not isinstance(tensor, torch.Tensor):
             raise CheckpointError(
                 f"cannot save {type(model).__name__}: state {name!r} is a {type(tensor).__name__}, not a tensor"
+                f"{_extra_state_hint(model, name)}"
             )
         if tensor.is_meta:
             raise CheckpointError(f"cannot save {type(model).__name__}: {name!r} is on the meta device (no data)")
@@ -275,6 +276,21 @@ def unique_tensors(model: nn.Module, plan: TiePlan) -> tuple[list[str], list[tor
             )
         tensors.append(tensor.detach())
     return names, tensors
+
+
+def _extra_state_hint(model: nn.Module, name: str) -> str:
+    """Why a state-dict value is no tensor when it is a module's ``get_extra_state``."""
+    path, _, last = name.rpartition(".")
+    if last != "_extra_state":
+        return ""
+    try:
+        owner = type(model.get_submodule(path)).__name__
+    except AttributeError:
+        return ""
+    return (
+        f": {owner}.get_extra_state returned it, and tiekit's checkpoints store a module's extra state only "
+        "as a tensor (safetensors holds tensors); return one, such as a uint8 tensor of its serialised bytes"
+    )
 
 
 def host_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

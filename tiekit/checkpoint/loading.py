@@ -29,7 +29,7 @@ from tiekit.checkpoint.layout import CHECKPOINT_NAME, Device, PathLike
 from tiekit.checkpoint.optimizer import sharded_state_rows, stage_optimizer
 from tiekit.checkpoint.reads import TensorReader, read_tensors, reading_again
 from tiekit.checkpoint.source import Source, open_source, training_record
-from tiekit.checkpoint.staging import DtypePolicy, Staged, stage
+from tiekit.checkpoint.staging import DtypePolicy, Staged, give_extra_states, stage
 from tiekit.checkpoint.streaming import Job, stream_to_devices
 from tiekit.errors import CheckpointError
 from tiekit.header import FileIdentity, TensorEntry
@@ -105,6 +105,11 @@ def _commit(model: nn.Module, source: Source, staged: Staged) -> None:
     """Read, then change the model: every file is opened and checked before the first byte is
     read, and ties are applied only after every read succeeded, so a failure leaves it as it was."""
     with torch.no_grad():
+        # Read first, as the weights are: a failure leaves the model as it was. On the CPU unless a
+        # device was asked for (a map_location); in the file's dtype, as load_state_dict passes it.
+        extra_states = read_tensors({k: source.entries[k] for k in staged.extra_states}, source.files)
+        if staged.device is not None:
+            extra_states = {k: v.to(staged.device) for k, v in extra_states.items()}
         jobs: list[Job] = []
         seen: set[int] = set()
         for name, key in staged.loads:
@@ -151,6 +156,7 @@ def _commit(model: nn.Module, source: Source, staged: Staged) -> None:
                         fresh[id(tensor)] = new
                     assign(module, attr, new, kind)
         retie(model, TiePlan(staged.groups, 0, 0))  # members point at their loaded source; views rebuilt
+    give_extra_states(model, extra_states, source.where)
 
 
 def _fill(jobs: list[Job], files: Mapping[str, FileIdentity]) -> dict[int, torch.Tensor]:

@@ -35,6 +35,7 @@ class Staged:
     unexpected: tuple[str, ...]
     device: torch.device | None
     keep_file_dtype: bool
+    extra_states: tuple[str, ...] = ()  # keys ('<module>._extra_state') read for the modules' set_extra_state
 
 
 DtypePolicy = Literal["model", "file"]
@@ -86,6 +87,10 @@ def stage(model: nn.Module, source: Source, *, strict: bool, device: torch.devic
     missing = [n for n in expected if n not in anchor and (n in key_of or n not in entries)]
     absent = set(missing)
     consumed = {key_of.get(n, (n, None))[0] for n in expected if n not in absent}
+    takers = extra_state_modules(model)
+    extra_states = [k for k in takers if k in entries and k not in key_of]
+    consumed.update(extra_states)
+    missing += [k for k in takers if k not in entries]
     consumed |= _equal_duplicates(expected, key_of, source, model_plan)
     unexpected = [k for k in entries if k not in consumed]
     unexpected += _planned_elsewhere(source.plan, slots, entries)
@@ -106,7 +111,45 @@ def stage(model: nn.Module, source: Source, *, strict: bool, device: torch.devic
             lasting_tie_changes(model, group)  # the checks retie makes, without changing anything
         except TieError as exc:
             raise CheckpointError(f"{where}: cannot re-tie {type(model).__name__}: {exc}") from exc
-    return Staged(tuple(retie_groups), tuple(loads), anchor, tuple(missing), tuple(unexpected), device, dtype == "file")
+    return Staged(
+        tuple(retie_groups),
+        tuple(loads),
+        anchor,
+        tuple(missing),
+        tuple(unexpected),
+        device,
+        dtype == "file",
+        tuple(extra_states),
+    )
+
+
+def extra_state_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """``{'<module>._extra_state': module}`` for each module whose class defines ``set_extra_state``:
+    the keys ``load_state_dict`` hands to it (missing when absent, with strict); a file's key for a
+    module without it is unexpected, as torch counts it."""
+    out: dict[str, nn.Module] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        if getattr(type(module), "set_extra_state", nn.Module.set_extra_state) is not nn.Module.set_extra_state:
+            out[f"{path}.{_EXTRA_STATE}" if path else _EXTRA_STATE] = module
+    return out
+
+
+def give_extra_states(model: nn.Module, values: Mapping[str, torch.Tensor], where: str) -> None:
+    """Hand each value of ``values`` (read from the file) to its module's ``set_extra_state``, as
+    ``load_state_dict`` does: the stored tensor, uncast. Called after the weights are in; what the
+    module's own code raises is a `CheckpointError` naming the key (the weights stay loaded)."""
+    modules = extra_state_modules(model)
+    for key, value in values.items():
+        try:
+            modules[key].set_extra_state(value)
+        except Exception as exc:
+            raise CheckpointError(
+                f"{where}: {type(modules[key]).__name__}.set_extra_state refused {key!r} "
+                f"({type(exc).__name__}: {exc}); the weights were loaded"
+            ) from exc
+
+
+_EXTRA_STATE = "_extra_state"  # torch's suffix (nn.modules.module._EXTRA_STATE_KEY_SUFFIX)
 
 
 def _planned_elsewhere(plan: TiePlan | None, slots: Mapping[str, Any], entries: Mapping[str, Any]) -> list[str]:

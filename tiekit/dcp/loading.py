@@ -29,7 +29,7 @@ from tiekit.checkpoint.loading import LoadResult
 from tiekit.checkpoint.optimizer import stage_optimizer
 from tiekit.checkpoint.reads import READ_ATTEMPTS
 from tiekit.checkpoint.source import Source
-from tiekit.checkpoint.staging import Staged, stage
+from tiekit.checkpoint.staging import Staged, give_extra_states, stage
 from tiekit.checkpoint.streaming import STAGING_BYTES, RowPart, stream_rows_in_place
 from tiekit.collective import collective_gather, ranks
 from tiekit.dcp.chunks import Located, locate_rows, row_chunks
@@ -72,6 +72,7 @@ class _Read:
     fresh: dict[int, torch.Tensor]
     extra: Any
     restore: Callable[[], None] | None
+    extra_states: dict[str, torch.Tensor]
 
 
 def load_sharded(
@@ -123,6 +124,7 @@ def load_sharded(
         _commit(inner, read.staged, read.fresh)
         if read.restore is not None:
             read.restore()
+        give_extra_states(inner, read.extra_states, os.fspath(read.marker.folder))
         staged = read.staged
         return ShardedLoadResult(
             staged.missing, staged.unexpected, staged.groups, "tiekit", read.extra, read.marker.save_id
@@ -180,6 +182,8 @@ def _read(inner: nn.Module, root: Path, optimizer: torch.optim.Optimizer | None,
         if optimizer is not None and not marker.record.get("optimizer"):
             raise CheckpointError(f"{marker.where}: key 'optimizer': this checkpoint holds no optimizer state")
         side = _side_destinations(inner, marker, with_optimizer=optimizer is not None)
+        # Modules' extra state (get_extra_state) read with extra, into new CPU tensors of the stored dtype.
+        side.update((k, torch.empty(source.entries[k][1].shape, dtype=_dtype(marker, k))) for k in staged.extra_states)
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         error = exc
     share = (folder_names(root), reading[0] if reading else None, optimizer is not None)
@@ -226,7 +230,8 @@ def _read(inner: nn.Module, root: Path, optimizer: torch.optim.Optimizer | None,
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         error = exc
     raise_anywhere(error, f"{root}: load")  # what one rank streams, others may not: all learn of a failure
-    return _Read(marker, staged, fresh, extra, restore)
+    extra_states = {k: side[k] for k in staged.extra_states}
+    return _Read(marker, staged, fresh, extra, restore, extra_states)
 
 
 def _read_regions(tensor: torch.Tensor) -> list[Region] | None:
