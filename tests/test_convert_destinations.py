@@ -136,6 +136,64 @@ def test_convert_refuses_a_destination_folder_that_holds_a_checkpoint(tmp_path: 
     )
 
 
+def holding_another_name(folder: Path, what: str) -> str:
+    """Make ``folder`` hold a checkpoint no file of `CHECKPOINT_FILES` names; return its first file."""
+    if what == "single file":
+        tiekit.save_model(Tied(), folder / "weights.safetensors")
+        return "weights.safetensors"
+    if what == "fit steps":  # a checkpoint_dir of tiekit.fit's single-file strategies
+        for step in (2, 4):
+            tiekit.save_model(Tied(), folder / f"step-{step:08d}.safetensors")
+        return "step-00000002.safetensors"
+    if what == "index":
+        tiekit.save_model(nn.Linear(64, 64), folder / "weights.safetensors", max_shard_size="8KB")
+        return "weights.safetensors.index.json"
+    tiekit.save_model(nn.Linear(64, 64), folder / "weights.safetensors", max_shard_size="8KB")
+    (folder / "weights.safetensors.index.json").unlink()  # shards a killed save left: load_model names them
+    return "weights-00001-of-00002.safetensors"
+
+
+@pytest.mark.parametrize("what", ["single file", "fit steps", "index", "shards"])
+@pytest.mark.parametrize("source", ["model.safetensors", "ck"])
+def test_convert_refuses_a_destination_folder_holding_a_checkpoint_of_another_name(
+    tmp_path: Path, source: str, what: str
+) -> None:
+    """Only model.safetensors (and its index) and a DCP folder's files were looked for: `tiekit convert
+    ck held` beside held/weights.safetensors exited 0 with held/model.safetensors, which the folder
+    then loaded as, and a safetensors source made a DCP checkpoint beside it (probe)."""
+    src = tmp_path / source
+    if source == "ck":
+        tiekit.save_sharded(Tied(), src)
+    else:
+        tiekit.save_model(Tied(), src)
+    found = holding_another_name(tmp_path / "held", what)
+    said = f"{tmp_path / 'held' / found}: exists; convert writes a new checkpoint and {tmp_path / 'held'} holds one"
+    refused(src, tmp_path / "held", re.escape(said))
+    result = subprocess.run(
+        [sys.executable, "-m", "tiekit", "convert", source, "held"],
+        cwd=tmp_path,
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert result.returncode == 1 and result.stderr.startswith(f"tiekit: error: held/{found}: exists; "), result
+    assert (
+        not (tmp_path / "held" / "model.safetensors").exists() and not (tmp_path / "held" / "tiekit-dcp.json").exists()
+    )
+
+
+def test_convert_into_a_folder_holding_only_hidden_files_writes_the_checkpoint(tmp_path: Path) -> None:
+    """Hidden files (a killed save's leftovers) are no checkpoint a loader reads: they do not refuse it."""
+    tiekit.save_sharded(Tied(), tmp_path / "ck")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / ".partial.safetensors").write_bytes(b"half a file")
+    tiekit.convert(tmp_path / "ck", tmp_path / "out")
+    model = Tied(tie=False)
+    tiekit.load_model(model, tmp_path / "out")
+    assert model.head.weight is model.embed.weight
+
+
 @pytest.mark.parametrize(
     ("dst", "options", "said"),
     [

@@ -62,20 +62,34 @@ def refuse_unwritable(folder: Path, dst: Path) -> None:
 CHECKPOINT_FILES = (MARKER_NAME, DCP_METADATA, WEIGHTS_NAME, WEIGHTS_NAME + INDEX_SUFFIX)
 
 
+def held_checkpoint_files(folder: Path) -> list[Path]:
+    """The files of ``folder`` that a loader given the folder would consider a checkpoint, those
+    of `CHECKPOINT_FILES` first, then any index, then any other ``*.safetensors`` that is not
+    hidden (another name, a fit folder's ``step-*.safetensors``, shards). Local, reads no file."""
+    if not folder.is_dir():
+        return []
+    names = sorted(entry.name for entry in folder.iterdir() if entry.is_file() or entry.is_symlink())
+    visible = [name for name in names if not name.startswith(".") and name not in CHECKPOINT_FILES]
+    indexes = [name for name in visible if name.endswith(".safetensors" + INDEX_SUFFIX)]
+    singles = [name for name in visible if name.endswith(".safetensors")]
+    return [folder / name for name in (*(n for n in CHECKPOINT_FILES if n in names), *indexes, *singles)]
+
+
 def refuse_held_checkpoint(folder: Path) -> None:
-    """`CheckpointError` naming the file when the destination folder holds a checkpoint: a second
-    one beside it would leave the folder two checkpoints, read by different loaders.
+    """`CheckpointError` naming the file when the destination folder holds a checkpoint (any file
+    of `held_checkpoint_files`): a second one beside it would leave the folder two checkpoints,
+    read by different loaders, or change which one the folder loads as.
 
     A save folder without a marker (``save-<16 hex digits>``: a `save_sharded` under way in
     another process, or a checkpoint whose marker is gone) is refused too: a sharded destination's
     commit would make it a stale save of the new checkpoint, which the next save removes, and
     the other process's commit would replace the converted checkpoint."""
-    for name in CHECKPOINT_FILES:
-        if (folder / name).exists():
-            raise CheckpointError(
-                f"{folder / name}: exists; convert writes a new checkpoint and {folder} holds one already "
-                "(remove it first, or convert into a new folder)"
-            )
+    held = held_checkpoint_files(folder)
+    if held:
+        raise CheckpointError(
+            f"{held[0]}: exists; convert writes a new checkpoint and {folder} holds one already "
+            "(remove it first, or convert into a new folder)"
+        )
     saves = sorted(entry.name for entry in folder.iterdir() if is_save_folder(entry)) if folder.is_dir() else []
     if saves:
         more = f" (and {len(saves) - 1} more)" if len(saves) > 1 else ""
