@@ -784,6 +784,29 @@ def test_missing_file_and_ambiguous_folder(tmp_path: Path) -> None:
         load_model(WeightSharingModule(), tmp_path)
 
 
+def test_a_folder_holding_a_file_and_an_index_is_ambiguous_but_an_index_with_its_shards_is_not(tmp_path: Path) -> None:
+    """A single file beside a sharded save's index was never counted: the folder silently loaded the
+    index's checkpoint, where two files or two indexes are refused (probe). The index's own shards,
+    named as shards or named otherwise by its weight_map, are not checkpoints beside it."""
+    model = WeightSharingModule()
+    save_model(model, tmp_path / "a.safetensors")
+    save_model(model, tmp_path / "b.safetensors", max_shard_size=1)
+    said = f"{tmp_path}: several checkpoints in this folder (a.safetensors, b.safetensors.index.json); name one"
+    with pytest.raises(CheckpointError, match=re.escape(said)):
+        load_model(WeightSharingModule(), tmp_path)
+    (tmp_path / "a.safetensors").unlink()
+    index = json.loads((tmp_path / "b.safetensors.index.json").read_text())
+    for number, shard in enumerate(sorted(set(index["weight_map"].values()))):  # Hugging Face allows any names
+        (tmp_path / shard).rename(tmp_path / f"part{number}.safetensors")
+        index["weight_map"] = {
+            k: f"part{number}.safetensors" if v == shard else v for k, v in index["weight_map"].items()
+        }
+    (tmp_path / "b.safetensors.index.json").write_text(json.dumps(index))
+    loaded = WeightSharingModule()
+    load_model(loaded, tmp_path)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
 def test_stale_temporary_files_of_dead_savers_are_removed(tmp_path: Path) -> None:
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = tmp_path / f".model.safetensors.tiekit-tmp-{dead.stdout.strip()}-0123abcd"

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from launching import TIMEOUT, base_env
 from models import gpt2
 from safetensors.torch import save_file
 from safetensors.torch import save_model as st_save_model
@@ -65,6 +66,19 @@ def embedding_alone():  # the model of the test's tied file without its head
 
 def broken():
     raise RuntimeError("the config file is missing")
+
+
+class Abort(BaseException):  # a user's own, as frameworks raise to stop a run
+    pass
+
+
+def aborts():
+    raise Abort("stop")
+
+
+def chatty():  # prints as it builds, as many training scripts do
+    print("building the model...")
+    return gpt2()
 
 
 def reads_the_command_line():  # as a training script's build() does
@@ -301,6 +315,7 @@ def test_factory_errors_are_one_line_with_a_hint(factories: str, capsys: pytest.
         "no_such_module_here:build": "cannot import 'no_such_module_here'",
         # argparse's own exit (code 2, tiekit's usage error) ended the command before
         f"{factories}:reads_the_command_line": "() failed: SystemExit: 2 (it exited, as sys.exit and argparse do",
+        f"{factories}:aborts": "aborts() failed: Abort: stop",  # a BaseException: was a full traceback
     }
     for spec, message in cases.items():
         code, out, err = run(capsys, "inspect", spec)
@@ -310,6 +325,47 @@ def test_factory_errors_are_one_line_with_a_hint(factories: str, capsys: pytest.
         assert len(lines) == 2 and message in lines[0] and lines[0].startswith("tiekit: error: ")
         assert lines[1].startswith("hint: a factory is 'module:function'")
         assert "Traceback" not in err
+
+
+def test_a_factory_raising_a_base_exception_is_one_line_from_the_console(factories: str, tmp_path: Path) -> None:
+    """An exception outside Exception (not SystemExit or KeyboardInterrupt) printed Python's traceback."""
+    for argv in (["inspect", f"{factories}:aborts"], ["verify", "x.safetensors", "--model", f"{factories}:aborts"]):
+        result = subprocess.run(
+            [sys.executable, "-m", "tiekit", *argv],
+            cwd=tmp_path,
+            env=base_env(),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
+        assert result.returncode == 1 and result.stdout == "", (argv, result)
+        lines = result.stderr.splitlines()
+        assert lines[0] == f"tiekit: error: {factories}:aborts() failed: Abort: stop" and len(lines) == 2, result.stderr
+
+
+def test_json_output_holds_the_json_alone_when_the_factory_prints(
+    factories: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A factory's print went to stdout before the JSON, which then did not parse; it goes to stderr."""
+    tiekit.save_model(gpt2(), tmp_path / "model.safetensors")
+    tiekit.save_sharded(gpt2(), tmp_path / "ck")
+    for argv in (
+        ["inspect", f"{factories}:chatty"],
+        ["verify", "model.safetensors", "--model", f"{factories}:chatty"],
+        ["convert", "ck", "out.safetensors", "--model", f"{factories}:chatty"],
+    ):
+        result = subprocess.run(
+            [sys.executable, "-m", "tiekit", *argv, "--json"],
+            cwd=tmp_path,
+            env=base_env(),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
+        assert result.returncode == 0 and "building the model..." in result.stderr, (argv, result)
+        assert isinstance(json.loads(result.stdout), dict), (argv, result.stdout)
+    code, out, _ = run(capsys, "inspect", f"{factories}:chatty")  # without --json the print stays where it was
+    assert code == 0 and out.startswith("building the model...\n")
 
 
 def test_console_script_error_is_one_line_and_debug_shows_the_traceback(tmp_path: Path) -> None:
@@ -414,6 +470,45 @@ def test_a_sharded_folder_without_its_marker_is_named_so_by_inspect_convert_and_
     with pytest.raises(tiekit.CheckpointError, match=r"no tiekit-dcp\.json \(not a committed sharded checkpoint\)"):
         tiekit.load_sharded(gpt2(), folder)
     refused_by_inspect_convert_and_verify(capsys, factories, folder, said, tmp_path)
+
+
+def test_a_folder_holding_a_file_and_an_index_is_refused_by_inspect_convert_and_verify(
+    factories: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """They read the index's checkpoint and left a.safetensors unsaid, as load_model did (probe)."""
+    folder = tmp_path / "both"
+    tiekit.save_model(gpt2(), folder / "a.safetensors")
+    tiekit.save_model(gpt2(), folder / "b.safetensors", max_shard_size=WTE_BYTES)
+    said = f"{folder}: several checkpoints in this folder (a.safetensors, b.safetensors.index.json); name one"
+    refused_by_inspect_convert_and_verify(capsys, factories, folder, said, tmp_path)
+    code, out, _ = run(capsys, "inspect", str(folder / "b.safetensors.index.json"))
+    assert code == 0 and "shard files" in out, out
+
+
+def test_convert_names_a_damaged_record_as_verify_does(
+    factories: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """convert's one-line error was torch's "Weights only load failed ... Re-running `torch.load` with
+    `weights_only` set to `False` will likely succeed, but it can result in arbitrary code execution
+    ... Please file an issue", where verify names the file, the key, its bytes and the cause (probe)."""
+    tiekit.save_sharded(gpt2(), tmp_path / "ck")
+    shard = next((tmp_path / "ck").glob("save-*/__0_0.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[:100] = bytes(100)  # the first record's zip header and pickle, in place: the size is kept
+    shard.write_bytes(bytes(data))
+    code, out, _ = run(capsys, "verify", str(tmp_path / "ck"), "--model", f"{factories}:tied")
+    detail = next(line for line in out.splitlines() if line.startswith("  FAIL  load: ")).removeprefix("  FAIL  load: ")
+    assert code == 1 and detail.startswith(f"{shard}: key '") and "is damaged, its record does not read (" in detail
+    result = subprocess.run(
+        [sys.executable, "-m", "tiekit", "convert", str(tmp_path / "ck"), str(tmp_path / "out.safetensors")],
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    said = result.stderr.splitlines()[0].removeprefix("tiekit: error: ")
+    assert result.returncode == 1 and said == detail.split("; the file has the size")[0], (said, detail)
+    assert "weights_only" not in result.stderr and not (tmp_path / "out.safetensors").exists()
 
 
 def test_a_save_folder_given_for_its_checkpoint_is_refused_by_inspect_convert_and_verify(

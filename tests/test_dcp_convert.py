@@ -101,8 +101,12 @@ def test_a_damaged_record_is_named_with_its_file_and_key(saved: tuple[nn.Module,
     data = bytearray(shard.read_bytes())
     data[where.offset : where.offset + 64] = b"\0" * 64  # the record's zip header
     shard.write_bytes(bytes(data))
-    with pytest.raises(tiekit.CheckpointError, match=rf"{shard.name}: key '{WTE}' at byte {where.offset}: unreadable"):
+    said = (
+        rf"{shard.name}: key '{WTE}' \(bytes {where.offset} to {where.offset + where.length}\) is damaged, its record"
+    )
+    with pytest.raises(tiekit.CheckpointError, match=said) as refused:
         tiekit.convert(path, tmp_path / "model.safetensors")
+    assert "weights_only" not in str(refused.value)  # torch's advice to unpickle anything is not repeated
     assert not (tmp_path / "model.safetensors").exists()
 
 
@@ -429,6 +433,8 @@ def test_a_sharded_safetensors_destination_replaces_no_file_beside_it(
     (tmp_path / present).write_text("the user's")
     before = files_in(tmp_path)
     said = f"{tmp_path / present}: exists, named as a shard of"
+    if dst == "hf":  # a folder holding any .safetensors file holds a checkpoint: refused as such, first
+        said = f"{tmp_path / present}: exists; convert writes a new checkpoint and {tmp_path / dst} holds one already"
     with pytest.raises(tiekit.CheckpointError, match=re.escape(said)):
         tiekit.convert(tmp_path / "ck", tmp_path / dst, max_shard_size="8KB")
     code, _, err = run(capsys, "convert", str(tmp_path / "ck"), str(tmp_path / dst), "--max-shard-size", "8KB")

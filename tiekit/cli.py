@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -164,7 +165,8 @@ def convert_command(args: argparse.Namespace) -> int:
     from tiekit import inspection
     from tiekit.dcp.convert import convert_silently, converted
 
-    plan = inspection.model_plan(inspection.build_model(args.model).model) if args.model else None
+    with _factory_output(args):
+        plan = inspection.model_plan(inspection.build_model(args.model).model) if args.model else None
     result = convert_silently(args.src, args.dst, plan=plan, max_shard_size=args.max_shard_size)  # left_out: below
     if args.json:
         print(json.dumps({"files": list(result.files), "stored": len(result.stored), "merged": list(result.merged),
@@ -215,7 +217,8 @@ def inspect_command(args: argparse.Namespace) -> int:
     from tiekit import inspection
 
     if inspection.is_factory_spec(args.target):
-        model_report = inspection.inspect_model(args.target)
+        with _factory_output(args):
+            model_report = inspection.inspect_model(args.target)
         print(json.dumps(model_report.to_dict(), indent=2) if args.json else model_report.render())
         return 0
     # A file path a sharded save wrote its index beside (max_shard_size) is read through the index.
@@ -230,9 +233,16 @@ def verify_command(args: argparse.Namespace) -> int:
     """``tiekit verify PATH --model module:factory``: 0 when the checkpoint fits the model, else 1."""
     from tiekit import inspection
 
-    outcome = inspection.verify_checkpoint(args.path, args.model)
+    with _factory_output(args):  # builds the model with the factory, then loads
+        outcome = inspection.verify_checkpoint(args.path, args.model)
     print(json.dumps(outcome.to_dict(), indent=2) if args.json else outcome.render())
     return 0 if outcome.ok else 1
+
+
+def _factory_output(args: argparse.Namespace) -> contextlib.AbstractContextManager[Any]:
+    """Where the user's factory prints while it is imported and run: under ``--json`` to stderr,
+    so stdout holds the JSON alone, as a program reading it needs."""
+    return contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -77,12 +77,13 @@ def _pick_in_folder(folder: Path, preferred: tuple[str, ...]) -> Path:
         if (folder / name).is_file():
             return folder / name
     files = sorted(p.name for p in folder.glob("*.safetensors") if not p.name.startswith("."))
-    # Shard files are part of the sharded checkpoint their index commits: without an index they are
-    # the leftovers of a sharded save killed before its index was written, never a checkpoint.
-    shards = [name for name in files if is_shard_name(name)]
-    candidates = sorted(p.name for p in folder.glob("*.safetensors.index.json")) or [
-        name for name in files if name not in shards
-    ]
+    indexes = sorted(p.name for p in folder.glob("*.safetensors" + INDEX_SUFFIX) if not p.name.startswith("."))
+    # Shard files are part of the sharded checkpoint their index commits (named as shards, or named
+    # by an index): without an index they are the leftovers of a sharded save killed before its
+    # index was written, never a checkpoint. Any other file is a checkpoint of its own, as an index is.
+    named = {file for index in indexes for file in _shard_files(folder / index)}
+    shards = [name for name in files if is_shard_name(name) or name in named]
+    candidates = sorted([*indexes, *(name for name in files if name not in shards)])
     if len(candidates) == 1:
         return folder / candidates[0]
     if not candidates and shards:
@@ -95,6 +96,17 @@ def _pick_in_folder(folder: Path, preferred: tuple[str, ...]) -> Path:
     if not candidates:
         raise CheckpointError(f"{folder}: no safetensors file or index in this folder{_sharded_hint(folder)}")
     raise CheckpointError(f"{folder}: several checkpoints in this folder ({', '.join(candidates)}); name one")
+
+
+def _shard_files(index: Path) -> set[str]:
+    """The file names the index ``index`` maps keys to; none when it does not read as an index,
+    which its own open then names (this only tells its shards from checkpoints beside it)."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    # RecursionError: JSON nested deeper than the interpreter's stack (as TiePlan.from_json).
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return set()
+    return {file for file in weight_map.values() if isinstance(file, str)} if isinstance(weight_map, dict) else set()
 
 
 def _sharded_hint(folder: Path) -> str:

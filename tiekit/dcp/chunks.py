@@ -128,7 +128,9 @@ def _load_record(
             cast(IO[bytes], FileSlice(files[name], offset, length)), map_location="cpu", weights_only=True
         )
     except Exception as exc:
-        raise CheckpointError(f"{path}: key {key!r} at byte {offset}: unreadable ({exc})") from exc
+        from tiekit.dcp.damage import damaged_text  # damage reads records through this module's FileSlice
+
+        raise CheckpointError(damaged_text(path, key, offset, length, exc)) from exc
     if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape or tensor.dtype != dtype:
         got = f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor) else "no tensor"
         raise CheckpointError(f"{path}: key {key!r} at byte {offset} holds {got}, the metadata says {shape} {dtype}")

@@ -71,12 +71,18 @@ def damaged_record(folder: Path, metadata: Any, keys: Collection[str]) -> Checkp
     return None
 
 
+def damaged_text(file: Path, key: str, offset: int, length: int, exc: Exception) -> str:
+    """How every reader of a sharded checkpoint names the record of ``key`` at ``offset`` (of
+    ``length`` bytes) in ``file`` whose read raised ``exc``: the file, the key, its bytes and the
+    cause in one line (`_cause`: not torch's advice to unpickle with ``weights_only=False``)."""
+    where = f"{file}: key {key!r} (bytes {offset} to {offset + length})"
+    return f"{where} is damaged, its record does not read ({_cause(exc)})"
+
+
 def _damaged(file: Path, key: str, offset: int, length: int, exc: Exception) -> CheckpointError:
     """The error of `damaged_record` for the record of ``key`` at ``offset`` that raised ``exc``."""
-    cause = _cause(exc)
     return CheckpointError(
-        f"{file}: key {key!r} (bytes {offset} to {offset + length}) is damaged, its record does not "
-        f"read ({cause}); the file has the size the save wrote, so its bytes were "
+        f"{damaged_text(file, key, offset, length, exc)}; the file has the size the save wrote, so its bytes were "
         "changed in place"
     )
 
@@ -122,10 +128,7 @@ def damaged_structure(
                 error.__cause__ = exc
                 return error
             except Exception as exc:  # noqa: BLE001 - any other failure to read it is the damage reported
-                error = CheckpointError(
-                    f"{file}: key {key!r} (bytes {offset} to {offset + length}) is damaged, its record does not "
-                    f"read ({_cause(exc)}); the model is untouched"
-                )
+                error = CheckpointError(f"{damaged_text(file, key, offset, length, exc)}; the model is untouched")
                 error.__cause__ = exc
                 return error
     finally:

@@ -71,7 +71,9 @@ def load_factory(spec: str) -> Callable[[], Any]:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         raise FactoryError(f"cannot import {module_name!r} (from {cwd} or sys.path): {exc}") from exc
-    except (Exception, SystemExit) as exc:  # any error in the user's module is reported, not a crash
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # any error in the user's module is reported, not a crash
         raise FactoryError(f"importing {module_name!r} failed: {one_line(exc)}{_exited(exc)}") from exc
     target: Any = module
     for part in attr_path.split("."):
@@ -99,15 +101,17 @@ def build_model(spec: str, *, meta: bool = True) -> BuiltModel:
             with torch.device("meta"):
                 model = factory()
             return BuiltModel(_module(model, spec), spec, "meta")
-        except FactoryError:
+        except (FactoryError, KeyboardInterrupt):
             raise
-        except SystemExit as exc:  # sys.exit, or argparse reading tiekit's command line: not worth a retry
-            raise FactoryError(f"{spec}() failed: {one_line(exc)}{_exited(exc)}") from exc
         except Exception as exc:  # noqa: BLE001 - whatever the factory does on meta, retry as written
             note = f"the factory failed on the meta device ({one_line(exc)}), so it was built on the CPU"
+        except BaseException as exc:  # sys.exit, argparse reading tiekit's command line, a user's abort: no retry
+            raise FactoryError(f"{spec}() failed: {one_line(exc)}{_exited(exc)}") from exc
     try:
         model = factory()
-    except (Exception, SystemExit) as exc:  # the user's factory: report it in one line
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # the user's factory, whatever it raises: report it in one line
         raise FactoryError(f"{spec}() failed: {one_line(exc)}{_exited(exc)}") from exc
     return BuiltModel(_module(model, spec), spec, "cpu", note)
 
