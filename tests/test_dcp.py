@@ -391,6 +391,128 @@ def test_without_tiekit_a_plain_dcp_load_into_an_untied_model_keeps_it_untied(tm
     assert fresh.head.weight is fresh.embed.weight
 
 
+# -- large tensors stream into CPU and meta models -------------------------------------------------
+
+
+@pytest.fixture
+def small_staging(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Staging buffers of 32 KiB (and down to 1 KiB, not 1 MiB, in proportion to the load): Small's
+    embedding (76,800 bytes), not its other tensors, is larger than one, as a 1000 MiB embedding is
+    than 16 MiB; it crosses in pieces of 1,200 bytes."""
+    import tiekit.dcp.loading
+    from tiekit.checkpoint import streaming
+
+    monkeypatch.setattr(tiekit.dcp.loading, "STAGING_BYTES", 1 << 15)
+    monkeypatch.setattr(streaming, "STAGING_BYTES", 1 << 15)
+    monkeypatch.setattr(streaming, "_SMALLEST_STAGING", 1024)
+
+
+def streamed_keys(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The keys load_sharded locates in the shard files to stream (the real `locate_rows` runs)."""
+    import tiekit.dcp.loading
+
+    seen: list[str] = []
+    real = tiekit.dcp.loading.locate_rows
+
+    def spying(*args: Any) -> Any:
+        located, identities = real(*args)
+        seen.extend(located)
+        return located, identities
+
+    monkeypatch.setattr(tiekit.dcp.loading, "locate_rows", spying)
+    return seen
+
+
+@pytest.mark.parametrize("into", ["cpu", "meta", "cpu-bfloat16", "meta-bfloat16", "cpu-without-skip_data"])
+def test_a_large_tensor_streams_into_a_cpu_or_meta_model_with_its_values_and_tie(
+    tmp_path: Path, small_staging: None, monkeypatch: pytest.MonkeyPatch, into: str
+) -> None:
+    """The embedding, larger than a staging buffer, is read from its shard file in pieces into the
+    model's own tensor (a CPU model) or its new one (a meta model), cast when the model's dtype is
+    not the file's; the rest through DCP. Values equal the saved ones, the tie is one tensor. On a
+    torch without ``skip_data`` (before 2.5) the records are located under ``FakeTensorMode``."""
+    torch.manual_seed(0)
+    saved = Small()
+    tiekit.save_sharded(saved, tmp_path / "ck")
+    dtype = torch.bfloat16 if into.endswith("bfloat16") else torch.float32
+    if into.endswith("without-skip_data"):
+        monkeypatch.delattr(torch.serialization, "skip_data")
+    torch.manual_seed(1)
+    with torch.device("meta" if into.startswith("meta") else "cpu"):
+        model = Small().to(dtype)
+    model.head.weight = nn.Parameter(torch.zeros_like(model.embed.weight))  # untied: the load re-ties it
+    streamed = streamed_keys(monkeypatch)
+    tiekit.load_sharded(model, tmp_path / "ck")
+    assert streamed == ["embed.weight"]  # the tensor larger than a staging buffer, and only it
+    assert model.head.weight is model.embed.weight and len(list(model.parameters())) == 3
+    for name, value in saved.state_dict().items():
+        loaded = model.state_dict()[name]
+        assert loaded.device.type == "cpu" and loaded.dtype == dtype, name
+        assert torch.equal(loaded, value.to(dtype)), name
+
+
+STREAMED_PEAK = """
+import pathlib, sys, torch, tiekit
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+path, into = sys.argv[1], sys.argv[2]
+VOCAB, WIDTH = 32768, 1024  # the embedding: 128 MiB
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.mlp = nn.Linear(WIDTH, WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+def rss(key):
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key))
+
+if into == "save":
+    torch.manual_seed(0)
+    tiekit.save_sharded(Tied(), path)
+    sys.exit()
+warm = nn.Linear(4, 4)  # DCP's and torch.load's imports done: a first load of anything pays them
+tiekit.save_sharded(warm, path + "-warm")
+tiekit.load_sharded(warm, path + "-warm")
+with torch.device("meta" if into == "meta" else "cpu"):
+    model = Tied()
+before = rss("VmRSS:")
+open("/proc/self/clear_refs", "w").write("5")  # reset VmHWM: building the model does not count
+if into == "dcp.load":
+    (save,) = pathlib.Path(path).glob("save-*")
+    state = {k: v for k, v in model.state_dict().items() if k != "head.weight"}  # as stored: once
+    dcp.load(state, storage_reader=dcp.FileSystemReader(save), no_dist=True)
+else:
+    tiekit.load_sharded(model, path)
+    assert model.head.weight is model.embed.weight
+grown = (rss("VmHWM:") - before) / (VOCAB * WIDTH * 4)
+torch.manual_seed(0)
+assert torch.equal(model.embed.weight, Tied().embed.weight)
+print(grown)
+"""
+
+
+def test_a_load_into_a_cpu_or_meta_model_holds_a_staging_buffer_not_the_large_tensor(tmp_path: Path) -> None:
+    """Peak RSS growth of a load of a 128 MiB tied embedding, in fresh processes, in units of it:
+    into a CPU model, about nothing (two staging buffers of a 64th of the load); into a meta
+    model, the new tensor once. The control, plain ``dcp.load`` into the CPU model, reads the
+    record whole before copying it: the embedding again."""
+    path = str(tmp_path / "ck")
+
+    def growth(into: str) -> float:
+        run = run_ok([[sys.executable, "-c", STREAMED_PEAK, path, into]], env=base_env(), cwd=tmp_path)
+        return float(run[0].output.strip().splitlines()[-1]) if into != "save" else 0.0
+
+    growth("save")
+    grown = {into: growth(into) for into in ("cpu", "meta", "dcp.load")}
+    assert grown["dcp.load"] >= 0.9, grown  # the control: DCP holds the record whole
+    assert grown["cpu"] <= 0.2, grown
+    assert grown["meta"] <= 1.2, grown
+
+
 GROUPS_AFTER_DESTROY = """
 import gc, sys, weakref
 import torch, torch.distributed as dist

@@ -164,6 +164,45 @@ def test_a_damaged_model_record_is_found_before_any_weight_is_read(saved: Path, 
     )
 
 
+@pytest.mark.parametrize("into", ["cpu", "meta"])
+@pytest.mark.parametrize("where", ["directory", "data header", "truncated"])
+def test_a_damaged_record_of_a_streamed_tensor_is_refused_before_the_model_changes(
+    saved: Path, monkeypatch: pytest.MonkeyPatch, into: str, where: str
+) -> None:
+    """The embedding (3,200 bytes) larger than a staging buffer (here 1 KiB) is streamed from its
+    shard file into the model's tensor or a meta model's new one, at the offset its record's data
+    header gives: a record damaged there (or its file cut short) is refused like any, naming the
+    file and key, before anything is read into the model (a good load streams it: shown first)."""
+    import tiekit.dcp.loading
+    from tiekit.checkpoint import streaming
+
+    monkeypatch.setattr(tiekit.dcp.loading, "STAGING_BYTES", 1024)
+    monkeypatch.setattr(streaming, "STAGING_BYTES", 1024)
+    located: list[str] = []
+    real = tiekit.dcp.loading.locate_rows
+    monkeypatch.setattr(tiekit.dcp.loading, "locate_rows", lambda *a: (r := real(*a), located.extend(r[0]))[0])
+    tiekit.load_sharded(Tied(), saved)
+    assert located == ["embed.weight"]  # streamed, not read by DCP
+    key = "embed.weight"
+    if where == "truncated":
+        shard, offset, length = record_of(saved, key)
+        shard.write_bytes(shard.read_bytes()[: offset + length // 2])
+        pattern = r"__0_0\.distcp: \d+ bytes, but save '\w+' wrote \d+ .*'embed\.weight'"
+    else:
+        shard = zero_inside_record(saved, key) if where == "directory" else zero_data_header(saved, key)
+        pattern = r"__0_0\.distcp: key 'embed\.weight' \(bytes \d+ to \d+\) is damaged, its record does not read"
+    if into == "cpu":
+        refused(saved, pattern)
+        return
+    with torch.device("meta"):
+        model = Tied()
+    files = files_of(saved)
+    with pytest.raises(tiekit.CheckpointError, match=pattern):
+        tiekit.load_sharded(model, saved)
+    assert all(t.is_meta for t in model.state_dict().values()) and model.head.weight is model.embed.weight
+    assert files_of(saved) == files
+
+
 def test_the_record_check_without_skip_data_reads_fake_tensors(saved: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On a torch without ``torch.serialization.skip_data`` (before 2.5) the check reads each
     record under ``FakeTensorMode``: a good checkpoint loads, a damaged record is still refused."""

@@ -1,7 +1,8 @@
 """Streaming tensors from files onto devices at the memory floor: reused host buffers, one batched
 transfer per buffer, and a tensor larger than a buffer cut into pieces of whole rows written in
 place on the device (`tiekit.devices.write_rows`). `tiekit.checkpoint.loading` sends the tensors
-of safetensors files this way; `tiekit.dcp.loading` the rows of DCP shard files.
+of safetensors files this way; `tiekit.dcp.loading` the rows of DCP shard files, into CPU tensors
+too (a piece copied into the tensor from a staging buffer, so a large tensor is never read whole).
 """
 
 from __future__ import annotations
@@ -85,8 +86,9 @@ def stream_to_devices(jobs: list[Job], files: Mapping[str, FileIdentity]) -> lis
 
 
 def stream_rows_in_place(parts: list[RowPart], files: Mapping[str, FileIdentity]) -> None:
-    """Overwrite device tensors in place with rows read from files: each `RowPart` is the bytes of
-    rows ``[first, first + entry.shape[0])`` of its tensor. A part that is the whole tensor goes as
+    """Overwrite tensors (on a device or the CPU) in place with rows read from files: each `RowPart`
+    is the bytes of rows ``[first, first + entry.shape[0])`` of its tensor, cast to the tensor's
+    dtype if the file's differs. A part that is the whole tensor goes as
     `stream_to_devices` sends a tensor filled in place; a part of one is written as pieces of rows
     (`tiekit.devices.write_rows`); on a device that takes over host memory, the parts of each
     tensor are read into memory it then takes (`adoption.adopt_in_place`). The writes have run
@@ -168,6 +170,9 @@ def _pieces(job: Job, total: int, room: int) -> list[tuple[int, Job]]:
     """The job cut into pieces of whole rows that each fit a staging buffer of ``room`` bytes, as
     (first row, piece), when that takes less memory than the tensor whole; else nothing.
 
+    On the CPU (a load of DCP shard files into a CPU model, `tiekit.dcp.loading`) a piece costs
+    one copy and nothing else: every tensor larger than a buffer goes in pieces.
+
     A tensor larger than a buffer crosses whole, briefly existing three times (`_stream_to_devices`);
     in pieces it exists once, on the device, each piece written in place (`devices.write_rows`),
     but on XLA that costs a compilation (the first of a process: about 40 MB of host memory on
@@ -181,9 +186,11 @@ def _pieces(job: Job, total: int, room: int) -> list[tuple[int, Job]]:
     """
     entry = job.entry[1]
     size = entry.end - entry.start
+    if size <= room or len(entry.shape) == 0 or entry.shape[0] < 2:
+        return []
     # Written in place, the tensor's three copies come on top of the whole model already there.
     whole = (total if job.replace else 0) + 3 * room + _PIECES_COST
-    if size <= room or len(entry.shape) == 0 or entry.shape[0] < 2 or 3 * size <= whole:
+    if job.device.type != "cpu" and 3 * size <= whole:  # a piece into CPU memory is one copy, nothing compiled
         return []
     row = size // entry.shape[0]
     count = (room - 63) // row  # rows per piece; its room is rounded up to 64 bytes

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Mapping
+import struct
+import zipfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -156,20 +158,29 @@ def locate_rows(
     folder: Path, places: Rows, dtypes: Mapping[str, torch.dtype]
 ) -> tuple[Located, dict[str, FileIdentity]]:
     """Where the bytes of each chunk at ``places`` (from `row_chunks`) are in its shard file, without
-    reading them, so a load can stream them to a device. Each record's small pickle is read under
-    ``FakeTensorMode``, torch's way to load a checkpoint's tensors as metadata with their storage's
-    offset in the file (``untyped_storage()._checkpoint_offset``). A key with a chunk stored
-    other than as its rows, contiguous, is left out (DCP's reader takes it); a record that is not
-    the chunk the metadata describes is a `CheckpointError` naming the file and key. Also returns
+    reading them, so a load can stream them (to a device, or into CPU tensors). Each record's
+    small pickle is read with ``torch.serialization.skip_data`` (its tensor's shape, dtype and
+    storage offset; the storage unfilled, never touched) and its zip directory and the local
+    header of its one data file give where the storage's bytes start; on a torch without
+    ``skip_data`` (before 2.5) the pickle is read under ``FakeTensorMode``, whose tensors carry
+    that offset (``untyped_storage()._checkpoint_offset``; its first use costs about 110 MB of
+    imports, which ``skip_data`` avoids). A key with a chunk stored other than as its rows,
+    contiguous and uncompressed, is left out (DCP's reader takes it); a record that is not the
+    chunk the metadata describes is a `CheckpointError` naming the file and key. Also returns
     the identity of each file read, taken now: the offsets hold only for these files, so a reader
     of them later refuses a file replaced in between. Local."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     out: Located = {}
     files: dict[str, io.BufferedReader] = {}
     try:
-        with FakeTensorMode():  # one mode for every record: making one costs as much as a load
-            out = _locate(folder, places, dtypes, files)
+        skip_data = getattr(torch.serialization, "skip_data", None)
+        if skip_data is not None:
+            with skip_data():
+                out = _locate(folder, places, dtypes, files, _zip_offset)
+        else:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            with FakeTensorMode():  # one mode for every record: making one costs as much as a load
+                out = _locate(folder, places, dtypes, files, _fake_offset)
         identities = {os.fspath(folder / name): file_identity(os.fstat(file.fileno())) for name, file in files.items()}
     finally:
         for file in files.values():
@@ -177,8 +188,17 @@ def locate_rows(
     return out, identities
 
 
+#: Where a record's tensor storage starts, in bytes from the record's start, or None when its
+#: layout is not one data file stored as is: (the record's file, its offset, length, the tensor).
+_Offset = Callable[[io.BufferedReader, int, int, torch.Tensor], int | None]
+
+
 def _locate(
-    folder: Path, places: Rows, dtypes: Mapping[str, torch.dtype], files: dict[str, io.BufferedReader]
+    folder: Path,
+    places: Rows,
+    dtypes: Mapping[str, torch.dtype],
+    files: dict[str, io.BufferedReader],
+    storage_start: _Offset,
 ) -> Located:
     out: Located = {}
     for key, chunks in places.items():
@@ -186,16 +206,46 @@ def _locate(
         first = 0
         for name, offset, length, shape in chunks:
             path = folder / name
-            fake = _load_record(folder, files, key, (name, offset, length, shape), dtypes[key])  # metadata only
-            record = fake.untyped_storage()._checkpoint_offset  # where its bytes start in the record
+            meta = _load_record(folder, files, key, (name, offset, length, shape), dtypes[key])  # metadata only
+            record = storage_start(files[name], offset, length, meta)
             if record is None:
                 break
-            start = offset + int(record) + int(fake.storage_offset()) * fake.element_size()
-            end = start + int(fake.numel()) * fake.element_size()
-            if not fake.is_contiguous() or end > offset + length:
+            start = offset + record + int(meta.storage_offset()) * meta.element_size()
+            end = start + int(meta.numel()) * meta.element_size()
+            if not meta.is_contiguous() or end > offset + length:
                 break
-            parts.append((os.fspath(path), TensorEntry(key, fake.dtype, shape, start, end), first))
+            parts.append((os.fspath(path), TensorEntry(key, meta.dtype, shape, start, end), first))
             first += shape[0] if shape else 0
         else:
             out[key] = parts
     return out
+
+
+def _fake_offset(file: io.BufferedReader, offset: int, length: int, fake: torch.Tensor) -> int | None:
+    """The offset ``torch.load`` under ``FakeTensorMode`` gave ``fake``'s storage."""
+    found = fake.untyped_storage()._checkpoint_offset
+    return None if found is None else int(found)
+
+
+def _zip_offset(file: io.BufferedReader, offset: int, length: int, tensor: torch.Tensor) -> int | None:
+    """Where the record's one data file starts, as torch's reader finds it (the local header
+    before it: its size, name and extra field), when it is stored uncompressed and holds
+    ``tensor``'s bytes; else None."""
+    window = cast(IO[bytes], io.BufferedReader(FileSlice(file, offset, length), 4096))
+    with zipfile.ZipFile(window) as archive:
+        data = [info for info in archive.infolist() if "/data/" in info.filename]
+    if len(data) != 1 or data[0].compress_type != zipfile.ZIP_STORED:
+        return None
+    info = data[0]
+    window.seek(info.header_offset)
+    header = window.read(30)
+    if len(header) != 30:
+        return None
+    signature, name_length, extra_length = struct.unpack("<I22xHH", header)
+    start = info.header_offset + 30 + name_length + extra_length
+    # The storage's size is not asked of the unfilled storage (torch 2.9's skip_data sizes it by
+    # the element size twice): the tensor's own bytes must lie in the data file.
+    needed = (int(tensor.storage_offset()) + int(tensor.numel())) * tensor.element_size()
+    if signature != 0x04034B50 or needed > info.file_size or start + info.file_size > length:
+        return None
+    return int(start)

@@ -5,8 +5,9 @@ Order: every rank validates on its own and the ranks compare outcomes before the
 collective (an error on one rank is raised on all, none waits); the optimizer state and
 ``extra`` are read next into new tensors and checked against the optimizer; only then are the
 model's weights read (in place for real tensors, into new tensors for meta ones) and re-tied.
-Whole tensors of a model on a device (XLA, not SPMD-sharded) are streamed from the shard files
-in place (`tiekit.checkpoint.streaming`), the rest through DCP.
+Whole tensors larger than a staging buffer (plain ones on the CPU, a meta model's new CPU ones,
+those of a model on XLA not SPMD-sharded) are streamed from the shard files in place in pieces
+(`tiekit.checkpoint.streaming`), the rest through DCP.
 """
 
 from __future__ import annotations
@@ -32,14 +33,13 @@ from tiekit.checkpoint.source import Source
 from tiekit.checkpoint.staging import Staged, give_extra_states, stage
 from tiekit.checkpoint.streaming import STAGING_BYTES, RowPart, stream_rows_in_place
 from tiekit.collective import collective_gather, ranks
-from tiekit.dcp.chunks import Located, locate_rows, row_chunks
+from tiekit.dcp.chunks import Rows, locate_rows, row_chunks
 from tiekit.dcp.damage import Region, damaged_structure
 from tiekit.dcp.layout import Marker, committed_save_id, read_marker
 from tiekit.dcp.ranks import distributed, folder_names, process_group_needed, raise_anywhere, refuse_different_folders
 from tiekit.dcp.records import as_source, dcp_load, save_metadata
 from tiekit.dcp.state import destination, parameters_by_name, xla_spmd
 from tiekit.errors import CheckpointError
-from tiekit.header import FileIdentity
 from tiekit.plan import TiePlan
 from tiekit.retie import retie
 from tiekit.slots import assign, resolve, slot_table
@@ -205,14 +205,17 @@ def _read(inner: nn.Module, root: Path, optimizer: torch.optim.Optimizer | None,
             restore = stage_optimizer(optimizer, inner, staged, marker.record["optimizer"], side, marker.where)
         targets, fresh = _model_destinations(inner, staged, source)
         spmd = xla_spmd(targets.values())
-        streamed, identities = ({}, {}) if spmd else _device_rows(targets, marker.folder, metadata)
+        wanted, dtypes = ({}, {}) if spmd else _streamed_rows(targets, metadata)
         # DCP reads record after record into the model's own tensors: a damaged one must be found
-        # before the first, or the records before it would stay loaded.
+        # before the first, or the records before it would stay loaded. A streamed record is read
+        # at the offset its data header gives, trusted unchecked (a damaged one would load other
+        # bytes), and into a new tensor too: checked as well.
         new = {id(tensor) for tensor in fresh.values()}
-        in_place = {key: _read_regions(t) for key, t in targets.items() if key not in streamed and id(t) not in new}
-        damaged = damaged_structure(marker.folder, metadata, in_place)
+        checked = {key: _read_regions(t) for key, t in targets.items() if key in wanted or id(t) not in new}
+        damaged = damaged_structure(marker.folder, metadata, checked)
         if damaged is not None:
             raise damaged
+        streamed, identities = locate_rows(marker.folder, wanted, dtypes) if wanted else ({}, {})
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         error = exc
     raise_anywhere(error, f"{root}: load")
@@ -284,38 +287,40 @@ def _weights_planner(targets: Iterable[torch.Tensor]) -> Any:
     return Syncing()
 
 
-def _device_rows(
-    targets: Mapping[str, torch.Tensor], folder: Path, metadata: Any
-) -> tuple[Located, dict[str, FileIdentity]]:
-    """Where the bytes of each whole tensor larger than a staging buffer bound for a device (a model
-    on XLA, not SPMD-sharded) are in the shard files, for those stored as rows. Read through DCP,
-    such a tensor would exist whole on the host, then in torch_xla's copy and as a new device
-    buffer beside the old one; streamed, it is written in place in pieces
-    (`tiekit.checkpoint.streaming`). Smaller ones cost DCP little, and locating each costs a
+def _streamed_rows(targets: Mapping[str, torch.Tensor], metadata: Any) -> tuple[Rows, dict[str, torch.dtype]]:
+    """Where the chunks are (`row_chunks`), and the stored dtype, of each whole tensor (not a
+    DTensor, nor XLA SPMD-sharded) larger than a staging buffer, for those stored as rows: streamed
+    from the shard files into their destination in pieces (`tiekit.checkpoint.streaming`, which
+    casts to the destination's dtype) rather than read through DCP.
+
+    DCP's reader ``torch.load``s each record whole before copying it into the destination: on
+    the CPU (a model there, or a meta model's new tensors) the load holds the largest tensor twice
+    (a 1000 MiB embedding: 1000 MiB more); on a device (XLA) such a tensor would exist whole on
+    the host, then in torch_xla's copy and as a new device buffer beside the old one. Streamed,
+    it passes through two staging buffers. Smaller ones cost DCP little, and locating each costs a
     ``torch.load`` of its record's metadata."""
     wanted = {
         key: tensor
         for key, tensor in targets.items()
-        if tensor.device.type not in ("cpu", "meta")
+        if tensor.device.type != "meta"
         and type(tensor) is torch.Tensor
         and tensor.numel() * tensor.element_size() > _streamed_from(tensor.device)
     }
     if not wanted:
         return {}, {}
-    places = {key: rows for key, rows in row_chunks(metadata).items() if key in wanted}
+    stored = metadata.state_dict_metadata
     places = {
         key: rows
-        for key, rows in places.items()
-        if tuple(metadata.state_dict_metadata[key].size) == tuple(wanted[key].shape)
+        for key, rows in row_chunks(metadata).items()
+        if key in wanted and tuple(stored[key].size) == tuple(wanted[key].shape)
     }
-    dtypes = {key: metadata.state_dict_metadata[key].properties.dtype for key in places}
-    return locate_rows(folder, places, dtypes)
+    return places, {key: stored[key].properties.dtype for key in places}
 
 
 def _streamed_from(device: torch.device) -> int:
-    """The size above which a tensor bound for ``device`` is streamed rather than read through DCP:
-    a staging buffer (smaller ones cost DCP little); every tensor on a device that takes over
-    host memory (XLA:CPU), which then holds it where it was read, with no transfer."""
+    """The size above which a tensor bound for ``device`` (the CPU included) is streamed rather than
+    read through DCP: a staging buffer (smaller ones cost DCP little); every tensor on a device
+    that takes over host memory (XLA:CPU), which then holds it where it was read, with no transfer."""
     return 0 if devices.adopts_host_memory(device) else STAGING_BYTES
 
 
