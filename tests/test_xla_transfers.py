@@ -369,7 +369,7 @@ tiekit.checkpoint.streaming._PIECES_COST = 4 << 20  # an embedding of 8 MB goes 
 if sys.argv[3] != "adopt":  # by transfers, as on a TPU
     tiekit.devices.adopts_host_memory = lambda device: False
 if sys.argv[3].startswith("dcp"):
-    tiekit.dcp.loading._streamed_rows = lambda *args: {}  # the control: every tensor through DCP's reader
+    tiekit.dcp.loading._streamed_rows = lambda *args: ({}, {})  # the control: every tensor through DCP's reader
 if sys.argv[3] == "dcp-unsynced":
     tiekit.dcp.loading._weights_planner = lambda targets: None  # DCP's own planner: copies pending to the end
 config = transformers.GPT2Config(**CONFIG)
