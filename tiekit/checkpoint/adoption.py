@@ -12,6 +12,7 @@ sends everything else.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
@@ -35,12 +36,15 @@ def adopt_new(jobs: list[Job], files: Mapping[str, FileIdentity]) -> list[tuple[
     return list(zip(jobs, values, strict=True))
 
 
-def adopt_in_place(parts: list[RowPart], files: Mapping[str, FileIdentity], room: int) -> list[RowPart]:
+def adopt_in_place(
+    parts: list[RowPart], files: Mapping[str, FileIdentity], room: int, reader: TensorReader | None = None
+) -> list[RowPart]:
     """Overwrite device tensors with the rows of ``parts`` (`tiekit.checkpoint.streaming.RowPart`),
     each tensor's buffer released before its new values are read, in batches of about ``room``
     bytes (a larger tensor alone). A tensor whose parts do not cover it exactly is not touched:
     its parts are returned, for the caller to stream. Every file is checked before the first byte
-    is read; an I/O error mid-read leaves the batch being read zeros. Local."""
+    is read; an I/O error mid-read leaves the batch being read zeros. ``reader``: the caller's, its
+    files opened already (else one of its own). Local."""
     groups: dict[int, list[RowPart]] = {}
     for part in parts:
         groups.setdefault(id(part.tensor), []).append(part)
@@ -49,7 +53,9 @@ def adopt_in_place(parts: list[RowPart], files: Mapping[str, FileIdentity], room
     rest = [part for key, group in groups.items() if not covered[key] for part in group]
     if not whole:
         return rest
-    with TensorReader(files) as reader, torch.no_grad():
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        if reader is None:
+            reader = stack.enter_context(TensorReader(files))
         reader.open({part.path for group in whole for part in group})
         for batch in _batches(whole, room):
             devices.release_buffers([group[0].tensor for group in batch])  # their memory back for the reads
