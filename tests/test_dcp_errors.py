@@ -8,12 +8,14 @@ import dataclasses
 import hashlib
 import io
 import json
+import os
 import re
 import resource
 import shutil
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -201,6 +203,42 @@ def test_a_damaged_record_of_a_streamed_tensor_is_refused_before_the_model_chang
         tiekit.load_sharded(model, saved)
     assert all(t.is_meta for t in model.state_dict().values()) and model.head.weight is model.embed.weight
     assert files_of(saved) == files
+
+
+def test_a_shard_file_replaced_after_it_was_located_is_refused_before_the_model_changes(
+    saved: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The embedding is streamed into the CPU model from the offsets found in its shard file, which
+    hold for that file only: a save replacing the file between the locating and the reading is a
+    `CheckpointError` naming it, raised before DCP reads the other tensors into the model, which
+    stays as it was (values and tie)."""
+    import tiekit.dcp.loading
+    from tiekit.checkpoint import streaming
+
+    monkeypatch.setattr(tiekit.dcp.loading, "STAGING_BYTES", 1024)
+    monkeypatch.setattr(streaming, "STAGING_BYTES", 1024)
+    real = tiekit.dcp.loading.locate_rows
+    replaced: list[str] = []
+
+    def replacing(*args: Any) -> Any:
+        located, identities = real(*args)
+        for path, entry, _ in located["embed.weight"]:
+            data = bytearray(Path(path).read_bytes())
+            data[entry.start : entry.start + 64] = bytes(64)  # same size, other values: only its identity tells
+            Path(path + ".new").write_bytes(data)
+            os.replace(path + ".new", path)
+            replaced.append(path)
+        return located, identities
+
+    monkeypatch.setattr(tiekit.dcp.loading, "locate_rows", replacing)
+    torch.manual_seed(1)
+    model = Tied()
+    before = snapshot(model)
+    with pytest.raises(tiekit.CheckpointError, match=r"__0_0\.distcp: changed on disk") as raised:
+        tiekit.load_sharded(model, saved)
+    assert replaced and replaced[0] in str(raised.value)
+    assert_unchanged(model, before)  # the linear layer too, which DCP would have read first
+    assert model.head.weight is model.embed.weight
 
 
 def test_the_record_check_without_skip_data_reads_fake_tensors(saved: Path, monkeypatch: pytest.MonkeyPatch) -> None:

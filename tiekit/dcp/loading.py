@@ -28,7 +28,7 @@ from tiekit.checkpoint.codec import decode
 from tiekit.checkpoint.layout import PathLike, name_list
 from tiekit.checkpoint.loading import LoadResult
 from tiekit.checkpoint.optimizer import stage_optimizer
-from tiekit.checkpoint.reads import READ_ATTEMPTS
+from tiekit.checkpoint.reads import READ_ATTEMPTS, TensorReader
 from tiekit.checkpoint.source import Source
 from tiekit.checkpoint.staging import Staged, give_extra_states, stage
 from tiekit.checkpoint.streaming import STAGING_BYTES, RowPart, stream_rows_in_place
@@ -199,6 +199,7 @@ def _read(inner: nn.Module, root: Path, optimizer: torch.optim.Optimizer | None,
         planner = _spmd_planner() if xla_spmd(side.values()) else None
         dcp_load(side, marker.folder, metadata, planner, single)
     restore: Callable[[], None] | None = None
+    reader = TensorReader({})  # the streamed shard files, held open from their check to their read
     try:
         extra = decode(marker.record.get("extra"), side, marker.where)
         if optimizer is not None:
@@ -216,22 +217,27 @@ def _read(inner: nn.Module, root: Path, optimizer: torch.optim.Optimizer | None,
         if damaged is not None:
             raise damaged
         streamed, identities = locate_rows(marker.folder, wanted, dtypes) if wanted else ({}, {})
+        # The offsets hold for the files located only: each is opened and checked now, before DCP
+        # writes into the model, and read through that descriptor, whatever replaces it after.
+        reader = TensorReader(identities)
+        reader.open({path for rows in streamed.values() for path, _, _ in rows})
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         error = exc
-    raise_anywhere(error, f"{root}: load")
-    planner = _spmd_planner() if spmd else _weights_planner(targets.values())
-    rest = {key: tensor for key, tensor in targets.items() if key not in streamed}
-    dcp_load(rest, marker.folder, metadata, planner, single)  # every rank calls it, whatever it streams itself
-    try:
-        if streamed:
-            parts = [
-                RowPart(targets[key], path, entry, first)
-                for key, rows in streamed.items()
-                for path, entry, first in rows
-            ]
-            stream_rows_in_place(parts, identities)  # a shard file replaced since it was located is refused
-    except Exception as exc:  # noqa: BLE001 - raised on every rank below
-        error = exc
+    with reader:
+        raise_anywhere(error, f"{root}: load")
+        planner = _spmd_planner() if spmd else _weights_planner(targets.values())
+        rest = {key: tensor for key, tensor in targets.items() if key not in streamed}
+        dcp_load(rest, marker.folder, metadata, planner, single)  # every rank calls it, whatever it streams itself
+        try:
+            if streamed:
+                parts = [
+                    RowPart(targets[key], path, entry, first)
+                    for key, rows in streamed.items()
+                    for path, entry, first in rows
+                ]
+                stream_rows_in_place(parts, identities, reader)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            error = exc
     raise_anywhere(error, f"{root}: load")  # what one rank streams, others may not: all learn of a failure
     extra_states = {k: side[k] for k in staged.extra_states}
     return _Read(marker, staged, fresh, extra, restore, extra_states)
