@@ -427,10 +427,11 @@ def streamed_keys(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 def test_a_large_tensor_streams_into_a_cpu_or_meta_model_with_its_values_and_tie(
     tmp_path: Path, small_staging: None, monkeypatch: pytest.MonkeyPatch, into: str
 ) -> None:
-    """The embedding, larger than a staging buffer, is read from its shard file in pieces into the
-    model's own tensor (a CPU model) or its new one (a meta model), cast when the model's dtype is
-    not the file's; the rest through DCP. Values equal the saved ones, the tie is one tensor. On a
-    torch without ``skip_data`` (before 2.5) the records are located under ``FakeTensorMode``."""
+    """The embedding, larger than a staging buffer, is read from its shard file into the model's
+    own tensor (a CPU model) or its new one (a meta model), in pieces cast through a staging buffer
+    when the model's dtype is not the file's; the rest through DCP. Values equal the saved ones,
+    the tie is one tensor. On a torch without ``skip_data`` (before 2.5) the records are located
+    under ``FakeTensorMode``."""
     torch.manual_seed(0)
     saved = Small()
     tiekit.save_sharded(saved, tmp_path / "ck")
@@ -542,7 +543,7 @@ print(grown)
 
 def test_a_load_into_a_cpu_or_meta_model_holds_a_staging_buffer_not_the_large_tensor(tmp_path: Path) -> None:
     """Peak RSS growth of a load of a 128 MiB tied embedding, in fresh processes, in units of it:
-    into a CPU model, about nothing (two staging buffers of a 64th of the load); into a meta
+    into a CPU model, about nothing (read straight into the model's memory); into a meta
     model, the new tensor once. The control, plain ``dcp.load`` into the CPU model, reads the
     record whole before copying it: the embedding again."""
     path = str(tmp_path / "ck")
