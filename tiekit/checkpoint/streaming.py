@@ -2,7 +2,8 @@
 transfer per buffer, and a tensor larger than a buffer cut into pieces of whole rows written in
 place on the device (`tiekit.devices.write_rows`). `tiekit.checkpoint.loading` sends the tensors
 of safetensors files this way; `tiekit.dcp.loading` the rows of DCP shard files, into CPU tensors
-too (a piece copied into the tensor from a staging buffer, so a large tensor is never read whole).
+too (read straight into the tensor's memory when it has the file's dtype, else in pieces cast
+from a staging buffer, so a large tensor is never read whole beside it).
 """
 
 from __future__ import annotations

@@ -303,8 +303,9 @@ def _streamed_rows(targets: Mapping[str, torch.Tensor], metadata: Any) -> tuple[
     the CPU (a model there, or a meta model's new tensors) the load holds the largest tensor twice
     (a 1000 MiB embedding: 1000 MiB more); on a device (XLA) such a tensor would exist whole on
     the host, then in torch_xla's copy and as a new device buffer beside the old one. Streamed,
-    it passes through two staging buffers. Smaller ones cost DCP little, and locating each costs a
-    ``torch.load`` of its record's metadata."""
+    it is read straight into a CPU destination of the file's dtype, else through two staging
+    buffers. Smaller ones cost DCP little, and locating each costs a ``torch.load`` of its
+    record's metadata."""
     wanted = {
         key: tensor
         for key, tensor in targets.items()
