@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import warnings
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -754,3 +754,68 @@ def test_a_declared_tie_of_a_submodule_a_plain_move_broke_is_restored_through_it
         assert lm.lm_head.weight is lm.transformer.wte.weight and lm.lm_head.weight.dtype == torch.float64
     assert wrapper.mixin.b.weight is wrapper.mixin.a.weight
     assert len(list(wrapper.parameters())) == 28 + 28 + 1
+
+
+class Forwarding(nn.Module):
+    """Forwards unknown attributes to the model it wraps, as peft's PeftModel does (it then lends
+    the wrapped model's get_expanded_tied_weights_keys and config, under the wrapped names)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.base_model = model
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.base_model, name)
+
+
+@pytest.mark.parametrize("where", ["held", "root"])
+def test_a_wrapper_forwarding_attributes_declares_its_models_ties_under_their_path(where: str) -> None:
+    """A LightningModule holding a peft-like wrapper of a GPT-2: the wrapper lent the GPT-2's
+    declarations, named without its path, and move/save_model of the holder raised "has no
+    tensor named 'model.lm_head.weight'" (probe; at the root it failed before this stop too)."""
+    from tiekit.checkpoint.contents import declared_ties
+
+    lm = gpt2()
+    lm.lm_head.weight = nn.Parameter(lm.transformer.wte.weight.detach().clone())  # what a plain .to(xla) leaves
+    model: nn.Module = Forwarding(lm)
+    if where == "held":
+        model = nn.Module()
+        model.model = Forwarding(lm)
+    prefix = "model.base_model." if where == "held" else "base_model."
+    assert declared_ties(model) == {f"{prefix}lm_head.weight": f"{prefix}transformer.wte.weight"}
+    control = copy.deepcopy(model).double()
+    assert len(list(control.parameters())) == 29  # the control: a plain cast leaves the two copies
+    tiekit.move(model, dtype=torch.float64)
+    assert lm.lm_head.weight is lm.transformer.wte.weight and lm.lm_head.weight.dtype == torch.float64
+
+
+def test_a_declared_tie_whose_target_a_wrapper_also_holds_moves_both_names_to_the_source(tmp_path: Path) -> None:
+    """A wrapper holding a GPT-2 and its head again (self.head = model.lm_head), the head an equal
+    copy of the embedding (a plain .to broke the tie): move and save_model raised "declared tie
+    'model.lm_head.weight' -> ... conflicts with the detected tie 'model.lm_head.weight' =
+    'model.lm_head.weight'" (probe). Every name of the head's weight follows the declared source."""
+    wrapper = nn.Module()
+    wrapper.model = gpt2()
+    wrapper.head = wrapper.model.lm_head
+    wrapper.model.lm_head.weight = nn.Parameter(wrapper.model.transformer.wte.weight.detach().clone())
+    plan = tiekit.find_ties(wrapper, declared={"model.lm_head.weight": "model.transformer.wte.weight"})
+    group = plan.group_of("model.transformer.wte.weight")
+    assert group is not None and set(group.names) == {
+        "model.transformer.wte.weight",
+        "model.lm_head.weight",
+        "head.weight",
+    }
+    control = copy.deepcopy(wrapper).double()
+    assert control.head.weight is not control.model.transformer.wte.weight  # the control: still two copies
+    tiekit.move(wrapper, dtype=torch.float64)
+    wte = wrapper.model.transformer.wte.weight
+    assert wrapper.head.weight is wte and wrapper.model.lm_head.weight is wte and wte.dtype == torch.float64
+    tiekit.save_model(wrapper, tmp_path / "w.safetensors")
+    from tiekit.inspection import inspect_file
+
+    report = inspect_file(tmp_path / "w.safetensors")
+    assert report.plan is not None and len(report.plan.groups) == 1
+    assert "head.weight" not in {t.name for t in report.tensors}  # one copy on disk

@@ -308,6 +308,12 @@ def _view_group(
     return index, group, reinterpreting
 
 
+def _same_slot(model: nn.Module, member: TieMember, owner: nn.Module, attr: str) -> bool:
+    """Whether ``member`` names the slot ``attr`` of ``owner`` (the same module object), not a view."""
+    found_owner, found_attr, _, _ = resolve(model, member.name)
+    return member.view is None and found_owner is owner and found_attr == attr
+
+
 def _merge_declared(
     model: nn.Module,
     walk: Walk,
@@ -316,6 +322,7 @@ def _merge_declared(
     unique_params: int,
 ) -> tuple[list[tuple[int, TieGroup]], int]:
     by_name = {n: i for i, (_, g) in enumerate(groups) for n in g.names}
+    merged: set[int] = set()  # detected groups whose names joined a declared source's group
     order = {walk.name(i): i for i in range(len(walk.tensors))}  # registration index, as groups use
     for target, source in declared.items():
         if not isinstance(target, str) or not isinstance(source, str):
@@ -326,7 +333,7 @@ def _merge_declared(
                 raise TieError(f"declared ties form a cycle through {source!r}")
             seen.add(source)
             source = declared[source]
-        _, _, target_t, target_kind = resolve(model, target, "declared tie target")
+        target_owner, target_attr, target_t, target_kind = resolve(model, target, "declared tie target")
         _, _, source_t, source_kind = resolve(model, source, "declared tie source")
         for name in (target, source):
             if name not in order:  # found through a wrapper's attribute forwarding, not by its names
@@ -341,32 +348,43 @@ def _merge_declared(
             )
         target_group = by_name.get(target)
         source_group = by_name.get(source)
-        if target_group is not None:
-            if target_group == source_group:
-                continue
-            raise TieError(
-                f"declared tie {target!r} -> {source!r} conflicts with the detected tie "
-                f"{target!r} = {groups[target_group][1].source!r}"
-            )
+        if target_group is not None and target_group == source_group:
+            continue
         if target_t is not source_t and target_kind == "parameter":
             unique_params -= 1
-        member = TieMember(target, target_kind)
+        members: tuple[TieMember, ...] = (TieMember(target, target_kind),)
+        first = order[target]
+        if target_group is not None:
+            # Names of the target's own slot (its module registered twice: a wrapper's self.head
+            # = model.lm_head) follow the declared source, as they do when transformers'
+            # tie_weights sets the module's weight. Another module sharing the tensor is a tie of
+            # its own, which the declaration would overwrite.
+            index, detected = groups[target_group]
+            other = next(
+                (m.name for m in detected.members if not _same_slot(model, m, target_owner, target_attr)), None
+            )
+            if other is not None:
+                raise TieError(
+                    f"declared tie {target!r} -> {source!r} conflicts with the detected tie {target!r} = {other!r}"
+                )
+            members, first = detected.members, min(first, index)
+            merged.add(target_group)
         if source_group is None:
             group = TieGroup(
                 source,
-                (TieMember(source, source_kind), member),
+                (TieMember(source, source_kind), *members),
                 "parameter" if isinstance(source_t, nn.Parameter) else "buffer",
                 tuple(source_t.shape),
                 dtype_name(source_t.dtype),
             )
-            groups.append((min(order[source], order[target]), group))
-            by_name[source] = by_name[target] = len(groups) - 1
+            groups.append((min(order[source], first), group))
+            source_group = by_name[source] = len(groups) - 1
         else:
             index, group = groups[source_group]
-            group = TieGroup(group.source, (*group.members, member), group.kind, group.shape, group.dtype)
-            groups[source_group] = (min(index, order[target]), group)
-            by_name[target] = source_group
-    return groups, unique_params
+            group = TieGroup(group.source, (*group.members, *members), group.kind, group.shape, group.dtype)
+            groups[source_group] = (min(index, first), group)
+        by_name.update((m.name, source_group) for m in members)
+    return [g for i, g in enumerate(groups) if i not in merged], unique_params
 
 
 def _suspected_broken_ties(first: dict[int, _Slot], tied: set[str]) -> tuple[tuple[str, ...], ...]:

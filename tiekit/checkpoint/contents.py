@@ -105,8 +105,8 @@ def declared_ties(model: nn.Module) -> dict[str, str]:
         if isinstance(module, TPUMixin):  # before its transformers declarations: tied_weights wins
             for target, source in _mixin_ties(module).items():
                 declared.setdefault(prefix + target, prefix + source)
-        expand = getattr(module, "get_expanded_tied_weights_keys", None)
-        if callable(expand) and not any(prefix.startswith(e) for e in expanded):
+        expand = _own_method(module, "get_expanded_tied_weights_keys")
+        if expand is not None and not any(prefix.startswith(e) for e in expanded):
             expanded.append(prefix)
             with contextlib.suppress(TypeError, AttributeError, KeyError, ValueError, RuntimeError):
                 found = expand(all_submodels=True)  # its submodels' own, with their prefixes
@@ -126,6 +126,13 @@ def declared_ties(model: nn.Module) -> dict[str, str]:
         if a.shape == b.shape and a.dtype == b.dtype:
             out[target] = source
     return out
+
+
+def _own_method(module: nn.Module, name: str) -> Any:
+    """``module``'s bound method ``name`` when its class defines it, else None: a wrapper that
+    forwards attributes (peft's PeftModel, FSDP1) lends the wrapped model's, whose names lack the
+    wrapper's path (the wrapped model is met below it, under its own)."""
+    return getattr(module, name) if callable(getattr(type(module), name, None)) else None
 
 
 def _compile_wrapper(module: nn.Module) -> bool:
@@ -162,8 +169,10 @@ def transformers4_ties(model: nn.Module, *, by_config: bool = True) -> dict[str,
         return ties  # not a model: the caller's own check names what it is
     for path, module in model.named_modules():
         prefix = f"{path}." if path else ""
-        config = getattr(module, "config", None)
-        if config is None or callable(getattr(module, "get_expanded_tied_weights_keys", None)):
+        # Its own config: a wrapper forwarding attributes (peft's PeftModel) would lend the wrapped
+        # model's, whose names lack the wrapper's path; the wrapped model is met below it.
+        config = vars(module).get("config")
+        if config is None or _own_method(module, "get_expanded_tied_weights_keys") is not None:
             continue  # a transformers 5 model declares its own ties, expanded (`declared_ties`)
         pairs = dict(_embedding_ties(module)) if not by_config or _ties_word_embeddings(config) else {}
         if by_config and getattr(config, "is_encoder_decoder", False) and getattr(config, "tie_encoder_decoder", False):
