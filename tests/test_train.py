@@ -404,6 +404,10 @@ BAD_OPTIONS: list[tuple[dict[str, Any], str]] = [
     ({"log_dir": "FILE"}, "log_dir='.*' is a file, not a folder"),
     ({"checkpoint_dir": "FILE/ck"}, "checkpoint_dir='.*ck' cannot be made: '.*a-file' is a file, not a folder"),
     ({"log_dir": "FILE/a/logs"}, "log_dir='.*logs' cannot be made: '.*a-file' is a file, not a folder"),
+    (
+        {"checkpoint_dir": "DANGLING/ck"},
+        "checkpoint_dir='.*ck' cannot be made: '.*dangling' is a symbolic link to nothing",
+    ),
     ({"optimizer": lambda params: None}, "the optimizer factory .* returned None, not a torch.optim.Optimizer"),
 ]
 
@@ -418,12 +422,16 @@ def test_bad_option_values_are_refused_before_anything_trains(
     CheckpointError at the first save after training (probe)."""
     afile = tmp_path / "a-file"
     afile.write_text("not a folder")
-    options = {k: v.replace("FILE", str(afile)) if isinstance(v, str) else v for k, v in options.items()}
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    options = {
+        k: v.replace("FILE", str(afile)).replace("DANGLING", str(tmp_path / "dangling")) if isinstance(v, str) else v
+        for k, v in options.items()
+    }
     model = DropoutNet()
     before = weights(model)
     with pytest.raises(tiekit.TiekitError, match=told):
         tiekit.fit(model, data(), max_steps=2, batch_size=4, **{**CPU, **options})
-    assert sorted(os.listdir(tmp_path)) == ["a-file"] and afile.read_text() == "not a folder"
+    assert sorted(os.listdir(tmp_path)) == ["a-file", "dangling"] and afile.read_text() == "not a folder"
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 

@@ -71,9 +71,10 @@ class FitConfig:
             if folder.exists() and not folder.is_dir():
                 return f"{name}={str(folder)!r} is a file, not a folder"
             # The nearest existing folder above it: a file there means the folder cannot be made.
-            above = next((p for p in folder.parents if p.exists()), None)
+            above = next((p for p in folder.parents if p.exists() or p.is_symlink()), None)
             if above is not None and not above.is_dir():
-                return f"{name}={str(folder)!r} cannot be made: {str(above)!r} is a file, not a folder"
+                what = "a file, not a folder" if above.exists() else "a symbolic link to nothing"
+                return f"{name}={str(folder)!r} cannot be made: {str(above)!r} is {what}"
         return None
 
     def check(self, *, folders: bool = True) -> None:
