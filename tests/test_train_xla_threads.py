@@ -21,13 +21,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_file(
-    tmp_path: Path, code: str, timeout: float, args: list[str] | None = None
+    tmp_path: Path, code: str, timeout: float, args: list[str] | None = None, devices: int = 2
 ) -> tuple[subprocess.CompletedProcess[str], list[dict[str, Any]]]:
-    """Run ``code`` as a script file (launch's worker process re-imports it) on 2 XLA:CPU devices;
-    the process and the JSON records it printed (lines starting with ``RECORD``)."""
+    """Run ``code`` as a script file (launch's worker process re-imports it) on ``devices`` XLA:CPU
+    devices; the process and the JSON records it printed (lines starting with ``RECORD``)."""
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(code))
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2", "XLA_ENABLE_PARAM_ALIASING": "0"}
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "XLA_ENABLE_PARAM_ALIASING": "0"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
     done = subprocess.run(
         [sys.executable, str(script), str(tmp_path), *(args or [])],
@@ -123,8 +123,8 @@ calls = {}
 def loss_on_replica_1_fails_at_step_4(out, target):
     ordinal = xr.global_ordinal()
     calls[ordinal] = calls.get(ordinal, 0) + 1
-    if ordinal == 1 and calls[ordinal] == 4:
-        raise ValueError("replica 1 cannot compute this loss")
+    if ordinal == FAILING and calls[ordinal] == 4:
+        raise ValueError(f"replica {FAILING} cannot compute this loss")
     return F.mse_loss(out, target)
 
 class SampleOfReplica1Fails(Dataset):
@@ -141,6 +141,8 @@ class SampleOfReplica1Fails(Dataset):
             raise ValueError("sample 61 cannot be read")
         return self.data[i]
 
+FAILING = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+
 if __name__ == "__main__":
     started = time.time()
     if sys.argv[2] == "loss":
@@ -152,7 +154,8 @@ if __name__ == "__main__":
                    shuffle=False, progress=False)
         error = None
     except Exception as exc:
-        error = {"type": type(exc).__name__, "tiekit": isinstance(exc, tiekit.TiekitError), "message": str(exc)}
+        error = {"type": type(exc).__name__, "tiekit": isinstance(exc, tiekit.TiekitError), "message": str(exc),
+                 "notes": getattr(exc, "__notes__", [])}
     print("RECORD " + json.dumps({"error": error, "seconds": time.time() - started}), flush=True)
 """
 
@@ -175,6 +178,17 @@ def test_a_replica_that_raises_releases_its_peer_with_a_tiekit_error(tmp_path: P
     assert "replica 0 stopped because another replica failed" in error["message"]
     assert f"replica 1: {raised}" in error["message"]
     assert time.monotonic() - started < 120  # released at once, not after XLA's or a collective's timeout
+
+
+def test_replica_0s_own_error_names_replica_0(tmp_path: Path) -> None:
+    """The launch raises replica 0's exception: a peer's failure reaches you as replica 0's
+    TiekitError naming the replica that failed, but replica 0's own error named no replica."""
+    done, records = run_file(tmp_path, FAILING_REPLICA, timeout=180, args=["loss", "0"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    error = records[-1]["error"]
+    assert error is not None and error["type"] == "ValueError", error
+    assert error["message"] == "replica 0 cannot compute this loss"
+    assert error["notes"] == ["tiekit.fit: raised in replica 0 of 2"]
 
 
 # fit(strategy="xla", devices=2) on XLA:CPU: the replicas are launch threads of one process.
@@ -215,3 +229,101 @@ def test_a_step_is_told_of_its_own_host_transfers_not_another_replicas(tmp_path:
     assert done.returncode == 0, done.stderr[-3000:]
     warned = "PerformanceWarning: step" in done.stderr and "device-to-host transfer(s)" in done.stderr
     assert warned == (which == "chatty"), done.stderr[-3000:]
+
+
+# fit(strategy="xla", devices=3 and 4) on 4 XLA:CPU devices: a bias-free Linear (one parameter)
+# and an Embedding tied to the output Linear.
+MORE_REPLICAS_THAN_CORES = """
+import sys, torch, torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+import tiekit
+
+class TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.head = nn.Linear(8, 32, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x):
+        return self.head(self.embed(x)).mean(1)
+
+def one_linear():
+    return nn.Linear(8, 4, bias=False)
+
+def lm_loss(out, target):
+    return ((out - target[:, None]) ** 2).mean()
+
+if __name__ == "__main__":
+    x = torch.randn(48, 8, generator=torch.Generator().manual_seed(0))
+    ids = torch.arange(48).remainder(32)[:, None]
+    for devices in (3, 4):
+        for name, model, data, loss_fn in [
+            ("linear", one_linear, TensorDataset(x, x[:, :4]), F.mse_loss),
+            ("tied", TiedLM, TensorDataset(ids, torch.arange(48).float()), lm_loss),
+        ]:
+            result = tiekit.fit(model, data, loss_fn=loss_fn, strategy="xla", devices=devices, max_steps=3,
+                                batch_size=4, progress=False)
+            print("RECORD " + json.dumps(dict(devices=devices, model=name, world=result.world_size,
+                                              steps=result.steps, ties_kept=result.ties_kept,
+                                              identical=result.replicas_identical)), flush=True)
+""".replace("import sys,", "import json, sys,")
+
+
+def test_more_replicas_than_cores_train(tmp_path: Path) -> None:
+    """Every replica's step runs on torch_xla's thread pool, as big as the machine's cores by
+    default: with more replicas (3 on 2 cores) one step waited in the pool's queue while the
+    others waited for it in the all-reduce, and XLA aborted the process ("Expected 3 threads to
+    join the rendezvous, but only 2 of them arrived on time"). The tied model also compiled its
+    step's all-reduce twice when a peer's sync outside the gate moved the compile counters. (Fails
+    before the fix on machines with fewer than 4 cores.)"""
+    done, records = run_file(tmp_path, MORE_REPLICAS_THAN_CORES, timeout=240, devices=4)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [(r["devices"], r["model"]) for r in records] == [(3, "linear"), (3, "tied"), (4, "linear"), (4, "tied")]
+    for r in records:
+        assert (r["world"], r["steps"], r["ties_kept"], r["identical"]) == (r["devices"], 3, True, True), r
+
+
+# A tied LM with a larger vocabulary, 2 replicas: 2 steps with a checkpoint, then resume="last"
+# to step 4.
+RESUME_TIED_LM = """
+import json, sys, torch
+from torch import nn
+from torch.utils.data import TensorDataset
+import tiekit
+
+class TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(8192, 256)
+        self.mid = nn.Linear(256, 256)
+        self.head = nn.Linear(256, 8192, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x):
+        return self.head(self.mid(self.embed(x)))
+
+def loss(out, target):
+    return nn.functional.cross_entropy(out.flatten(0, 1), target.flatten())
+
+if __name__ == "__main__":
+    ids = torch.randint(0, 8192, (16, 8), generator=torch.Generator().manual_seed(0))
+    kw = dict(loss_fn=loss, strategy="xla", devices=2, batch_size=2, progress=False,
+              checkpoint_dir=sys.argv[1] + "/ckpt", checkpoint_every=2)
+    for steps, resume in [(2, None), (4, "last")]:
+        r = tiekit.fit(TiedLM, TensorDataset(ids, ids), max_steps=steps, resume=resume, **kw)
+        print("RECORD " + json.dumps(dict(steps=r.steps, ties_kept=r.ties_kept, identical=r.replicas_identical,
+                                          checkpoint=str(r.checkpoint))), flush=True)
+"""
+
+
+def test_a_run_with_checkpoints_resumes_on_two_replicas(tmp_path: Path) -> None:
+    """fit broadcasts replica 0's weights to the others when it places the model; that step was
+    left to run with the next sync, and on resume that was the sync of each replica's checkpoint
+    reads, outside the gate: each replica compiled its own graph, their all-reduces had
+    different ids, and XLA aborted the resumed run."""
+    done, records = run_file(tmp_path, RESUME_TIED_LM, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [(r["steps"], r["ties_kept"], r["identical"]) for r in records] == [(2, True, True), (4, True, True)]
+    assert records[1]["checkpoint"].endswith("step-00000004.safetensors")

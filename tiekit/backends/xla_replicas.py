@@ -8,7 +8,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -44,17 +43,54 @@ def xla_launch(fn: Callable[..., object], args: tuple[Any, ...], num_devices: in
     several devices buffer donation is turned off there (``XLA_ENABLE_PARAM_ALIASING=0``):
     measured with torch_xla 2.9, a launch thread whose step releases a donated buffer can block
     while its peer waits in the gradient all-reduce, and the rendezvous aborts. TPUs keep it.
+    The launched process also gets a thread pool with room for every replica's computation at
+    once (``XLA_THREAD_POOL_SIZE``, see `xla_cpu_pool_threads`).
     """
     torch_xla = xla()
     env: dict[str, str] = {}
+    count = 0
     if os.environ.get("PJRT_DEVICE", "").upper() == "CPU":
         if num_devices is not None:
             env["CPU_NUM_DEVICES"] = str(num_devices)
         count = num_devices if num_devices is not None else xla_device_count_hint() or 1
         if count > 1 and "XLA_ENABLE_PARAM_ALIASING" not in os.environ:
             env["XLA_ENABLE_PARAM_ALIASING"] = "0"
+        if count > 1 and "XLA_THREAD_POOL_SIZE" not in os.environ and xla_cpu_pool_threads() < count:
+            env["XLA_THREAD_POOL_SIZE"] = str(count + (os.cpu_count() or 1))
     with _environ(env):
+        check_cpu_pool(count)  # XLA_THREAD_POOL_SIZE set too small by you
         torch_xla.launch(functools.partial(_ending_with_caller, os.getpid(), fn), args=args)
+
+
+def xla_cpu_pool_threads() -> int:
+    """Threads of the pool torch_xla runs a process's computations on (``XLA_THREAD_POOL_SIZE``,
+    by default the machine's cores), read from the environment as torch_xla reads it when the
+    runtime starts.
+
+    On XLA:CPU every launch thread's step is one computation on that pool, and a step's
+    all-reduce waits in its pool thread until every replica's has started. With more replicas
+    than pool threads (3 replicas on 2 cores), the last replica's step waited in the pool's
+    queue behind the others, which waited for it: XLA aborted the process after 10 s ("Expected
+    3 threads to join the rendezvous, but only 2 of them arrived on time")."""
+    configured = os.environ.get("XLA_THREAD_POOL_SIZE", "")
+    return int(configured) if configured.strip().isdigit() else os.cpu_count() or 1
+
+
+def check_cpu_pool(replicas: int) -> None:
+    """A `TiekitError` when ``replicas`` XLA:CPU launch threads cannot all compute at once on the
+    process's thread pool (`xla_cpu_pool_threads`): the first step's all-reduce would abort it."""
+    threads = xla_cpu_pool_threads()
+    if replicas > threads:
+        from tiekit.errors import TiekitError
+
+        configured = os.environ.get("XLA_THREAD_POOL_SIZE")
+        pool = f"XLA_THREAD_POOL_SIZE={configured}" if configured else f"the machine's {threads} cores"
+        raise TiekitError(
+            f"torch_xla's thread pool ({pool}) is too small for {replicas} XLA:CPU replicas: every "
+            "replica's step must run at once for its all-reduce, and XLA aborts the process otherwise. "
+            f"Set XLA_THREAD_POOL_SIZE to at least {replicas} before the XLA runtime starts (before your "
+            "torch_xla.launch), or use fewer devices"
+        )
 
 
 def _ending_with_caller(caller: int, fn: Callable[..., object], ordinal: int, *args: Any) -> None:
@@ -79,9 +115,10 @@ class _CompileGate:
 
     Each thread's ``sync`` looks its graph up in the shared compilation cache and compiles it
     on a miss; two threads compiling the same graph at once give its all-reduce two different
-    ids and the rendezvous aborts. So ordinal 0 syncs first; the others wait until its sync
-    has either compiled the graph (the cache grew) or found it (a cache hit was counted), then
-    sync and hit the cache. A compiled graph is never compiled twice.
+    ids and the rendezvous aborts. So ordinal 0 syncs first; the others sync once its sync has
+    returned (the graph compiled and cached; it runs in the background) and hit the cache. A
+    step's graph is never compiled twice. Syncs outside the gate (the loader's, a checkpoint's
+    transfers) must find no collective pending: fit ends each collective's step here.
 
     It also tells a replica whether the others were between steps, fetching from the device:
     torch_xla counts transfers per process, so a step counted another thread's (`aside`).
@@ -91,7 +128,6 @@ class _CompileGate:
         self._barrier = threading.Barrier(parties)
         self._cond = threading.Condition()
         self._round = 0
-        self._marks = (0, 0)
         self._leader_done = False
         self._joined: dict[int, int] = {}
         self._failure = ""
@@ -132,7 +168,6 @@ class _CompileGate:
         if ordinal == 0:
             with self._cond:
                 self._round += 1
-                self._marks = _compile_marks()
                 self._leader_done = False
                 self._cond.notify_all()
             try:
@@ -145,15 +180,11 @@ class _CompileGate:
         mine = self._joined.get(ordinal, 0) + 1
         self._joined[ordinal] = mine
         with self._cond:
-            self._cond.wait_for(lambda: self._round >= mine)
-            marks = self._marks
-        while True:
-            with self._cond:
-                if self._leader_done:
-                    break
-            if _compile_marks() != marks:
-                break
-            time.sleep(0.0002)
+            # Until ordinal 0's sync has returned: its graph is compiled and cached by then. The
+            # process-wide compile counters said so too early whenever another thread compiled or
+            # looked up a graph meanwhile (a peer's loader, a background checkpoint's copy): this
+            # replica then compiled the step's graph a second time, with an all-reduce of another id.
+            self._cond.wait_for(lambda: self._round >= mine and self._leader_done)
         torch_xla.sync()
 
     def abort(self, reason: str) -> None:
@@ -163,14 +194,6 @@ class _CompileGate:
             self._leader_done = True
             self._round += 1 << 30
             self._cond.notify_all()
-
-
-def _compile_marks() -> tuple[int, int]:
-    torch_xla = xla()
-    met = xla_module("torch_xla.debug.metrics")
-
-    cached = met.counter_value("CachedCompile") or 0
-    return int(torch_xla._XLAC._xla_get_num_cached_compilation_graph()), int(cached)
 
 
 _gates: dict[str, _CompileGate] = {}
@@ -282,6 +305,8 @@ class XlaReplicaBackend(XlaBackend):
         # casts another thread is still using, which then traces a different graph from its
         # peers (one more cast), whose all-reduce never meets theirs. So no cache for threads.
         self.autocast_cache = not xla_cpu_threads()
+        if xla_cpu_threads():  # your own torch_xla.launch: its pool is sized already
+            check_cpu_pool(world)
         self._gate: _CompileGate | None = None  # XLA:CPU launch threads: the run's, once started
         self._done = False
 
@@ -317,13 +342,17 @@ class XlaReplicaBackend(XlaBackend):
 
     def place(self, model: nn.Module, dtype: torch.dtype | None, plan: TiePlan) -> None:
         """Moved, ties kept; with several replicas, collective: every replica then takes replica
-        0's weights and buffers, as DDP does (run by the set-up's step). A model built differently
+        0's weights and buffers, as DDP does (a step of its own, before this returns). A model built differently
         in each replica (seeded by ordinal inside your own torch_xla.launch) would otherwise train
         apart for good, its gradients averaged over weights that differ."""
         super().place(model, dtype, plan)
         if self.replica_count > 1:
             # parameters() names each tie group once: one broadcast per shared tensor.
             xla_broadcast_from_replica_0([*model.parameters(), *model.buffers()])
+            # Run now, through the gate: left pending, the broadcast ran in the next sync of any
+            # kind, one a resume's reads make on each replica on its own (compiled once per
+            # replica, two all-reduce ids: XLA aborted the resumed run).
+            self.end_step()
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.replica_count == 1:

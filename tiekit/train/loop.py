@@ -107,6 +107,11 @@ def run_replica(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
         reason = f"{type(exc).__name__}: {exc}"
         backend.abort(reason)  # XLA:CPU threads: peers waiting in the step's compile gate
         coordinate.abort(backend, reason)  # peers waiting in one of fit's collectives
+        released = isinstance(exc, TiekitError) and "because another replica failed" in str(exc)
+        if backend.ranks.kind == "xla-threads" and not released:
+            # The launch raises replica 0's exception: released by a peer's failure, it names that
+            # replica; its own named none.
+            exc.add_note(f"tiekit.fit: raised in replica {backend.replica_rank} of {backend.replica_count}")
         if isinstance(exc, RuntimeError) and "device_ready_queues_" in str(exc):
             raise TiekitError(
                 "this process ran a backward pass before the XLA runtime started, and torch's autograd "
