@@ -7,6 +7,7 @@ and in a plain process without a process group; each test reads its part of the 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -497,63 +498,19 @@ def test_a_load_read_straight_into_a_cpu_model_is_an_in_place_change_to_autograd
         loss.backward()
 
 
-STREAMED_PEAK = """
-import pathlib, sys, torch, tiekit
-import torch.distributed.checkpoint as dcp
-from torch import nn
-
-path, into = sys.argv[1], sys.argv[2]
-VOCAB, WIDTH = 32768, 1024  # the embedding: 128 MiB
-
-class Tied(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.mlp = nn.Linear(WIDTH, WIDTH)
-        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
-        self.head.weight = self.embed.weight
-
-def rss(key):
-    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key))
-
-if into == "save":
-    torch.manual_seed(0)
-    tiekit.save_sharded(Tied(), path)
-    sys.exit()
-warm = nn.Linear(4, 4)  # DCP's and torch.load's imports done: a first load of anything pays them
-tiekit.save_sharded(warm, path + "-warm")
-tiekit.load_sharded(warm, path + "-warm")
-with torch.device("meta" if into == "meta" else "cpu"):
-    model = Tied()
-before = rss("VmRSS:")
-open("/proc/self/clear_refs", "w").write("5")  # reset VmHWM: building the model does not count
-if into == "dcp.load":
-    (save,) = pathlib.Path(path).glob("save-*")
-    state = {k: v for k, v in model.state_dict().items() if k != "head.weight"}  # as stored: once
-    dcp.load(state, storage_reader=dcp.FileSystemReader(save), no_dist=True)
-else:
-    tiekit.load_sharded(model, path)
-    assert model.head.weight is model.embed.weight
-grown = (rss("VmHWM:") - before) / (VOCAB * WIDTH * 4)
-torch.manual_seed(0)
-assert torch.equal(model.embed.weight, Tied().embed.weight)
-print(grown)
-"""
-
-
 def test_a_load_into_a_cpu_or_meta_model_holds_a_staging_buffer_not_the_large_tensor(tmp_path: Path) -> None:
-    """Peak RSS growth of a load of a 128 MiB tied embedding, in fresh processes, in units of it:
-    into a CPU model, about nothing (read straight into the model's memory); into a meta
-    model, the new tensor once. The control, plain ``dcp.load`` into the CPU model, reads the
-    record whole before copying it: the embedding again."""
-    path = str(tmp_path / "ck")
-
-    def growth(into: str) -> float:
-        run = run_ok([[sys.executable, "-c", STREAMED_PEAK, path, into]], env=base_env(), cwd=tmp_path)
-        return float(run[0].output.strip().splitlines()[-1]) if into != "save" else 0.0
-
-    growth("save")
-    grown = {into: growth(into) for into in ("cpu", "meta", "dcp.load")}
+    """Peak RSS growth of a load of a 128 MiB tied embedding, in fresh processes, in units of it
+    (measured by ``benchmarks/bench_load_sharded.py``'s own script): into a CPU model, about
+    nothing (read straight into the model's memory); into a meta model, the new tensor once.
+    The control, plain ``dcp.load`` into the CPU model, reads the record whole before copying
+    it: the embedding again. The values are checked by the streaming tests above."""
+    spec = importlib.util.spec_from_file_location("bench_load_sharded", ROOT / "benchmarks" / "bench_load_sharded.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    path = tmp_path / "ck"
+    bench.peak(path, "save", 128)
+    grown = {into: bench.peak(path, into, 128)[0] for into in ("cpu", "meta", "dcp.load")}
     assert grown["dcp.load"] >= 0.9, grown  # the control: DCP holds the record whole
     assert grown["cpu"] <= 0.2, grown
     assert grown["meta"] <= 1.2, grown
