@@ -88,7 +88,8 @@ def load_sharded(
     rows, a plain tensor the whole value), and a single process needs no process group. Ties are
     restored from the checkpoint's plan; the optimizer gets its state back by parameter name.
     Everything is validated before the model changes: a missing or truncated shard file, a record
-    damaged in place (its zip directory, pickle or data header), DCP metadata of another save,
+    damaged in place (its zip directory, pickle or data header, as far as ``torch.load`` checks
+    them), DCP metadata of another save,
     keys, shapes or a plan that does not fit the model raise
     `CheckpointError` naming the file and key, on every rank, with the model untouched (an I/O
     error in the middle of reading into the model's own memory is the one exception).
