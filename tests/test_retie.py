@@ -819,3 +819,28 @@ def test_a_declared_tie_whose_target_a_wrapper_also_holds_moves_both_names_to_th
     report = inspect_file(tmp_path / "w.safetensors")
     assert report.plan is not None and len(report.plan.groups) == 1
     assert "head.weight" not in {t.name for t in report.tensors}  # one copy on disk
+
+
+def _twice_registered() -> nn.Module:
+    model = nn.Module()
+    model.a, model.b, model.x = (nn.Linear(4, 4, bias=False) for _ in range(3))
+    model.b2 = model.b  # b registered twice
+    return model
+
+
+@pytest.mark.parametrize("first", ["b", "x"])
+def test_declared_ties_through_a_twice_registered_module_do_not_depend_on_their_order(first: str) -> None:
+    """x -> b2 (b's slot under its second name) and b -> a: declared x first, the chain was followed
+    by name (b2 is no declared target), x joined b's slot, and b -> a raised "conflicts with the
+    detected tie 'b.weight' = 'x.weight'" where the other order gave one group (probe)."""
+    declared = {"b.weight": "a.weight", "x.weight": "b2.weight"}
+    if first == "x":
+        declared = dict(reversed(declared.items()))
+    model = _twice_registered()
+    plan = tiekit.find_ties(model, declared=declared)
+    assert [sorted(g.names) for g in plan.groups] == [["a.weight", "b.weight", "b2.weight", "x.weight"]]
+    assert plan.source_of("x.weight") == "a.weight"
+    tiekit.move(model, dtype=torch.float64, plan=plan)
+    assert model.x.weight is model.a.weight and model.b2.weight is model.a.weight
+    with pytest.raises(tiekit.TieError, match="cycle"):
+        tiekit.find_ties(_twice_registered(), declared={"a.weight": "b2.weight", "b.weight": "a.weight"})

@@ -308,6 +308,12 @@ def _view_group(
     return index, group, reinterpreting
 
 
+def _slot(model: nn.Module, name: str, what: str) -> tuple[int, str]:
+    """The slot ``name`` names in ``model``: its owning module (by identity) and attribute."""
+    owner, attr, _, _ = resolve(model, name, what)
+    return id(owner), attr
+
+
 def _same_slot(model: nn.Module, member: TieMember, owner: nn.Module, attr: str) -> bool:
     """Whether ``member`` names the slot ``attr`` of ``owner`` (the same module object), not a view."""
     found_owner, found_attr, _, _ = resolve(model, member.name)
@@ -327,12 +333,19 @@ def _merge_declared(
     for target, source in declared.items():
         if not isinstance(target, str) or not isinstance(source, str):
             raise TieError(f"declared ties map names to names; got {target!r}: {source!r}")
-        seen = {target}
-        while source in declared:  # follow chains a -> b -> c to the root source
-            if source in seen:
+    # Chains a -> b -> c are followed by slot, not by name: a source may name a declared target's
+    # slot under another name (its module registered twice), in whatever order they are declared.
+    declared_at = {_slot(model, t, "declared tie target"): t for t in declared}
+    for target, source in declared.items():
+        target_slot = _slot(model, target, "declared tie target")
+        seen = {target_slot}
+        while (next_target := declared_at.get(slot := _slot(model, source, "declared tie source"))) is not None:
+            if slot == target_slot and len(seen) == 1:
+                break  # the target's own slot under another name: nothing to follow
+            if slot in seen:
                 raise TieError(f"declared ties form a cycle through {source!r}")
-            seen.add(source)
-            source = declared[source]
+            seen.add(slot)
+            source = declared[next_target]
         target_owner, target_attr, target_t, target_kind = resolve(model, target, "declared tie target")
         _, _, source_t, source_kind = resolve(model, source, "declared tie source")
         for name in (target, source):
