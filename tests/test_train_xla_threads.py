@@ -285,6 +285,41 @@ def test_more_replicas_than_cores_train(tmp_path: Path) -> None:
         assert (r["world"], r["steps"], r["ties_kept"], r["identical"]) == (r["devices"], 3, True, True), r
 
 
+# fit(strategy="xla", devices=2) with XLA_THREAD_POOL_SIZE=argv[2], set before the runtime starts.
+SMALL_POOL = """
+import json, os, sys
+os.environ["XLA_THREAD_POOL_SIZE"] = sys.argv[2]
+import torch, torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+import tiekit
+
+if __name__ == "__main__":
+    x = torch.randn(16, 8)
+    try:
+        tiekit.fit(nn.Linear(8, 4), TensorDataset(x, x[:, :4]), loss_fn=F.mse_loss, strategy="xla", devices=2,
+                   max_steps=2, batch_size=4, progress=False)
+        error = None
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    print("RECORD " + json.dumps(dict(error=error)), flush=True)
+"""
+
+
+@pytest.mark.parametrize("size", ["1", "abc"])
+def test_a_thread_pool_too_small_for_the_replicas_is_refused_before_the_runtime_starts(
+    tmp_path: Path, size: str
+) -> None:
+    """XLA_THREAD_POOL_SIZE below the replica count would abort the first step's all-reduce, and
+    torch_xla reads what is no number as 0 threads ('Check failed: num_threads >= 1'): a
+    TiekitError naming the variable, where 'abc' aborted the process (probe)."""
+    done, records = run_file(tmp_path, SMALL_POOL, timeout=120, args=[size])
+    assert done.returncode == 0, done.stderr[-3000:]
+    error = records[-1]["error"]
+    assert error is not None and error.startswith("TiekitError: "), error
+    assert f"XLA_THREAD_POOL_SIZE={size}" in error and "too small for 2 XLA:CPU replicas" in error, error
+
+
 # A tied LM with a larger vocabulary, 2 replicas: 2 steps with a checkpoint, then resume="last"
 # to step 4.
 RESUME_TIED_LM = """

@@ -72,8 +72,13 @@ def xla_cpu_pool_threads() -> int:
     than pool threads (3 replicas on 2 cores), the last replica's step waited in the pool's
     queue behind the others, which waited for it: XLA aborted the process after 10 s ("Expected
     3 threads to join the rendezvous, but only 2 of them arrived on time")."""
-    configured = os.environ.get("XLA_THREAD_POOL_SIZE", "")
-    return int(configured) if configured.strip().isdigit() else os.cpu_count() or 1
+    configured = os.environ.get("XLA_THREAD_POOL_SIZE", "").strip()
+    if not configured:
+        return os.cpu_count() or 1
+    try:
+        return int(configured)
+    except ValueError:
+        return 0  # torch_xla reads what is no number as 0 threads, and aborts the process starting its pool
 
 
 def check_cpu_pool(replicas: int) -> None:
