@@ -11,6 +11,7 @@ import contextlib
 import functools
 import os
 import re
+import shutil
 import threading
 import time
 import warnings
@@ -235,10 +236,19 @@ def test_fit_returns_with_its_checkpoints_complete(tmp_path: Path, background: b
 
 
 def test_fit_raises_a_failed_background_save(tmp_path: Path) -> None:
-    blocker = tmp_path / "file"
-    blocker.write_text("not a folder")
-    with pytest.raises(tiekit.CheckpointError, match="file"):
-        tiekit.fit(WeightSharingModule, data(), max_steps=2, checkpoint_dir=blocker / "ckpt", **FIT)
+    folder = tmp_path / "ckpt"
+    calls = 0
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        if calls == 2 and folder.is_dir():  # the folder fit checked at the start becomes a file
+            shutil.rmtree(folder)
+            folder.write_text("not a folder")
+        return F.mse_loss(out, target)
+
+    with pytest.raises(tiekit.CheckpointError, match="ckpt"):
+        tiekit.fit(WeightSharingModule, data(), max_steps=2, checkpoint_dir=folder, **{**FIT, "loss_fn": loss_fn})
 
 
 def test_resume_from_a_folder_without_a_committed_checkpoint_names_it(tmp_path: Path) -> None:

@@ -44,7 +44,7 @@ import torch, torch.nn.functional as F
 import tiekit
 from launching import free_port
 from models import WeightSharingModule
-from test_train_launchers import FailsAfter, dataset
+from test_train_launchers import FailsAfter, FolderBecomesFile, dataset
 
 out, options = sys.argv[1], json.loads(sys.argv[2])
 rank = int(os.environ["RANK"])
@@ -62,6 +62,8 @@ def gloo_threads():  # this process's gloo worker threads (torch names them): al
 
 def fit():
     data = FailsAfter(dataset(size), failing["after"]) if failing.get("rank") == rank else dataset(size)
+    if swapping.get("rank") == rank:
+        data = FolderBecomesFile(data, swapping["after"], options["checkpoint_dir"])
     return tiekit.fit(WeightSharingModule, data, loss_fn=F.mse_loss, batch_size=8,
                       progress=False, optimizer=functools.partial(torch.optim.AdamW, lr=lr), **options)
 
@@ -77,6 +79,7 @@ options.setdefault("strategy", "ddp")
 options["strategy"] = options.pop("strategies", {}).get(str(rank), options["strategy"])  # {"1": "fsdp"}
 size = options.pop("sizes", {}).get(str(rank), 256)  # {"1": 240}: rank 1's dataset is shorter
 failing = options.pop("failing", {})  # {"rank": 1, "after": 16}: its dataset raises after 16 samples
+swapping = options.pop("swapping", {})  # {"rank": 0, "after": 24}: checkpoint_dir becomes a file then
 lr = options.pop("lrs", {}).get(str(rank), 1e-2)  # {"1": 0.1}: rank 1's optimizer factory differs
 if "resumes" in options:  # {"1": "data/ckpt/step-00000004"}: rank 1 names the checkpoint its own way
     options["resume"] = options.pop("resumes").get(str(rank), options.get("resume"))
@@ -105,7 +108,7 @@ if control:
     own_group("yours")  # fit fails in a group the script made: it is gone once the script closes it
     try:
         fit()
-    except tiekit.CheckpointError:
+    except tiekit.TiekitError:  # the checkpoint_dir a file by now: refused when fit starts
         dist.destroy_process_group()
         record["own_group_gloo_threads_while_failing"] = gloo_threads()
 
@@ -128,6 +131,24 @@ def dataset(size: int = 256) -> TensorDataset:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(size, 32, generator=generator)
     return TensorDataset(x, x @ torch.randn(32, 10, generator=generator) / 32**0.5)
+
+
+class FolderBecomesFile(Dataset[tuple[torch.Tensor, ...]]):
+    """``data`` that, at its read ``after`` + 1, replaces ``folder`` by a file: a checkpoint_dir
+    fit found usable at the start fails at the next save (a disk swapped under the run)."""
+
+    def __init__(self, data: TensorDataset, after: int, folder: str) -> None:
+        self.data, self.after, self.folder, self.read = data, after, Path(folder), 0
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        self.read += 1
+        if self.read == self.after + 1 and self.folder.is_dir():
+            shutil.rmtree(self.folder)
+            self.folder.write_text("not a folder")
+        return tuple(self.data[i])
 
 
 class FailsAfter(Dataset[tuple[torch.Tensor, ...]]):
@@ -518,14 +539,16 @@ def test_ranks_given_datasets_of_different_lengths_are_refused_at_the_start(tmp_
 
 @pytest.mark.newest_torch_only
 def test_a_save_that_fails_on_the_writer_raises_on_every_rank(tmp_path: Path) -> None:
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a folder")  # root ignores permissions, but not a file in the path
-    options = {"checkpoint_dir": str(blocker / "ckpt"), "checkpoint_every": 4, "max_steps": 12, "control": True}
+    # Root ignores permissions, but not a file in the path: the writer's dataset replaces the
+    # folder by a file during step 4 (a folder that is a file at the start is refused then).
+    folder = tmp_path / "ckpt"
+    options = {"checkpoint_dir": str(folder), "checkpoint_every": 4, "max_steps": 12, "control": True}
+    options["swapping"] = {"rank": 0, "after": 24}
     records = torchrun_one_node(tmp_path, "out", options)
-    path = str(blocker / "ckpt" / "step-00000004.safetensors")
+    path = str(folder / "step-00000004.safetensors")
     for record in records:
         assert record.get("error") == "CheckpointError", record
-        assert path in record["message"] and "Not a directory" in record["message"]
+        assert f"{path}: cannot create the folder: File exists" in record["message"], record
         assert record["seconds"] < 60  # raised at step 4 on both, nobody waits for a timeout
         # The group fit made is gone, its threads joined, while the error is still being handled:
         # left to interpreter exit, a gloo thread releasing a collective's tensors then needs the
