@@ -59,7 +59,7 @@ def write_single(
     # A sharded save that this file now replaces: drop it, or a loader might still pick it.
     index = index_of(target)
     if index.exists():
-        _remove(target.parent, [index.name, *_weight_map_files(index)])
+        _remove(target.parent, [index.name, *weight_map_files(index)])
     _remove(target.parent, _backups(target))
 
 
@@ -77,7 +77,7 @@ def _write_sharded(
     shards = _split(state, limit)
     files = [shard_name(target, i + 1, len(shards)) for i in range(len(shards))]
     index_path = index_of(target)
-    old_files = _weight_map_files(index_path) if index_path.exists() else []
+    old_files = weight_map_files(index_path) if index_path.exists() else []
     save_id = secrets.token_hex(8)
     shard_header = {k: v for k, v in header.items() if k != PLAN_KEY}
     shard_header[SAVE_ID_KEY] = save_id
@@ -161,8 +161,9 @@ def _backups(target: Path) -> list[str]:
     return [p.name for p in target.parent.iterdir() if pattern.fullmatch(p.name)]
 
 
-def _weight_map_files(index_path: Path) -> list[str]:
-    """Shard files an existing index names, when they are plain names inside its folder."""
+def weight_map_files(index_path: Path) -> list[str]:
+    """Shard files an existing index names, when they are plain names inside its folder; none when
+    it does not read as an index (which its own open then names). Local."""
     try:
         raw = read_json(index_path, "index")
     except CheckpointError:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from tiekit.analyze import dtype_name
+from tiekit.checkpoint.files import weight_map_files
 from tiekit.checkpoint.layout import (
     INDEX_SUFFIX,
     PLAN_KEY,
@@ -81,7 +82,7 @@ def _pick_in_folder(folder: Path, preferred: tuple[str, ...]) -> Path:
     # Shard files are part of the sharded checkpoint their index commits (named as shards, or named
     # by an index): without an index they are the leftovers of a sharded save killed before its
     # index was written, never a checkpoint. Any other file is a checkpoint of its own, as an index is.
-    named = {file for index in indexes for file in _shard_files(folder / index)}
+    named = {file for index in indexes for file in weight_map_files(folder / index)}
     shards = [name for name in files if is_shard_name(name) or name in named]
     candidates = sorted([*indexes, *(name for name in files if name not in shards)])
     if len(candidates) == 1:
@@ -96,17 +97,6 @@ def _pick_in_folder(folder: Path, preferred: tuple[str, ...]) -> Path:
     if not candidates:
         raise CheckpointError(f"{folder}: no safetensors file or index in this folder{_sharded_hint(folder)}")
     raise CheckpointError(f"{folder}: several checkpoints in this folder ({', '.join(candidates)}); name one")
-
-
-def _shard_files(index: Path) -> set[str]:
-    """The file names the index ``index`` maps keys to; none when it does not read as an index,
-    which its own open then names (this only tells its shards from checkpoints beside it)."""
-    try:
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
-    # RecursionError: JSON nested deeper than the interpreter's stack (as TiePlan.from_json).
-    except (OSError, ValueError, RecursionError, AttributeError):
-        return set()
-    return {file for file in weight_map.values() if isinstance(file, str)} if isinstance(weight_map, dict) else set()
 
 
 def _sharded_hint(folder: Path) -> str:
