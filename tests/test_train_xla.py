@@ -225,11 +225,11 @@ def test_xla_strategy_on_two_devices_matches_one_device_with_the_global_batch() 
     assert len(out["digests"]) == 2 and len(set(out["digests"])) == 1  # replicas bit-identical
     assert out["ties_kept"] and out["tied"]
     assert (out["plain_params"], out["plain_tied"]) == (3, False)  # without tiekit the tie breaks
-    # Every graph compiled once, by one replica: as many as one device needs, plus the set-up's
-    # broadcast of replica 0's weights, plus at most the all-reduce of the validation sum (one
-    # device has nothing to reduce). That one is sometimes served from XLA's cache (6 or 7 against
-    # 6 in repeated runs before the broadcast), hence a range, not a count.
-    assert out["one_compilations"] + 1 <= out["compilations"] <= out["one_compilations"] + 2, (
+    # Every graph compiled once, by one replica: as many as one device needs, plus at most the
+    # set-up's broadcast of replica 0's weights and the all-reduce of the validation sum (one
+    # device has nothing to reduce). Since the broadcast runs in a sync of its own at placement
+    # (39e3437) either may be served from XLA's cache (6 against 6 in one CI run), hence a range.
+    assert out["one_compilations"] <= out["compilations"] <= out["one_compilations"] + 2, (
         out["compilations"],
         out["one_compilations"],
     )
