@@ -21,7 +21,7 @@ from models import gpt2
 from torch import nn
 
 import tiekit
-from tiekit.checkpoint.contents import declared_ties
+from tiekit.declarations import declared_ties
 
 IDS = torch.tensor([[1, 5, 9, 2, 7, 3]])
 T5_TIED = ["encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"]  # 4.x's list

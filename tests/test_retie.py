@@ -729,7 +729,7 @@ def test_a_declared_tie_of_a_submodule_a_plain_move_broke_is_restored_through_it
     """A GPT-2 held by a wrapper (a LightningModule's self.model): only the root's declarations were
     read, so a tie a plain .to broke stayed broken through move/preserve_ties of the wrapper (probe).
     Compiled submodels are read under their _orig_mod. names; transformers' own submodels once."""
-    from tiekit.checkpoint.contents import declared_ties
+    from tiekit.declarations import declared_ties
 
     wrapper = nn.Module()
     wrapper.model = gpt2()
@@ -776,7 +776,7 @@ def test_a_wrapper_forwarding_attributes_declares_its_models_ties_under_their_pa
     """A LightningModule holding a peft-like wrapper of a GPT-2: the wrapper lent the GPT-2's
     declarations, named without its path, and move/save_model of the holder raised "has no
     tensor named 'model.lm_head.weight'" (probe; at the root it failed before this stop too)."""
-    from tiekit.checkpoint.contents import declared_ties
+    from tiekit.declarations import declared_ties
 
     lm = gpt2()
     lm.lm_head.weight = nn.Parameter(lm.transformer.wte.weight.detach().clone())  # what a plain .to(xla) leaves

@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from torch.nn.parameter import is_lazy
 
-from tiekit.analyze import dtype_name, find_ties
+from tiekit.analyze import find_ties
 from tiekit.collective import collective_gather
 from tiekit.errors import TiekitError
-from tiekit.plan import TiePlan
+from tiekit.plan import TiePlan, dtype_name
 
 _SHOWN = 3  # differences named per rank and kind; the rest are counted
 

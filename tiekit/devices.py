@@ -66,6 +66,12 @@ def memory_visible(t: torch.Tensor) -> bool:
     return t.device.type in ("cpu", "cuda") and not t.is_meta
 
 
+def hides_view_geometry(t: torch.Tensor) -> bool:
+    """Whether ``t``'s device reports every tensor as contiguous from offset 0, so which part of a
+    shared storage a view covers cannot be read (XLA's functional storage)."""
+    return t.device.type == "xla"
+
+
 def storage_key(t: torch.Tensor) -> int | None:
     """Address of the tensor's StorageImpl: equal for a tensor and all its views on every device
     (CPU, CUDA, meta, and XLA's functional storage); None where there is no storage (sparse)."""

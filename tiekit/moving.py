@@ -87,10 +87,10 @@ def move(
 
 def moving_plan(model: nn.Module, declared: Mapping[str, str] | None) -> TiePlan:
     """The ties ``model`` holds, the ones it and its submodules declare (``TPUMixin.tied_weights``,
-    transformers' ``_tied_weights_keys``: `tiekit.checkpoint.contents.declared_ties`) where their
+    transformers' ``_tied_weights_keys``: `tiekit.declarations.declared_ties`) where their
     tensors are equal in value (a tie a plain ``.to`` broke before: the move restores it), and
     ``declared``. What every move plans with: `move`, `preserve_ties`, ``prepare_tied``, ``KeepTies``."""
-    from tiekit.checkpoint.contents import declared_ties_holding  # the checkpoint package imports this one
+    from tiekit.declarations import declared_ties_holding  # it imports tiekit.mixin, which imports this module
     from tiekit.errors import CheckpointError
 
     try:

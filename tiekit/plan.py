@@ -23,6 +23,11 @@ GroupKind = Literal["parameter", "buffer", "view"]
 MemberKind = Literal["parameter", "buffer"]
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``, as plans and error messages spell dtypes."""
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass(frozen=True)
 class ViewGeometry:
     """Where a view member sits inside its group's source.
@@ -342,7 +347,7 @@ def _sizes(values: Any, what: str) -> tuple[int, ...]:
 
 
 def _dtype(value: Any, what: str) -> str:
-    """A dtype as `tiekit.analyze.dtype_name` spells it ("float32").
+    """A dtype as `dtype_name` spells it ("float32").
 
     A name torch does not know is refused, and so is an alias ("float", "half"): checkpoints
     compare the plan's dtype with the stored tensor's ``dtype_name``, which never spells one.
@@ -351,7 +356,7 @@ def _dtype(value: Any, what: str) -> str:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise TieError(f"tie plan: {what} is {name!r}, not a torch dtype")
-    canonical = str(dtype).removeprefix("torch.")  # dtype_name's spelling; analyze imports this module
+    canonical = dtype_name(dtype)
     if name != canonical:
         raise TieError(f"tie plan: {what} is {name!r}, an alias of torch.{canonical}; plans spell it {canonical!r}")
     return name

@@ -26,7 +26,6 @@ load against the model), `loading` (committing it), `reads` (bytes into tensors)
 `tiekit.collective` coordinates ranks.
 """
 
-from tiekit.checkpoint.contents import declared_ties
 from tiekit.checkpoint.layout import (
     CHECKPOINT_NAME,
     INDEX_SUFFIX,
@@ -38,6 +37,7 @@ from tiekit.checkpoint.layout import (
 from tiekit.checkpoint.loading import LoadResult, load_checkpoint, load_model
 from tiekit.checkpoint.saving import save_checkpoint, save_model
 from tiekit.checkpoint.source import Source, open_source
+from tiekit.declarations import declared_ties
 
 __all__ = [
     "CHECKPOINT_NAME",

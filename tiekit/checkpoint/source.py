@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from tiekit.analyze import dtype_name
 from tiekit.checkpoint.files import weight_map_files
 from tiekit.checkpoint.layout import (
     INDEX_SUFFIX,
@@ -31,7 +30,7 @@ from tiekit.checkpoint.layout import (
 )
 from tiekit.errors import CheckpointError, TieError
 from tiekit.header import FileIdentity, Header, TensorEntry, read_header, read_json
-from tiekit.plan import TieGroup, TieMember, TiePlan
+from tiekit.plan import TieGroup, TieMember, TiePlan, dtype_name
 
 
 @dataclass(frozen=True)

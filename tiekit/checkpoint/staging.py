@@ -12,14 +12,13 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from tiekit.analyze import dtype_name
-from tiekit.checkpoint.contents import declared_ties, model_ties, transformers4_ties
 from tiekit.checkpoint.layout import name_list
 from tiekit.checkpoint.reads import read_tensor
 from tiekit.checkpoint.source import Source
+from tiekit.declarations import declared_ties, model_ties, transformers4_ties
 from tiekit.errors import CheckpointError, TieError
 from tiekit.header import TensorEntry
-from tiekit.plan import TieGroup, TieMember, TiePlan
+from tiekit.plan import TieGroup, TieMember, TiePlan, dtype_name
 from tiekit.retie import lasting_tie_changes, tensor_difference
 from tiekit.slots import slot_table
 

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiekit.analyze import dtype_name
 from tiekit.checkpoint.arguments import check_path
 from tiekit.checkpoint.files import removed_on_failure
 from tiekit.checkpoint.layout import INDEX_SUFFIX, WEIGHTS_NAME, PathLike, parse_size
@@ -47,7 +46,7 @@ from tiekit.dcp.layout import (
 )
 from tiekit.dcp.stream import Spec, Value, nbytes, write_dcp, write_safetensors
 from tiekit.errors import CheckpointError
-from tiekit.plan import TiePlan
+from tiekit.plan import TiePlan, dtype_name
 
 #: Bytes read from a DCP folder per read call (or the largest tensor, if larger): DCP plans each
 #: call, so one call per tensor costs more than the reading for models of many small tensors.

@@ -9,7 +9,8 @@ from dataclasses import replace
 from torch import nn
 
 from tiekit.analyze import find_ties
-from tiekit.checkpoint.contents import declared_ties, stored_only
+from tiekit.checkpoint.contents import stored_only
+from tiekit.declarations import declared_ties
 from tiekit.errors import CheckpointError
 from tiekit.plan import TieGroup, TiePlan
 

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tiekit.analyze import dtype_name
 from tiekit.checkpoint.source import Source, refuse_members_stored_otherwise
 from tiekit.dcp.damage import damaged_record
 from tiekit.dcp.layout import DCP_METADATA, MARKER_NAME, Marker, check_files, file_ends
@@ -21,6 +20,7 @@ from tiekit.dcp.metadata_pickle import metadata_reader, read_dcp_metadata
 from tiekit.dcp.state import running_dcp
 from tiekit.errors import CheckpointError
 from tiekit.header import TensorEntry
+from tiekit.plan import dtype_name
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tiekit.analyze import dtype_name
 from tiekit.checkpoint.direct import host_bytes
 from tiekit.checkpoint.layout import PathLike
 from tiekit.dcp.layout import read_marker, reading_committed
 from tiekit.inspection import FileReport, StoredTensor
+from tiekit.plan import dtype_name
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata

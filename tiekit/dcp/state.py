@@ -20,10 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiekit.analyze import dtype_name
 from tiekit.checkpoint.contents import encode_training_state
 from tiekit.errors import CheckpointError
-from tiekit.plan import TiePlan
+from tiekit.plan import TiePlan, dtype_name
 from tiekit.tracebacks import drop_frames
 
 STATE_VERSION = 1

@@ -11,12 +11,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tiekit.analyze import dtype_name
 from tiekit.checkpoint import PLAN_KEY, SAVE_ID_KEY, STATE_KEY, open_source
 from tiekit.checkpoint.arguments import check_path
 from tiekit.errors import CheckpointError
 from tiekit.inspection.text import group_table, shorten, size_text, tied_bytes
-from tiekit.plan import TiePlan
+from tiekit.plan import TiePlan, dtype_name
 
 _HIDDEN_METADATA = {PLAN_KEY, STATE_KEY, SAVE_ID_KEY, "format", "total_size"}
 

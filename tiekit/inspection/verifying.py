@@ -10,13 +10,13 @@ from typing import Any
 
 from torch import nn
 
-from tiekit.analyze import count_parameters, dtype_name
+from tiekit.analyze import count_parameters
 from tiekit.checkpoint import load_model
 from tiekit.errors import CheckpointError, TieError
 from tiekit.inspection.files import FileReport, inspect_file
 from tiekit.inspection.models import build_model, model_plan
 from tiekit.inspection.text import size_text
-from tiekit.plan import TieGroup, TiePlan
+from tiekit.plan import TieGroup, TiePlan, dtype_name
 from tiekit.retie import verify
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiekit.analyze import checked_declared
+from tiekit.declared_groups import checked_declared
 from tiekit.errors import TiekitError
 from tiekit.moving import move, moving_plan, rebind_optimizer
 from tiekit.retie import OnError, checked_on_error, retie, verify

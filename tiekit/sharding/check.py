@@ -198,7 +198,7 @@ def refuse_split_by_fsdp(model: nn.Module, *groups: TieGroup, across_units: bool
 
 def refuse_split_model_ties(model: nn.Module) -> None:
     """`refuse_split_by_fsdp` for every tie of ``model``, those it holds and those it declares
-    (`tiekit.checkpoint.contents.model_ties`, the ties a load re-ties), split across FSDP2 units:
+    (`tiekit.declarations.model_ties`, the ties a load re-ties), split across FSDP2 units:
     what `save_sharded` checks. Such units (your own ``fully_shard`` calls; torch before 2.13
     accepts them) train the tied names apart, and a save would write them as two tensors no model
     loads. A tie broken before wrapping is an untied model to FSDP2: saved as any untied model is
@@ -207,7 +207,7 @@ def refuse_split_model_ties(model: nn.Module) -> None:
     declares it.
     Local; nothing for a model no ``fully_shard`` touched (its declared ties are not even read)."""
     if _assignment_if_any(model):
-        from tiekit.checkpoint.contents import model_ties  # contents imports this module (through tiekit.mixin)
+        from tiekit.declarations import model_ties  # it imports this module (through tiekit.mixin)
 
         refuse_split_by_fsdp(model, *model_ties(model).groups, across_units=True)
 

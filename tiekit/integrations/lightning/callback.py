@@ -12,7 +12,7 @@ from typing import Any
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from tiekit.analyze import checked_declared
+from tiekit.declared_groups import checked_declared
 from tiekit.errors import TieError, TiekitError, TieWarning
 from tiekit.integrations.lightning.checkpoint_io import TiedCheckpointIO, local_path
 from tiekit.moving import moving_plan
