@@ -315,6 +315,45 @@ def test_declared_ties_apply_on_request_and_after_moves() -> None:
     assert meta.head.weight is meta.embed.weight and unique_params(meta) == 1
 
 
+class HoldsADeclaringMixin(tiekit.TPUMixin, nn.Module):
+    """A mixin model holding another whose declared tie it is built without."""
+
+    tied_weights: ClassVar[dict[str, str]] = {"out.weight": "inner.embed.weight"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = DeclaredTies(tie=False)
+        self.out = nn.Linear(4, 11, bias=False)
+
+
+@pytest.mark.parametrize("how", ["cast", "to_empty", "tie_weights", "assign_load"])
+def test_the_declared_ties_of_a_mixin_inside_a_mixin_apply_with_the_outer_ones(how: str) -> None:
+    """Only the outermost mixin plans a conversion, and it read only its own tied_weights: the
+    inner mixin's declared tie, which the inner module alone applies on every move, was left out."""
+    alone = DeclaredTies(tie=False).double()  # the inner model converted by itself ties
+    assert alone.head.weight is alone.embed.weight
+    if how == "to_empty":
+        with torch.device("meta"):
+            model = HoldsADeclaringMixin()
+        model.to_empty(device="cpu")
+    else:
+        model = HoldsADeclaringMixin()
+        if how == "cast":
+            model.double()
+        elif how == "tie_weights":
+            model.tie_weights()
+        else:
+            # Only the sources: the tied names are filled from them, not reported missing.
+            model.load_state_dict({"inner.embed.weight": torch.randn(11, 4)}, assign=True)
+    assert model.inner.head.weight is model.inner.embed.weight
+    assert model.out.weight is model.inner.embed.weight
+    assert unique_params(model) == 1
+    control = nn.Module()  # a plain container does not plan: each mixin inside converts its own subtree
+    control.held = HoldsADeclaringMixin()
+    control.double()
+    assert control.held.inner.head.weight is control.held.inner.embed.weight
+
+
 def test_declared_tie_conflict_is_a_tie_error() -> None:
     class Conflict(DeclaredTies):
         tied_weights: ClassVar[dict[str, str]] = {"head.weight": "other.weight"}

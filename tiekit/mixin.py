@@ -57,7 +57,9 @@ class TPUMixin:
     Declare ties the model is built without (or built on meta without) as
     ``tied_weights = {"target.name": "source.name"}``; they are applied by
     ``self.tie_weights()`` and after every conversion. Detected and declared ties are merged;
-    a conflict raises `tiekit.TieError`.
+    a conflict raises `tiekit.TieError`. A mixin model holding other mixin models applies their
+    ``tied_weights`` too (where two declare one target, the outer's holds): only the outermost
+    plans a conversion.
     """
 
     tied_weights: ClassVar[Mapping[str, str]] = {}
@@ -74,16 +76,17 @@ class TPUMixin:
         """
         assert isinstance(self, nn.Module)
         finish_interrupted_load(self)  # a load left half done: its plan still knows the ties
-        plan = kept_plan(self, self.tied_weights)
+        declared = declared_in_mixins(self)
+        plan = kept_plan(self, declared)
         if plan is None:
-            plan = find_ties(self, declared=self.tied_weights)
-            keep_plan(self, plan, self.tied_weights)
+            plan = find_ties(self, declared=declared)
+            keep_plan(self, plan, declared)
         return plan
 
     def tie_weights(self, *args: Any, **kwargs: Any) -> None:
         """Apply the declared ``tied_weights`` now (and a parent class's ``tie_weights``, if any)."""
         assert isinstance(self, nn.Module)
-        if self.tied_weights:
+        if declared_in_mixins(self):
             retie(self, self.tie_plan())
         parent = getattr(super(), "tie_weights", None)
         if parent is not None:
@@ -139,3 +142,20 @@ class TPUMixin:
         super()._load_from_state_dict(  # type: ignore[misc]
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
+
+
+def declared_in_mixins(model: nn.Module) -> dict[str, str]:
+    """The ``tied_weights`` of ``model`` and of every `TPUMixin` inside it, named from ``model``;
+    where two declare one target, the outer's holds. Names that are no strings pass as they are,
+    for `find_ties` to refuse."""
+    declared: dict[Any, Any] = {}
+    for path, module in model.named_modules():
+        if isinstance(module, TPUMixin) and module.tied_weights:
+            prefix = f"{path}." if path else ""
+            for target, source in module.tied_weights.items():
+                declared.setdefault(_named(prefix, target), _named(prefix, source))
+    return declared
+
+
+def _named(prefix: str, name: object) -> object:
+    return prefix + name if isinstance(name, str) else name

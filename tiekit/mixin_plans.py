@@ -42,7 +42,7 @@ _SLOT = "_tiekit_plan"
 @dataclass(frozen=True)
 class _Kept:
     plan: TiePlan
-    declared: int  # id of the class's ``tied_weights`` the plan merged
+    declared: tuple[tuple[str, str], ...]  # the declared ties the plan merged (the mixins' ``tied_weights``)
     forgotten: int
     registrations: int  # the count when the plan was last confirmed on the model
 
@@ -66,7 +66,7 @@ def kept_plan(model: nn.Module, declared: Mapping[str, str]) -> TiePlan | None:
     """The plan ``model`` keeps, if it may be reused (see the module docstring); else None."""
     _watch_registrations()
     kept: _Kept | None = model.__dict__.get(_SLOT)
-    if kept is None or kept.declared != id(declared) or kept.forgotten != _forgotten[0]:
+    if kept is None or kept.declared != tuple(declared.items()) or kept.forgotten != _forgotten[0]:
         return None
     if kept.registrations != _registrations[0]:
         if any(_latest_registration(module) > kept.registrations for module in model.modules()):
@@ -78,7 +78,7 @@ def kept_plan(model: nn.Module, declared: Mapping[str, str]) -> TiePlan | None:
 def keep_plan(model: nn.Module, plan: TiePlan, declared: Mapping[str, str]) -> None:
     """Keep ``plan`` as ``model``'s, confirmed on the model as it is now (planned, or re-tied to it)."""
     _watch_registrations()
-    model.__dict__[_SLOT] = _Kept(plan, id(declared), _forgotten[0], _registrations[0])
+    model.__dict__[_SLOT] = _Kept(plan, tuple(declared.items()), _forgotten[0], _registrations[0])
 
 
 def confirm_kept_plan(model: nn.Module) -> None:
