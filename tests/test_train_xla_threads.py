@@ -175,6 +175,8 @@ def test_a_replica_that_raises_releases_its_peer_with_a_tiekit_error(tmp_path: P
     assert done.returncode == 0, done.stderr[-3000:]
     error = records[-1]["error"]
     assert error is not None and error["tiekit"], error
+    # Its own type, so that fit adds no "raised in replica 0" note: the message names the replica that failed.
+    assert error["type"] == "ReplicaStopped" and error["notes"] == [], error
     assert "replica 0 stopped because another replica failed" in error["message"]
     assert f"replica 1: {raised}" in error["message"]
     assert time.monotonic() - started < 120  # released at once, not after XLA's or a collective's timeout

@@ -8,7 +8,7 @@ from tiekit.backends.torch_distributed import clear_dtensor_caches
 from tiekit.checkpoint import LoadResult, load_checkpoint, load_model, save_checkpoint, save_model
 from tiekit.collective import collective_save_checkpoint, collective_save_model, is_writer
 from tiekit.dcp import ConvertResult, SaveHandle, ShardedLoadResult, convert, load_sharded, save_sharded
-from tiekit.errors import CheckpointError, TieError, TiekitError, TieWarning
+from tiekit.errors import CheckpointError, ReplicaStopped, TieError, TiekitError, TieWarning
 from tiekit.mixin import TPUMixin
 from tiekit.moving import move, preserve_ties, rebind_optimizer
 from tiekit.plan import PLAN_VERSION, CrossModuleUse, TieGroup, TieMember, TiePlan, TieUse, ViewGeometry
@@ -27,6 +27,7 @@ __all__ = [
     "CrossModuleUse",
     "FitResult",
     "LoadResult",
+    "ReplicaStopped",
     "SaveHandle",
     "ShardedLoadResult",
     "TPUMixin",

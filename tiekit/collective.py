@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from tiekit.errors import CheckpointError, TiekitError
+from tiekit.errors import CheckpointError, ReplicaStopped, TiekitError
 
 T = TypeVar("T")
 
@@ -354,13 +354,15 @@ class _ThreadRendezvous:
             # and aborts this meeting's barrier. Checked before taking the lock, an abort in between
             # left this thread waiting in a new meeting until the timeout.
             if self._failure:
-                raise TiekitError(f"replica {rank}: stopped because another replica failed: {self._failure}")
+                raise ReplicaStopped(f"replica {rank}: stopped because another replica failed: {self._failure}")
             barrier, slots, left = self._meetings.setdefault(n, (threading.Barrier(world), [None] * world, [world]))
         slots[rank] = value
         try:
             barrier.wait(timeout)
         except threading.BrokenBarrierError:
-            reason = self._failure or f"not every replica arrived within {timeout:g} s (one is stuck)"
+            if self._failure:
+                raise ReplicaStopped(f"replica {rank}: collective #{n} failed: {self._failure}") from None
+            reason = f"not every replica arrived within {timeout:g} s (one is stuck)"
             raise TiekitError(f"replica {rank}: collective #{n} failed: {reason}") from None
         result = list(slots)
         with self._lock:

@@ -15,5 +15,10 @@ class CheckpointError(TiekitError):
     """A checkpoint could not be written or read; the message names the file and key."""
 
 
+class ReplicaStopped(TiekitError):
+    """This replica stopped because another replica of the run failed (launch threads of one
+    process); the message carries that replica's failure."""
+
+
 class TieWarning(UserWarning):
     """A tie problem reported with ``on_error="warn"`` instead of raised."""

@@ -167,9 +167,9 @@ class _CompileGate:
         try:
             self._barrier.wait()  # every replica has traced its step and nobody is syncing
         except threading.BrokenBarrierError:
-            from tiekit.errors import TiekitError
+            from tiekit.errors import ReplicaStopped
 
-            raise TiekitError(f"replica {ordinal} stopped because another replica failed: {self._failure}") from None
+            raise ReplicaStopped(f"replica {ordinal} stopped because another replica failed: {self._failure}") from None
         if ordinal == 0:
             with self._cond:
                 self._round += 1

@@ -23,7 +23,7 @@ from tiekit import devices
 from tiekit.analyze import find_ties
 from tiekit.backends.base import Backend
 from tiekit.checkpoint.direct import host_bytes
-from tiekit.errors import TiekitError
+from tiekit.errors import ReplicaStopped, TiekitError
 from tiekit.retie import verify
 from tiekit.train import coordinate, joining, state
 from tiekit.train.config import Job, LossFn, Outcome
@@ -107,8 +107,7 @@ def run_replica(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
         reason = f"{type(exc).__name__}: {exc}"
         backend.abort(reason)  # XLA:CPU threads: peers waiting in the step's compile gate
         coordinate.abort(backend, reason)  # peers waiting in one of fit's collectives
-        released = isinstance(exc, TiekitError) and "because another replica failed" in str(exc)
-        if backend.ranks.kind == "xla-threads" and not released:
+        if backend.ranks.kind == "xla-threads" and not isinstance(exc, ReplicaStopped):
             # The launch raises replica 0's exception: released by a peer's failure, it names that
             # replica; its own named none.
             exc.add_note(f"tiekit.fit: raised in replica {backend.replica_rank} of {backend.replica_count}")
