@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launching import BIN, EXAMPLES, audit_env, base_env, free_port, renames, run_ok, run_together
+from launching import BIN, EXAMPLES, ROOT, audit_env, base_env, free_port, renames, run_ok, run_together
 
 import tiekit
 
@@ -187,6 +187,127 @@ def test_accelerate_launch_main_process_and_collective_saves(tmp_path: Path) -> 
     for rank in range(WORLD):
         assert f"process {rank}: saved and reloaded tied ({WORLD} processes)" in run.output
     assert renames(audit, tmp_path / "out") == {"collective.safetensors": [0], "main.safetensors": [0]}
+
+
+ACCELERATE_FSDP2 = """
+import sys
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.state import PartialState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from torch import nn
+from models import gpt2
+import tiekit
+from tiekit.integrations.accelerate import prepare_tied
+
+# accelerate 1.15 runs FSDP on GPUs only (its state never turns MULTI_CPU into FSDP): setting the
+# type by hand, on both states, is the only way to run its real FSDP2 code (_prepare_fsdp2,
+# fsdp2_prepare_model, torch's fully_shard) on the CPU. Nothing of accelerate or tiekit is mocked.
+acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+PartialState().distributed_type = DistributedType.FSDP
+acc.state.distributed_type = DistributedType.FSDP
+rank = acc.process_index
+
+
+def use(**settings):
+    acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2, **settings)
+
+
+def broken_gpt2():  # its declared tie broken into equal copies, as a plain .to(xla) leaves it
+    model = gpt2()
+    model.lm_head.weight = nn.Parameter(model.transformer.wte.weight.detach().clone())
+    return model
+
+
+class TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(96, 16)
+        self.mid = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 96, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.mid(self.embed(ids))))
+
+
+class TiedByHand(TiedLM):
+    def tie_weights(self):  # a tie_weights() that does not restore this tie
+        pass
+
+
+def with_adamw(model):
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def refused(model, match):
+    try:
+        prepare_tied(acc, *with_adamw(model))
+    except tiekit.TieError as exc:
+        assert match in str(exc), str(exc)
+        return str(exc)
+    raise AssertionError("not refused")
+
+
+use()
+plain, _ = acc.prepare(*with_adamw(broken_gpt2()))
+assert plain.lm_head.weight is not plain.transformer.wte.weight  # the control: two tensors, trained apart
+model, optimizer = prepare_tied(acc, *with_adamw(broken_gpt2()))
+assert type(model).__name__ == "FSDPGPT2LMHeadModel" and model.lm_head.weight is model.transformer.wte.weight
+assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(model.parameters())) == 28
+ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(rank))
+acc.backward(model(input_ids=ids, labels=ids).loss)
+optimizer.step()
+assert model.lm_head.weight is model.transformer.wte.weight
+print(f"process {rank}: declared tie made again under FSDP2", flush=True)
+
+use(auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=100)
+plain, _ = acc.prepare(*with_adamw(TiedLM()))
+assert plain.head.weight is not plain.embed.weight  # the control: split into two units
+model = TiedLM()
+message = refused(model, "min_num_params=100) would put the tied embed.weight (unit 'embed'), head.weight (unit")
+assert type(model) is TiedLM and model.head.weight is model.embed.weight, "changed before the refusal"
+
+use(cpu_ram_efficient_loading=True)
+plain, _ = acc.prepare(*with_adamw(TiedLM()))
+assert plain.head.weight is not plain.embed.weight  # the control: broken by the move to meta
+model = TiedLM()
+refused(model, "cpu_ram_efficient_loading=True, which moves the model to the meta device")
+assert type(model) is TiedLM and model.head.weight is model.embed.weight, "changed before the refusal"
+refused(TiedByHand(), "cpu_ram_efficient_loading=False for a model whose tie_weights() does not restore")
+print(f"process {rank}: accelerate's settings refused", flush=True)
+acc.end_training()
+"""
+
+
+# accelerate's and torch's FSDP2 code on CPU processes: the same on both stacks, run once.
+@pytest.mark.newest_torch_only
+def test_prepare_tied_under_accelerates_fsdp2(tmp_path: Path) -> None:
+    """prepare_tied moved the model only for strategies that do not place it themselves: under
+    FSDP2 a declared tie broken into equal copies (a plain .to) stayed broken, and the TieError
+    came after accelerate had wrapped the model. accelerate's size-based wrap and
+    cpu_ram_efficient_loading (model without tie_weights) split or broke a tie, refused only after
+    prepare had changed the model, with advice (fully_shard, tiekit.shard) no accelerate user can
+    follow (probe)."""
+    script = tmp_path / "fsdp2.py"
+    script.write_text(ACCELERATE_FSDP2)
+    command = [
+        str(BIN / "accelerate"),
+        "launch",
+        "--multi_gpu",
+        f"--num_processes={WORLD}",
+        "--num_machines=1",
+        "--mixed_precision=no",
+        "--dynamo_backend=no",
+        f"--main_process_port={free_port()}",
+        str(script),
+    ]
+    env = base_env(PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}")
+    [run] = run_ok([command], env=env, cwd=tmp_path, timeout=120)
+    for rank in range(WORLD):
+        assert f"process {rank}: declared tie made again under FSDP2" in run.output
+        assert f"process {rank}: accelerate's settings refused" in run.output
 
 
 @pytest.mark.xla

@@ -7,10 +7,15 @@ buffers or views). ``prepare_tied`` moves the model itself first, keeping ties
 (`tiekit.move`), so that ``prepare``'s own move changes nothing and a DDP wrapper is built over
 the tied parameters; then it re-ties and verifies the unwrapped model once more. Optimizers
 passed along (built before the move) are re-bound to the moved parameters by name.
+
+Under FSDP (and DeepSpeed, Megatron-LM) accelerate places the parameters itself: the model is
+re-tied where it is, and accelerate's FSDP2 settings that would split or break a tie are refused
+before ``prepare`` changes the model (`_refuse_fsdp2_settings`).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,9 +23,11 @@ import torch
 from torch import nn
 
 from tiekit.declared_groups import checked_declared
-from tiekit.errors import TiekitError
+from tiekit.errors import TieError, TiekitError
 from tiekit.moving import move, moving_plan, rebind_optimizer
-from tiekit.retie import OnError, checked_on_error, retie, verify
+from tiekit.plan import TiePlan
+from tiekit.retie import OnError, checked_on_error, fitting_plan, retie, verify
+from tiekit.sharding.units import within
 
 __all__ = ["prepare_tied"]
 
@@ -55,17 +62,105 @@ def prepare_tied(
         declared = {_unprefixed(t): _unprefixed(s) for t, s in declared.items()}
     # As tiekit.move plans: a tie the model declares and a plain .to broke (equal copies) is tied again.
     plan = moving_plan(base, declared)
-    if accelerator.device_placement and accelerator.distributed_type.name not in _SELF_PLACING:
-        names = {id(p): n for n, p in base.named_parameters()}
+    self_placing = accelerator.distributed_type.name in _SELF_PLACING
+    names = {id(p): n for n, p in base.named_parameters()}
+    if accelerator.device_placement and not self_placing:
         move(base, accelerator.device, plan=plan, on_error=on_error)
-        for optimizer in objects:
-            if isinstance(optimizer, torch.optim.Optimizer):
-                rebind_optimizer(optimizer, base, names)
+    else:
+        # prepare does not move the model: the move's re-tie (a declared tie a plain .to broke) is
+        # made here, in place, so that FSDP or DDP wraps the tied parameter and not two copies.
+        plan = fitting_plan(base, plan, counted=on_error == "raise")
+        if accelerator.distributed_type.name == "FSDP":
+            _refuse_fsdp2_settings(accelerator, base, plan)
+        retie(base, plan)
+        verify(base, plan, on_error=on_error)
+    for optimizer in objects:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            rebind_optimizer(optimizer, base, names)
     prepared = accelerator.prepare(model, *objects)
     inner = accelerator.unwrap_model(prepared[0] if objects else prepared, keep_torch_compile=False)
-    retie(inner, plan)
-    verify(inner, plan, on_error=on_error)
+    try:
+        retie(inner, plan)
+        verify(inner, plan, on_error=on_error)
+    except TieError as exc:
+        if accelerator.distributed_type.name != "FSDP":
+            raise
+        raise TieError(
+            f"{exc}\nprepare_tied: accelerate's FSDP preparation (already done: the model is wrapped and "
+            "sharded in place) split or broke this tie. With accelerate, change its FSDP plugin instead: an "
+            "auto_wrap_policy / min_num_params that keeps the modules of one tie in one unit (the default "
+            "policy or TRANSFORMER_BASED_WRAP do for transformers' tied embeddings), and "
+            "cpu_ram_efficient_loading=False for a model whose tie_weights() does not restore this tie."
+        ) from exc
     return prepared
+
+
+def _refuse_fsdp2_settings(accelerator: Any, model: nn.Module, plan: TiePlan) -> None:
+    """`TieError` naming the accelerate FSDP2 setting that would split or break a tie of ``plan``,
+    predicted from the plugin and the model as accelerate's ``fsdp2_prepare_model`` would act
+    (accelerate 1.x), raised before ``prepare`` changes the model in place. Local."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if plugin is None or getattr(plugin, "fsdp_version", 1) != 2:
+        return
+    ties = [[m.name for m in g.members if m.kind == "parameter" and m.view is None] for g in plan.groups]
+    ties = [names for names in ties if len(names) > 1]
+    if not ties:
+        return
+    if getattr(plugin, "cpu_ram_efficient_loading", False) and not hasattr(model, "tie_weights"):
+        # accelerate moves the model to meta (one tensor per name) and re-ties only through tie_weights().
+        raise TieError(
+            f"prepare_tied: accelerate's FSDP plugin has cpu_ram_efficient_loading=True, which moves the model "
+            f"to the meta device and re-ties it only through model.tie_weights(), which {type(model).__name__} "
+            f"does not have: the tie of {', '.join(ties[0])} would break. Set cpu_ram_efficient_loading=False "
+            "(FSDP_CPU_RAM_EFFICIENT_LOADING=false) or give the model a tie_weights() that restores it; "
+            "nothing was changed"
+        )
+    units = _auto_wrap_units(plugin, model, ties)
+    for names in ties:
+        owners = {name: _unit_of(name.rpartition(".")[0], units) for name in names}
+        if len(set(owners.values())) > 1:
+            listed = ", ".join(f"{n} (unit {u or '<root>'!r})" for n, u in owners.items())
+            policy = getattr(plugin.auto_wrap_policy, "__name__", repr(plugin.auto_wrap_policy))
+            raise TieError(
+                f"prepare_tied: accelerate's FSDP plugin (auto_wrap_policy={policy}, "
+                f"min_num_params={plugin.min_num_params}) would put the tied {listed} in different units, each "
+                "training its own copy. Choose an auto_wrap_policy / min_num_params that keeps them in one unit "
+                "(the default policy, or TRANSFORMER_BASED_WRAP for transformers models); nothing was changed"
+            )
+
+
+def _auto_wrap_units(plugin: Any, model: nn.Module, ties: list[list[str]]) -> dict[str, str]:
+    """{module path: its unit's label} for the modules accelerate's ``fsdp2_prepare_model`` shards
+    on their own: those its auto-wrap policy picks, the input embedding when untied, and the
+    tied embeddings' tail group. Empty when accelerate's helpers are not there to ask."""
+    try:
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy, get_module_children_bottom_up
+
+        plugin = copy.copy(plugin)  # set_auto_wrap_policy resolves the policy on the plugin itself
+        plugin.set_auto_wrap_policy(model)
+        policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+        paths = {id(m): n for n, m in model.named_modules()}
+        wrapped = [m for m in get_module_children_bottom_up(model)[:-1] if policy is not None and policy(m)]
+        inputs = getattr(model, "get_input_embeddings", lambda: None)()
+        outputs = getattr(model, "get_output_embeddings", lambda: None)()
+    except (ImportError, AttributeError, TypeError, ValueError):  # older accelerate; a policy it refuses itself
+        return {}
+    units = {paths[id(m)]: paths[id(m)] for m in wrapped if id(m) in paths}
+    inner = [m for m in (inputs, outputs) if isinstance(m, nn.Module) and id(m) in paths]
+    # Tied as accelerate will see them: after the re-tie prepare_tied makes first (a tie of the plan).
+    weights = {f"{paths[id(m)]}.weight".lstrip(".") for m in inner}
+    tied = len(inner) == 2 and (len(weights) == 1 or any(weights <= set(names) for names in ties))
+    for m in inner:
+        path = paths[id(m)]
+        if not any(within(path, unit) for unit in units):
+            units[path] = "tail" if tied or m is outputs else path
+    return units
+
+
+def _unit_of(path: str, units: Mapping[str, str]) -> str:
+    """The unit managing the parameters of module ``path``: its deepest unit, else the root ("")."""
+    holders = [unit for unit in units if within(path, unit)]
+    return units[max(holders, key=len)] if holders else ""
 
 
 def _refuse_bad_arguments(accelerator: Any, model: Any, declared: Any) -> None:
