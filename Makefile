@@ -36,12 +36,12 @@ lint: $(VENV)/.stamp
 # --durations: the slowest tests in every log, to see where the 20-minute budget goes.
 # Everything on the pinned XLA stack (torch 2.9.1 + torch_xla 2.9.0, XLA:CPU devices).
 test-xla-stack: $(VENV)/.stamp
-	PJRT_DEVICE=CPU TIEKIT_REQUIRE_XLA=1 $(VENV)/bin/pytest -q -p no:cacheprovider --durations=12; $(PYTEST_STATUS)
+	PJRT_DEVICE=CPU TIEKIT_REQUIRE_XLA=1 $(VENV)/bin/pytest -q -p no:cacheprovider --durations=25; $(PYTEST_STATUS)
 
 # The non-XLA tests on the newest torch, torch_xla absent.
 test-latest: $(LATEST)/.stamp
 	$(LATEST)/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch_xla') is not None)"
-	$(LATEST)/bin/pytest -q -p no:cacheprovider --durations=12 -m "not xla"; $(PYTEST_STATUS)
+	$(LATEST)/bin/pytest -q -p no:cacheprovider --durations=25 -m "not xla"; $(PYTEST_STATUS)
 
 # The documentation site (mkdocs.yml), warnings as errors: a broken link, a missing page or a
 # docstring mkdocstrings cannot render fails. Its code blocks run in tests/test_docs.py.

@@ -20,6 +20,9 @@ from torch import nn
 
 from tiekit import load_model, save_model
 
+# tiekit's atomic file writes (safetensors, os.replace), the same on both stacks: run once (keeps CI short).
+pytestmark = pytest.mark.newest_torch_only
+
 KILLS = 12
 SHARD = 1_500_000  # bytes: the sharded copy has 2 shards
 

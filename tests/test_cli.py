@@ -343,6 +343,7 @@ def test_a_factory_raising_a_base_exception_is_one_line_from_the_console(factori
         assert lines[0] == f"tiekit: error: {factories}:aborts() failed: Abort: stop" and len(lines) == 2, result.stderr
 
 
+@pytest.mark.newest_torch_only  # the CLI's own output, the same on both stacks: run once
 def test_json_output_holds_the_json_alone_when_the_factory_prints(
     factories: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -21,6 +21,9 @@ from launching import TIMEOUT, base_env
 
 import tiekit
 
+# tiekit's reading and wording, the same on both stacks: run once (keeps CI under its budget).
+pytestmark = pytest.mark.newest_torch_only
+
 NOBODY = 65534
 TINY = """
 from torch import nn

@@ -18,6 +18,9 @@ import tiekit
 from tiekit.cli import main
 from tiekit.dcp.layout import committed_save_id
 
+# tiekit's rules for a destination folder, the same on both stacks: run once (keeps CI under its budget).
+pytestmark = pytest.mark.newest_torch_only
+
 
 class Tied(nn.Module):
     """An embedding tied to the output layer, small enough for every test to save in milliseconds."""

@@ -26,6 +26,9 @@ from torch.utils.data import TensorDataset
 import tiekit
 from tiekit.train.folder_lock import LOCK_NAME
 
+# tiekit's folder lock, the same code on both stacks: run once (keeps CI under its budget).
+pytestmark = pytest.mark.newest_torch_only
+
 RUN_A = """
 import sys
 import time

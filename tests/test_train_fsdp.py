@@ -204,6 +204,7 @@ def test_an_fsdp_checkpoint_loads_into_a_plain_model_with_its_tie(tmp_path: Path
     assert same(weights(plain), weights(result.model))
 
 
+@pytest.mark.newest_torch_only  # fit's own refusal, the same on both stacks: run once
 def test_resume_naming_a_folder_that_is_no_checkpoint_says_what_it_is_on_every_rank(tmp_path: Path) -> None:
     """Found by a probe: on 2 ranks, resume= naming the checkpoint_dir or a save folder inside a
     checkpoint (folders every rank sees) was blamed on node-local storage ("so the ranks would
