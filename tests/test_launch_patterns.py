@@ -164,6 +164,14 @@ def test_a_hidden_barrier_in_save_model_fails_the_test(tmp_path: Path) -> None:
     assert (tmp_path / "out" / "writer.safetensors").is_file()  # it got as far as the save
 
 
+def accelerate_launch(script: Path, *args: str) -> list[str]:
+    """``accelerate launch`` of ``script`` on WORLD gloo CPU processes: --multi_gpu is its torchrun
+    launcher (with --cpu, accelerate 1.x starts one process unless mpirun is configured)."""
+    options = ["--multi_gpu", f"--num_processes={WORLD}", "--num_machines=1", "--mixed_precision=no"]
+    options += ["--dynamo_backend=no", f"--main_process_port={free_port()}"]
+    return [str(BIN / "accelerate"), "launch", *options, str(script), *args]
+
+
 # The launcher's handling, not torch's: on the newest-torch stack only (plain processes run on both).
 @pytest.mark.newest_torch_only
 def test_accelerate_launch_main_process_and_collective_saves(tmp_path: Path) -> None:
@@ -171,18 +179,7 @@ def test_accelerate_launch_main_process_and_collective_saves(tmp_path: Path) -> 
     # to its single-process launcher unless mpirun is configured); --multi_gpu is its torchrun
     # launcher, and Accelerator(cpu=True) makes the processes gloo CPU processes.
     audit = tmp_path / "audit"
-    command = [
-        str(BIN / "accelerate"),
-        "launch",
-        "--multi_gpu",
-        f"--num_processes={WORLD}",
-        "--num_machines=1",
-        "--mixed_precision=no",
-        "--dynamo_backend=no",
-        f"--main_process_port={free_port()}",
-        str(EXAMPLES / "launch_accelerate.py"),
-        "out",
-    ]
+    command = accelerate_launch(EXAMPLES / "launch_accelerate.py", "out")
     [run] = run_ok([command], env=base_env(**audit_env(audit)), cwd=tmp_path)
     for rank in range(WORLD):
         assert f"process {rank}: saved and reloaded tied ({WORLD} processes)" in run.output
@@ -262,6 +259,14 @@ optimizer.step()
 assert model.lm_head.weight is model.transformer.wte.weight
 print(f"process {rank}: declared tie made again under FSDP2", flush=True)
 
+inner = acc.unwrap_model(model)  # saved sharded, loaded into a plain model built untied
+tiekit.save_sharded(inner, sys.argv[1], optimizer=optimizer)
+loaded = broken_gpt2()
+tiekit.load_sharded(loaded, sys.argv[1])
+assert loaded.lm_head.weight is loaded.transformer.wte.weight
+assert torch.equal(loaded.transformer.wte.weight, inner.transformer.wte.weight.full_tensor())
+print(f"process {rank}: saved sharded and loaded tied", flush=True)
+
 use(auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=100)
 plain, _ = acc.prepare(*with_adamw(TiedLM()))
 assert plain.head.weight is not plain.embed.weight  # the control: split into two units
@@ -277,6 +282,9 @@ refused(model, "cpu_ram_efficient_loading=True, which moves the model to the met
 assert type(model) is TiedLM and model.head.weight is model.embed.weight, "changed before the refusal"
 refused(TiedByHand(), "cpu_ram_efficient_loading=False for a model whose tie_weights() does not restore")
 print(f"process {rank}: accelerate's settings refused", flush=True)
+# FSDP2's meshes stay alive in torch's DTensor caches: cleared, gloo's threads cannot abort the exit.
+acc.wait_for_everyone()
+tiekit.clear_dtensor_caches()
 acc.end_training()
 """
 
@@ -292,21 +300,11 @@ def test_prepare_tied_under_accelerates_fsdp2(tmp_path: Path) -> None:
     follow (probe)."""
     script = tmp_path / "fsdp2.py"
     script.write_text(ACCELERATE_FSDP2)
-    command = [
-        str(BIN / "accelerate"),
-        "launch",
-        "--multi_gpu",
-        f"--num_processes={WORLD}",
-        "--num_machines=1",
-        "--mixed_precision=no",
-        "--dynamo_backend=no",
-        f"--main_process_port={free_port()}",
-        str(script),
-    ]
     env = base_env(PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}")
-    [run] = run_ok([command], env=env, cwd=tmp_path, timeout=120)
+    [run] = run_ok([accelerate_launch(script, str(tmp_path / "ckpt"))], env=env, cwd=tmp_path, timeout=120)
     for rank in range(WORLD):
         assert f"process {rank}: declared tie made again under FSDP2" in run.output
+        assert f"process {rank}: saved sharded and loaded tied" in run.output
         assert f"process {rank}: accelerate's settings refused" in run.output
 
 
