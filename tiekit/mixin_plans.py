@@ -42,15 +42,16 @@ _SLOT = "_tiekit_plan"
 @dataclass(frozen=True)
 class _Kept:
     plan: TiePlan
-    declared: tuple[tuple[str, str], ...]  # the declared ties the plan merged (the mixins' ``tied_weights``)
+    declared: int  # id of the root's ``tied_weights`` (a nested mixin's come with its registration)
     forgotten: int
     registrations: int  # the count when the plan was last confirmed on the model
 
 
 def forget_plans() -> None:
     """Invalidate every cached mixin plan: call it after writing into ``_parameters`` or
-    ``_modules`` by hand (torch's ``ModuleList.insert`` and ``Sequential.insert`` do), and after
-    ``.data =`` assignments that make tensors share memory.
+    ``_modules`` by hand (torch's ``ModuleList.insert`` and ``Sequential.insert`` do), after
+    ``.data =`` assignments that make tensors share memory, and after changing the class
+    ``tied_weights`` of a mixin model held inside another (the outer's plan merged them).
 
     A cached plan is re-checked only for the ties it knows (`tiekit.retie.still_holds`, one
     look-up per tied name). Sharing made without a registration (``m.b.weight.data =
@@ -66,7 +67,7 @@ def kept_plan(model: nn.Module, declared: Mapping[str, str]) -> TiePlan | None:
     """The plan ``model`` keeps, if it may be reused (see the module docstring); else None."""
     _watch_registrations()
     kept: _Kept | None = model.__dict__.get(_SLOT)
-    if kept is None or kept.declared != tuple(declared.items()) or kept.forgotten != _forgotten[0]:
+    if kept is None or kept.declared != id(declared) or kept.forgotten != _forgotten[0]:
         return None
     if kept.registrations != _registrations[0]:
         if any(_latest_registration(module) > kept.registrations for module in model.modules()):
@@ -78,7 +79,7 @@ def kept_plan(model: nn.Module, declared: Mapping[str, str]) -> TiePlan | None:
 def keep_plan(model: nn.Module, plan: TiePlan, declared: Mapping[str, str]) -> None:
     """Keep ``plan`` as ``model``'s, confirmed on the model as it is now (planned, or re-tied to it)."""
     _watch_registrations()
-    model.__dict__[_SLOT] = _Kept(plan, tuple(declared.items()), _forgotten[0], _registrations[0])
+    model.__dict__[_SLOT] = _Kept(plan, id(declared), _forgotten[0], _registrations[0])
 
 
 def confirm_kept_plan(model: nn.Module) -> None:
