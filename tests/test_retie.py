@@ -354,6 +354,27 @@ def test_the_declared_ties_of_a_mixin_inside_a_mixin_apply_with_the_outer_ones(h
     assert control.held.inner.head.weight is control.held.inner.embed.weight
 
 
+@pytest.mark.parametrize("nested", [False, True])
+def test_tied_weights_that_are_no_mapping_are_a_tie_error_naming_the_class(nested: bool) -> None:
+    """Reading every mixin's declarations called .items() on them first: a list was a bare
+    AttributeError (probe), where find_ties' check named it (a list or tuple of pairs alike)."""
+
+    class PairsDeclared(DeclaredTies):
+        tied_weights = (("head.weight", "embed.weight"),)  # type: ignore[assignment]
+
+        def __init__(self) -> None:
+            super().__init__(tie=False)
+
+    model: nn.Module = PairsDeclared()
+    if nested:
+        outer = HoldsADeclaringMixin()
+        outer.inner = model
+        model = outer
+    with pytest.raises(TieError, match=r"PairsDeclared.tied_weights maps tied names .* not a tuple"):
+        model.double()
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
 def test_declared_tie_conflict_is_a_tie_error() -> None:
     class Conflict(DeclaredTies):
         tied_weights: ClassVar[dict[str, str]] = {"head.weight": "other.weight"}

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from tiekit.analyze import find_ties
+from tiekit.errors import TieError
 from tiekit.mixin_loading import before_load, enclosing_mixin_loads, finish_interrupted_load
 from tiekit.mixin_plans import confirm_kept_plan, keep_plan, kept_plan
 from tiekit.mixin_plans import forget_plans as forget_plans  # documented as tiekit.mixin.forget_plans
@@ -158,6 +159,11 @@ def declared_in_mixins(model: nn.Module) -> dict[str, str]:
             continue
         seen.add(id(module))
         if isinstance(module, TPUMixin) and module.tied_weights:
+            if not isinstance(module.tied_weights, Mapping):
+                raise TieError(
+                    f"{type(module).__name__}.tied_weights maps tied names to their sources ({{target: source}}), "
+                    f"not a {type(module.tied_weights).__name__}"
+                )
             prefix = f"{path}." if path else ""
             for target, source in module.tied_weights.items():
                 declared.setdefault(_named(prefix, target), _named(prefix, source))

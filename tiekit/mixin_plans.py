@@ -50,8 +50,9 @@ class _Kept:
 def forget_plans() -> None:
     """Invalidate every cached mixin plan: call it after writing into ``_parameters`` or
     ``_modules`` by hand (torch's ``ModuleList.insert`` and ``Sequential.insert`` do), after
-    ``.data =`` assignments that make tensors share memory, and after changing the class
-    ``tied_weights`` of a mixin model held inside another (the outer's plan merged them).
+    ``.data =`` assignments that make tensors share memory, and after changing the
+    ``tied_weights`` (of its class or the instance) of a mixin model held inside another (the
+    outer's plan merged them).
 
     A cached plan is re-checked only for the ties it knows (`tiekit.retie.still_holds`, one
     look-up per tied name). Sharing made without a registration (``m.b.weight.data =
