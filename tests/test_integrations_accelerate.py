@@ -185,6 +185,37 @@ def test_prepare_tied_reties_a_declared_tie_a_plain_move_broke(cpu_accelerator: 
     assert wrapper.model.lm_head.weight is wrapper.model.transformer.wte.weight
 
 
+class DeclaringLM(tiekit.TPUMixin, torch.nn.Module):
+    """Declares its tie and is built without it (never called tie_weights): the two tensors differ."""
+
+    tied_weights = {"head.weight": "embed.weight"}  # noqa: RUF012 - the mixin's class attribute
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 4)
+        self.head = torch.nn.Linear(4, 11, bias=False)
+
+
+@pytest.mark.parametrize("device_placement", [True, False])
+def test_prepare_tied_applies_a_mixins_declared_tie_with_or_without_the_move(
+    cpu_accelerator: accelerate.Accelerator, device_placement: bool
+) -> None:
+    """Moving, prepare_tied tied the model through the mixin's own conversion, then raised "tied
+    weights are no longer shared ... Before: 2 After: 1" (its plan kept only declared ties equal in
+    value); not moving, it prepared the model untied without a word (probe). Both tie it now."""
+    accelerator = cpu_accelerator
+    accelerator.device_placement = device_placement
+    plain = accelerator.prepare(DeclaringLM())
+    # The control: prepare alone leaves it two tensors when it does not move it (a move is the mixin's .to, which ties).
+    assert (plain.head.weight is plain.embed.weight) == device_placement
+    model = DeclaringLM()
+    source = model.embed.weight.detach().clone()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # built before, over both tensors
+    model, optimizer = prepare_tied(accelerator, model, optimizer)
+    assert model.head.weight is model.embed.weight and torch.equal(model.embed.weight, source)
+    assert [len(g["params"]) for g in optimizer.optimizer.param_groups] == [1]
+
+
 def test_prepare_tied_of_a_model_compiled_before_prepare(cpu_accelerator: accelerate.Accelerator) -> None:
     """The plan was made on the compile wrapper ("_orig_mod." names) and applied to the model
     prepare unwrapped: a TieError naming '_orig_mod.transformer', after prepare had run (probe)."""

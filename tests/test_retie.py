@@ -354,8 +354,34 @@ def test_the_declared_ties_of_a_mixin_inside_a_mixin_apply_with_the_outer_ones(h
     assert control.held.inner.head.weight is control.held.inner.embed.weight
 
 
+@pytest.mark.parametrize("how", ["move", "preserve_ties"])
 @pytest.mark.parametrize("nested", [False, True])
-def test_tied_weights_that_are_no_mapping_are_a_tie_error_naming_the_class(nested: bool) -> None:
+def test_move_applies_a_mixins_declared_tie_it_was_built_without(how: str, nested: bool) -> None:
+    """The moving plan kept only declared ties whose tensors were equal, while the mixin's own
+    _apply ties every declaration: tiekit.move tied the model, then raised "tied weights are no
+    longer shared ... Before: 2 After: 1" (probe). It plans the mixin's declarations as the mixin does."""
+    model: nn.Module = HoldsADeclaringMixin() if nested else DeclaredTies(tie=False)
+    inner = model.inner if nested else model
+    prefix = "inner." if nested else ""
+    assert not torch.equal(inner.head.weight, inner.embed.weight)  # never tied: the values differ
+    source = inner.embed.weight.detach().clone()
+    control = copy.deepcopy(model)  # planned without the declarations, as the move planned before
+    broken = pytest.raises(TieError, match=f"Before: {3 if nested else 2} After: 1")
+    with broken, tiekit.preserve_ties(control, plan=find_ties(control)):
+        control.to(torch.float64)
+    if how == "move":
+        tiekit.move(model, torch.float64)
+    else:
+        with tiekit.preserve_ties(model) as plan:
+            model.to(torch.float64)
+        assert plan.source_of(f"{prefix}head.weight") == f"{prefix}embed.weight"
+    assert inner.head.weight is inner.embed.weight
+    assert torch.equal(inner.embed.weight, source.double())  # the target took the source's values
+    assert unique_params(model) == 1
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_tied_weights_that_are_no_mapping_are_a_tie_error_naming_the_class(nested: bool, tmp_path: Path) -> None:
     """Reading every mixin's declarations called .items() on them first: a list was a bare
     AttributeError (probe), where find_ties' check named it (a list or tuple of pairs alike)."""
 
@@ -372,7 +398,14 @@ def test_tied_weights_that_are_no_mapping_are_a_tie_error_naming_the_class(neste
         model = outer
     with pytest.raises(TieError, match=r"PairsDeclared.tied_weights maps tied names .* not a tuple"):
         model.double()
+    # tiekit.move and save_model read every declaration too: they were a bare AttributeError (probe).
+    with pytest.raises(TieError, match=r"PairsDeclared.tied_weights maps tied names .* not a tuple"):
+        tiekit.move(model, torch.float64)
     assert all(p.dtype == torch.float32 for p in model.parameters())
+    path = tmp_path / "model.safetensors"
+    with pytest.raises(tiekit.CheckpointError, match=r"PairsDeclared.tied_weights maps tied names .* not a tuple"):
+        tiekit.save_model(model, path)
+    assert not path.exists() and list(tmp_path.iterdir()) == []
 
 
 def test_declared_tie_conflict_is_a_tie_error() -> None:

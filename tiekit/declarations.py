@@ -15,7 +15,7 @@ from torch import nn
 from tiekit.analyze import find_ties
 from tiekit.checkpoint.deferred import local_part
 from tiekit.errors import CheckpointError, TieError
-from tiekit.mixin import TPUMixin
+from tiekit.mixin import TPUMixin, tied_weights_of
 from tiekit.plan import TiePlan
 from tiekit.slots import resolve
 
@@ -107,7 +107,11 @@ def _compile_wrapper(module: nn.Module) -> bool:
 def _mixin_ties(module: TPUMixin) -> Mapping[str, str]:
     """``module.tied_weights``, each name checked to resolve in ``module`` (`CheckpointError`)."""
     assert isinstance(module, nn.Module)
-    for target, source in module.tied_weights.items():
+    try:
+        declared = tied_weights_of(module)
+    except TieError as exc:
+        raise CheckpointError(str(exc)) from exc
+    for target, source in declared.items():
         if not isinstance(target, str) or not isinstance(source, str):
             raise CheckpointError(f"{type(module).__name__}.tied_weights maps names to names; got {target!r}")
         try:
@@ -115,7 +119,7 @@ def _mixin_ties(module: TPUMixin) -> Mapping[str, str]:
             resolve(module, source, "declared tie source (tied_weights)")
         except TieError as exc:
             raise CheckpointError(f"{type(module).__name__}: {exc}") from exc
-    return module.tied_weights
+    return declared
 
 
 def transformers4_ties(model: nn.Module, *, by_config: bool = True) -> dict[str, str]:

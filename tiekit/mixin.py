@@ -159,17 +159,23 @@ def declared_in_mixins(model: nn.Module) -> dict[str, str]:
             continue
         seen.add(id(module))
         if isinstance(module, TPUMixin) and module.tied_weights:
-            if not isinstance(module.tied_weights, Mapping):
-                raise TieError(
-                    f"{type(module).__name__}.tied_weights maps tied names to their sources ({{target: source}}), "
-                    f"not a {type(module.tied_weights).__name__}"
-                )
             prefix = f"{path}." if path else ""
-            for target, source in module.tied_weights.items():
+            for target, source in tied_weights_of(module).items():
                 declared.setdefault(_named(prefix, target), _named(prefix, source))
         if module._modules:
             children = reversed(module._modules.items())
             stack.extend((f"{path}.{name}" if path else name, child) for name, child in children if child is not None)
+    return declared
+
+
+def tied_weights_of(module: TPUMixin) -> Mapping[str, str]:
+    """``module.tied_weights``; `TieError` naming its class unless it is a mapping (a list of pairs)."""
+    declared = module.tied_weights
+    if not isinstance(declared, Mapping):
+        raise TieError(
+            f"{type(module).__name__}.tied_weights maps tied names to their sources ({{target: source}}), "
+            f"not a {type(declared).__name__}"
+        )
     return declared
 
 

@@ -86,18 +86,23 @@ def move(
 
 
 def moving_plan(model: nn.Module, declared: Mapping[str, str] | None) -> TiePlan:
-    """The ties ``model`` holds, the ones it and its submodules declare (``TPUMixin.tied_weights``,
-    transformers' ``_tied_weights_keys``: `tiekit.declarations.declared_ties`) where their
-    tensors are equal in value (a tie a plain ``.to`` broke before: the move restores it), and
-    ``declared``. What every move plans with: `move`, `preserve_ties`, ``prepare_tied``, ``KeepTies``."""
+    """The ties ``model`` holds, every ``TPUMixin.tied_weights`` in it (the mixin applies them at
+    each conversion, equal in value or not: a moving plan without them would call the tie the
+    mixin made a lost parameter), the other ties it and its submodules declare (transformers'
+    ``_tied_weights_keys``: `tiekit.declarations.declared_ties`) where their tensors are equal in
+    value (a tie a plain ``.to`` broke before: the move restores it; two tensors trained apart
+    are not merged), and ``declared``. What every move plans with: `move`, `preserve_ties`,
+    ``prepare_tied``, ``KeepTies``."""
     from tiekit.declarations import declared_ties_holding  # it imports tiekit.mixin, which imports this module
     from tiekit.errors import CheckpointError
+    from tiekit.mixin import declared_in_mixins
 
     try:
         holding = declared_ties_holding(model)
     except CheckpointError as exc:  # a tied_weights name that does not resolve
         raise TieError(str(exc)) from exc
-    merged = {**holding, **(declared or {})}
+    mixins = declared_in_mixins(model) if isinstance(model, nn.Module) else {}  # else find_ties names it
+    merged = {**holding, **mixins, **(declared or {})}
     return find_ties(model, declared=merged or None)
 
 

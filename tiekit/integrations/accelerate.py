@@ -46,9 +46,11 @@ def prepare_tied(
 
     Returns what ``prepare`` returns: the prepared model alone, or a tuple with the prepared
     ``objects`` in order. Call it before building the optimizer, or pass the optimizer in
-    ``objects``. The ties are planned as `tiekit.move` plans them: those the model holds, and
-    those it (or a submodule) declares whose tensors are equal in value (a tie a plain ``.to``
-    broke), which are tied again. ``declared`` adds ``{target: source}`` ties the model declares
+    ``objects``. The ties are planned as `tiekit.move` plans them (`tiekit.moving.moving_plan`):
+    those the model holds, every ``TPUMixin.tied_weights`` in it, and those it (or a submodule)
+    otherwise declares whose tensors are equal in value (a tie a plain ``.to`` broke), which are
+    tied again. Collective where ``accelerator.prepare`` is (DDP's parameter broadcast, FSDP2's
+    sharding): every rank calls it. ``declared`` adds ``{target: source}`` ties the model declares
     but does not hold yet. A tie that cannot be restored raises `tiekit.TieError` (a `tiekit.TieWarning`
     with ``on_error="warn"``). Arguments of the wrong kind are a `tiekit.TiekitError`, raised
     before anything moves.

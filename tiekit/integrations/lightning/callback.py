@@ -26,10 +26,11 @@ from tiekit.slots import has_module, resolve
 class KeepTies(Callback):
     """Keep the LightningModule's tied weights tied through the Trainer's cast, device move and teardown.
 
-    The plan is made as `tiekit.move` makes it: the ties the module holds, and those it or a
-    submodule declares (transformers' ``_tied_weights_keys``) whose tensors are equal in value,
-    which are tied again. ``declared`` adds ties the module declares as ``{target: source}`` but
-    does not hold in memory. ``on_error="warn"`` turns a failed check into a `tiekit.TieWarning`.
+    The plan is made as `tiekit.move` makes it (`tiekit.moving.moving_plan`): the ties the module
+    holds, every ``TPUMixin.tied_weights`` in it, and those it or a submodule declares
+    (transformers' ``_tied_weights_keys``) whose tensors are equal in value, which are tied again.
+    ``declared`` adds ties the module declares as ``{target: source}`` but does not hold in memory.
+    ``on_error="warn"`` turns a failed check into a `tiekit.TieWarning`.
     ``plan`` is the plan made at the last setup.
 
     The plan is kept for the module between stages: at the start of each later stage
