@@ -27,7 +27,7 @@ from tiekit.errors import TieError, TiekitError
 from tiekit.moving import move, moving_plan, rebind_optimizer
 from tiekit.plan import TiePlan
 from tiekit.retie import OnError, checked_on_error, fitting_plan, retie, verify
-from tiekit.sharding.units import within
+from tiekit.sharding.units import innermost_unit, within
 
 __all__ = ["prepare_tied"]
 
@@ -161,8 +161,8 @@ def _auto_wrap_units(plugin: Any, model: nn.Module, ties: list[list[str]]) -> di
 
 def _unit_of(path: str, units: Mapping[str, str]) -> str:
     """The unit managing the parameters of module ``path``: its deepest unit, else the root ("")."""
-    holders = [unit for unit in units if within(path, unit)]
-    return units[max(holders, key=len)] if holders else ""
+    unit = innermost_unit(path, units.__contains__)
+    return units.get("", "") if unit is None else units[unit]
 
 
 def _refuse_bad_arguments(accelerator: Any, model: Any, declared: Any) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -72,6 +72,12 @@ def _prefixes(path: str) -> Iterable[str]:
     while path:
         yield path
         path = path.rpartition(".")[0]
+
+
+def innermost_unit(path: str, is_unit: Callable[[str], bool]) -> str | None:
+    """The path of the innermost unit holding the module at ``path`` (itself, or the deepest of
+    its enclosing modules for which ``is_unit`` holds); None: the root's unit. Local."""
+    return next((prefix for prefix in _prefixes(path) if is_unit(prefix)), None)
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
@@ -265,11 +271,8 @@ def _refuse_parameter_views(group: TieGroup) -> None:
 
 def _unit_of(tree: _Tree, chosen: dict[int, nn.Module], path: str) -> int | None:
     """The id of the innermost chosen unit containing the module at ``path``; None: the root."""
-    for prefix in _prefixes(path):
-        module = tree.at[prefix]
-        if id(module) in chosen:
-            return id(module)
-    return None
+    unit = innermost_unit(path, lambda prefix: id(tree.at[prefix]) in chosen)
+    return None if unit is None else id(tree.at[unit])
 
 
 def _dissolve_root_ties(tree: _Tree, chosen: dict[int, nn.Module], ties: list[list[str]]) -> None:
