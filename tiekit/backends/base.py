@@ -29,6 +29,7 @@ class Backend:
     this replica's sampler; ``batch_scale`` multiplies the per-device batch size into the
     loader's (SPMD: the host's devices share one loader); ``devices_in_run`` counts every
     device, for throughput. ``autocast_cache``: whether autocast may cache its casts here.
+    ``half_dtype``: the 16-bit floating point the device computes (``precision="16-true"``).
     ``compiles``: steps run as compiled graphs (XLA), so batches keep one shape, and compilations
     and host transfers are watched.
 
@@ -47,6 +48,7 @@ class Backend:
     batch_scale: int = 1
     devices_in_run: int = 1
     autocast_cache: bool = True
+    half_dtype: torch.dtype = torch.float16
     compiles: bool = False
     #: A module passed to fit is copied for this replica (it would otherwise share it with others).
     copies_model: bool = False

@@ -218,9 +218,10 @@ def xla_counters() -> XlaCounters:
 class XlaBackend(Backend):
     """What every XLA backend shares: batches cross through torch_xla's loader, a step ends with a
     sync (compiled once, then launched), the device has its own random number generator, and the
-    compiler's counters are watched."""
+    compiler's counters are watched. XLA devices (TPUs) compute 16-bit floating point as bfloat16."""
 
     compiles = True
+    half_dtype = torch.bfloat16
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

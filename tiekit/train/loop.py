@@ -138,7 +138,7 @@ def _trained(
 ) -> tuple[Outcome, nn.Module]:
     cfg = job.config
     backend.start(coordinator.run_id)
-    precision = resolve_precision(cfg.precision, backend.device.type)
+    precision = resolve_precision(cfg.precision, backend.half_dtype, backend.device.type)
     model, original_dtype = _build(job, backend)
     own_dtypes = floating_dtypes(model)  # precision casts every floating tensor: each gets its own back
     was_training = model.training

@@ -54,11 +54,12 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-def resolve_precision(name: str, device_type: str) -> Precision:
-    """The `Precision` called ``name`` on a ``device_type`` ("xla", "cpu", "cuda") device.
+def resolve_precision(name: str, half_dtype: torch.dtype, device_type: str) -> Precision:
+    """The `Precision` called ``name`` on a ``device_type`` ("xla", "cpu", "cuda") device whose
+    16-bit floating point is ``half_dtype`` (the backend's answer).
 
-    ``"16-true"`` (the seeds' 16-bit precision) is bfloat16 on XLA, as on TPUs, with a note
-    saying so; elsewhere it is float16 weights.
+    ``"16-true"`` (the seeds' 16-bit precision) is ``half_dtype`` weights: float16, or bfloat16
+    where the device computes 16 bits so (XLA, as on TPUs), with a note saying so.
     """
     check_precision(name)
     if name == "32-true":
@@ -67,10 +68,10 @@ def resolve_precision(name: str, device_type: str) -> Precision:
         return Precision(name, torch.bfloat16, None)
     if name == "bf16-mixed":
         return Precision(name, None, torch.bfloat16)
-    if device_type == "xla":
+    if half_dtype == torch.bfloat16:
         warnings.warn(
-            'precision="16-true" on XLA trains in bfloat16 ("bf16-true"): XLA devices (TPUs) compute '
-            "16-bit floating point as bfloat16; pass precision='bf16-true' to silence this note",
+            f'precision="16-true" on {device_type.upper()} trains in bfloat16 ("bf16-true"): {device_type.upper()} '
+            "devices compute 16-bit floating point as bfloat16; pass precision='bf16-true' to silence this note",
             UserWarning,
             stacklevel=3,
         )
