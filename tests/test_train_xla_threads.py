@@ -155,21 +155,23 @@ if __name__ == "__main__":
         error = None
     except Exception as exc:
         error = {"type": type(exc).__name__, "tiekit": isinstance(exc, tiekit.TiekitError), "message": str(exc),
-                 "notes": getattr(exc, "__notes__", [])}
+                 "notes": getattr(exc, "__notes__", []), "traceback": str(exc.__cause__)}
     print("RECORD " + json.dumps({"error": error, "seconds": time.time() - started}), flush=True)
 """
 
 
 @pytest.mark.parametrize(
-    ("where", "raised"),
+    ("where", "raised", "line"),
     [
-        ("loss", "ValueError: replica 1 cannot compute this loss"),
+        ("loss", "ValueError: replica 1 cannot compute this loss", "in loss_on_replica_1_fails_at_step_4"),
         # Raised in torch_xla's loader thread, which used to swallow it: replica 1's epoch just
         # ended early, fit went on and returned as if nothing had happened.
-        ("dataset", "ValueError: sample 61 cannot be read"),
+        ("dataset", "ValueError: sample 61 cannot be read", "in __getitem__"),
     ],
 )
-def test_a_replica_that_raises_releases_its_peer_with_a_tiekit_error(tmp_path: Path, where: str, raised: str) -> None:
+def test_a_replica_that_raises_releases_its_peer_with_a_tiekit_error(
+    tmp_path: Path, where: str, raised: str, line: str
+) -> None:
     started = time.monotonic()
     done, records = run_file(tmp_path, FAILING_REPLICA, timeout=180, args=[where])
     assert done.returncode == 0, done.stderr[-3000:]
@@ -179,6 +181,10 @@ def test_a_replica_that_raises_releases_its_peer_with_a_tiekit_error(tmp_path: P
     assert error["type"] == "ReplicaStopped" and error["notes"] == [], error
     assert "replica 0 stopped because another replica failed" in error["message"]
     assert f"replica 1: {raised}" in error["message"]
+    # The launch's report of replica 0's error (the process pool's remote traceback) holds replica
+    # 1's traceback as its cause, down to the line of the user's code: it was the message alone.
+    assert 'job.py", line' in error["traceback"] and line in error["traceback"], error["traceback"][-3000:]
+    assert "The above exception was the direct cause" in error["traceback"]
     assert time.monotonic() - started < 120  # released at once, not after XLA's or a collective's timeout
 
 

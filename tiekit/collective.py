@@ -345,6 +345,7 @@ class _ThreadRendezvous:
         self._meetings: dict[int, tuple[threading.Barrier, list[Any], list[int]]] = {}
         self._count = threading.local()
         self._failure = ""
+        self._failed: BaseException | None = None  # the replica's exception behind _failure
 
     def gather(self, rank: int, world: int, value: Any, timeout: float) -> list[Any]:
         n = getattr(self._count, "n", 0)
@@ -371,10 +372,11 @@ class _ThreadRendezvous:
                 del self._meetings[n]
         return result
 
-    def abort(self, reason: str) -> None:
-        """Release every waiting thread, and fail every later gather: a replica failed."""
+    def abort(self, reason: str, failed: BaseException | None = None) -> None:
+        """Release every waiting thread, and fail every later gather: a replica failed (``failed``)."""
         with self._lock:
-            self._failure = self._failure or reason
+            if not self._failure:
+                self._failure, self._failed = reason, failed
             for barrier, _, _ in self._meetings.values():
                 barrier.abort()
 
@@ -382,17 +384,23 @@ class _ThreadRendezvous:
         """Forget an earlier launch's meetings and failure (before new launch threads start)."""
         with self._lock:
             self._meetings.clear()
-            self._failure = ""
+            self._failure, self._failed = "", None
         self._count = threading.local()
 
 
 _threads = _ThreadRendezvous()
 
 
-def abort_thread_collectives(reason: str) -> None:
+def abort_thread_collectives(reason: str, failed: BaseException | None = None) -> None:
     """Local: release this process's launch threads waiting in a collective, with ``reason``
-    (a replica failed); later collectives of this launch fail at once."""
-    _threads.abort(reason)
+    (a replica failed, raising ``failed``); later collectives of this launch fail at once."""
+    _threads.abort(reason, failed)
+
+
+def thread_failure() -> BaseException | None:
+    """Local: the exception of the first launch thread of this process that failed (its
+    traceback, with the line of your code, is the one a replica it stopped should show)."""
+    return _threads._failed
 
 
 def reset_thread_collectives() -> None:

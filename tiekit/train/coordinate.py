@@ -352,8 +352,8 @@ class Coordinator:
                 state.remove_checkpoint(stale)
 
 
-def abort(backend: Backend, reason: str) -> None:
-    """Local: this rank failed with ``reason``; release the launch threads of this process that
-    wait for it in a collective (processes find out by its exit)."""
+def abort(backend: Backend, reason: str, failed: BaseException | None = None) -> None:
+    """Local: this rank failed with ``reason`` (raising ``failed``); release the launch threads of
+    this process that wait for it in a collective (processes find out by its exit)."""
     if backend.ranks.kind == "xla-threads":
-        abort_thread_collectives(reason)
+        abort_thread_collectives(reason, failed)

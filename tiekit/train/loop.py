@@ -23,6 +23,7 @@ from tiekit import devices
 from tiekit.analyze import find_ties
 from tiekit.backends.base import Backend
 from tiekit.checkpoint.direct import host_bytes
+from tiekit.collective import thread_failure
 from tiekit.errors import ReplicaStopped, TiekitError
 from tiekit.retie import verify
 from tiekit.train import coordinate, joining, state
@@ -105,11 +106,17 @@ def run_replica(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
         return _run(job, backend)
     except BaseException as exc:
         reason = f"{type(exc).__name__}: {exc}"
+        # First: the failure is recorded before any peer is released (their errors carry it).
+        coordinate.abort(backend, reason, exc)  # peers waiting in one of fit's collectives
         backend.abort(reason)  # XLA:CPU threads: peers waiting in the step's compile gate
-        coordinate.abort(backend, reason)  # peers waiting in one of fit's collectives
-        if backend.ranks.kind == "xla-threads" and not isinstance(exc, ReplicaStopped):
-            # The launch raises replica 0's exception: released by a peer's failure, it names that
-            # replica; its own named none.
+        if backend.ranks.kind == "xla-threads" and isinstance(exc, ReplicaStopped):
+            # The launch raises replica 0's exception: released by a peer's failure, it shows
+            # that replica's traceback (the line of your loss_fn), not only its message.
+            failed = thread_failure()
+            if failed is not None and failed is not exc and exc.__cause__ is None:
+                exc.__cause__ = failed
+        elif backend.ranks.kind == "xla-threads":
+            # Replica 0's own error named no replica.
             exc.add_note(f"tiekit.fit: raised in replica {backend.replica_rank} of {backend.replica_count}")
         if isinstance(exc, RuntimeError) and "device_ready_queues_" in str(exc):
             raise TiekitError(
