@@ -199,6 +199,63 @@ def test_replica_0s_own_error_names_replica_0(tmp_path: Path) -> None:
     assert error["notes"] == ["tiekit.fit: raised in replica 0 of 2"]
 
 
+# Inside your own torch_xla.launch: a fit whose replica 1 fails (the error caught), then two more.
+FIT_AFTER_A_FAILED_FIT = """
+import json, sys, threading, time, torch.nn.functional as F, torch_xla
+import torch_xla.runtime as xr
+import tiekit
+from models import WeightSharingModule
+from examples.weight_sharing import dataset
+
+lock = threading.Lock()
+calls = {}
+
+def fails_on_replica_1(out, target):
+    ordinal = xr.global_ordinal()
+    calls[ordinal] = calls.get(ordinal, 0) + 1
+    if ordinal == 1 and calls[ordinal] == 3:
+        raise ValueError("replica 1 fails")
+    return F.mse_loss(out, target)
+
+def replica(index):
+    for run, loss_fn in enumerate([fails_on_replica_1, F.mse_loss, F.mse_loss]):
+        started = time.time()
+        try:
+            tiekit.fit(WeightSharingModule, dataset(256), loss_fn=loss_fn, strategy="xla", max_steps=6,
+                       batch_size=8, progress=False)
+            error = None
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        with lock:
+            print("RECORD " + json.dumps({"ordinal": index, "run": run, "error": error,
+                                          "seconds": time.time() - started}), flush=True)
+
+if __name__ == "__main__":
+    torch_xla.launch(replica)
+"""
+
+
+def test_a_fit_after_a_failed_fit_in_your_own_launch_is_refused_naming_the_failure(tmp_path: Path) -> None:
+    """The launch threads' collectives kept the failure of the first fit: every later fit in the
+    launch raised "stopped because another replica failed", though none had. Counted per fit, the
+    next fit trained on, and XLA aborted the process ("Termination timeout for all reduce"): the
+    failed fit left computations traced on its devices. The later fits are refused, saying so."""
+    done, records = run_file(tmp_path, FIT_AFTER_A_FAILED_FIT, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]  # no XLA abort
+    errors = {(r["ordinal"], r["run"]): r["error"] for r in records}
+    assert sorted(errors) == [(o, run) for o in (0, 1) for run in range(3)]
+    assert errors[(1, 0)] == "ValueError: replica 1 fails"
+    assert errors[(0, 0)].startswith("ReplicaStopped: replica 0 stopped because another replica failed")
+    for ordinal in (0, 1):
+        for run in (1, 2):
+            assert errors[(ordinal, run)].startswith(
+                f"ReplicaStopped: replica {ordinal}: an earlier tiekit.fit in this torch_xla.launch failed "
+                "(ValueError: replica 1 fails)"
+            ), errors[(ordinal, run)]
+            assert "new torch_xla.launch" in errors[(ordinal, run)]
+    assert all(r["seconds"] < 30 for r in records if r["run"] > 0)  # refused at once, no timeout
+
+
 # fit(strategy="xla", devices=2) on XLA:CPU: the replicas are launch threads of one process.
 # argv: the folder, "clean" (no transfer in the step; with log_every=1 the other replica fetches
 # its losses after every step, for the save's check) or "chatty" (an .item() in every step).

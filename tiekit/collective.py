@@ -22,7 +22,6 @@ from __future__ import annotations
 import inspect
 import os
 import pickle
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +30,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from tiekit.errors import CheckpointError, ReplicaStopped, TiekitError
+from tiekit import launch_threads
+from tiekit.errors import CheckpointError, TiekitError
 
 T = TypeVar("T")
 
@@ -105,7 +105,7 @@ def collective_gather(value: Any, *, timeout: float = DEFAULT_TIMEOUT, operation
     if where.world == 1:
         return [value]
     if where.kind == "xla-threads":
-        gathered = _threads.gather(where.rank, where.world, (operation, value), timeout)
+        gathered = launch_threads.gather(where.rank, where.world, (operation, value), timeout)
     elif where.kind == "torch.distributed":
         gathered = _dist_gather(where, (operation, value), timeout)
     else:
@@ -334,75 +334,3 @@ def _dist_gather(where: Ranks, value: Any, timeout: float) -> list[Any]:
     out: list[Any] = [None] * where.world
     dist.all_gather_object(out, value)
     return out
-
-
-class _ThreadRendezvous:
-    """Gathers for the launch threads of one process: the n-th collective of every thread meets
-    the n-th of the others (they run the same program), each meeting a slot table and a barrier."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._meetings: dict[int, tuple[threading.Barrier, list[Any], list[int]]] = {}
-        self._count = threading.local()
-        self._failure = ""
-        self._failed: BaseException | None = None  # the replica's exception behind _failure
-
-    def gather(self, rank: int, world: int, value: Any, timeout: float) -> list[Any]:
-        n = getattr(self._count, "n", 0)
-        self._count.n = n + 1
-        with self._lock:
-            # Checked under the lock abort() takes: a failure either is seen here, or comes later
-            # and aborts this meeting's barrier. Checked before taking the lock, an abort in between
-            # left this thread waiting in a new meeting until the timeout.
-            if self._failure:
-                raise ReplicaStopped(f"replica {rank}: stopped because another replica failed: {self._failure}")
-            barrier, slots, left = self._meetings.setdefault(n, (threading.Barrier(world), [None] * world, [world]))
-        slots[rank] = value
-        try:
-            barrier.wait(timeout)
-        except threading.BrokenBarrierError:
-            if self._failure:
-                raise ReplicaStopped(f"replica {rank}: collective #{n} failed: {self._failure}") from None
-            reason = f"not every replica arrived within {timeout:g} s (one is stuck)"
-            raise TiekitError(f"replica {rank}: collective #{n} failed: {reason}") from None
-        result = list(slots)
-        with self._lock:
-            left[0] -= 1
-            if left[0] == 0:
-                del self._meetings[n]
-        return result
-
-    def abort(self, reason: str, failed: BaseException | None = None) -> None:
-        """Release every waiting thread, and fail every later gather: a replica failed (``failed``)."""
-        with self._lock:
-            if not self._failure:
-                self._failure, self._failed = reason, failed
-            for barrier, _, _ in self._meetings.values():
-                barrier.abort()
-
-    def reset(self) -> None:
-        """Forget an earlier launch's meetings and failure (before new launch threads start)."""
-        with self._lock:
-            self._meetings.clear()
-            self._failure, self._failed = "", None
-        self._count = threading.local()
-
-
-_threads = _ThreadRendezvous()
-
-
-def abort_thread_collectives(reason: str, failed: BaseException | None = None) -> None:
-    """Local: release this process's launch threads waiting in a collective, with ``reason``
-    (a replica failed, raising ``failed``); later collectives of this launch fail at once."""
-    _threads.abort(reason, failed)
-
-
-def thread_failure() -> BaseException | None:
-    """Local: the exception of the first launch thread of this process that failed (its
-    traceback, with the line of your code, is the one a replica it stopped should show)."""
-    return _threads._failed
-
-
-def reset_thread_collectives() -> None:
-    """Local: start a new launch's thread collectives afresh (call before ``torch_xla.launch``)."""
-    _threads.reset()

@@ -17,7 +17,8 @@ class CheckpointError(TiekitError):
 
 class ReplicaStopped(TiekitError):
     """This replica stopped because another replica of the run failed (launch threads of one
-    process); the message carries that replica's failure, and its ``__cause__`` is that
+    process), or failed in an earlier ``fit`` of the same ``torch_xla.launch``; the message
+    carries that replica's failure, and its ``__cause__`` is that
     replica's exception (with its traceback) when ``tiekit.fit`` raised it."""
 
 

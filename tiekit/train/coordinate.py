@@ -44,7 +44,6 @@ from tiekit.checkpoint.image import FileImage
 from tiekit.checkpoint.saving import save_checkpoint_reusing
 from tiekit.collective import (
     Ranks,
-    abort_thread_collectives,
     collective_gather,
     collective_save_checkpoint,
     failure_message,
@@ -52,6 +51,7 @@ from tiekit.collective import (
 from tiekit.dcp import SaveHandle
 from tiekit.dcp.saving import save_sharded_staged
 from tiekit.errors import CheckpointError, TieError, TiekitError
+from tiekit.launch_threads import abort_thread_collectives, begin_thread_collectives
 from tiekit.plan import TiePlan
 from tiekit.train import agreements, resuming, state
 from tiekit.train.config import FitConfig
@@ -350,6 +350,13 @@ class Coordinator:
         if self.ranks.is_writer:
             for stale in old:
                 state.remove_checkpoint(stale)
+
+
+def begin(backend: Backend) -> None:
+    """Local: this rank starts a fit; launch threads count its collectives apart from an earlier
+    fit's in the same launch, and refuse to train after one that failed (you caught its error)."""
+    if backend.ranks.kind == "xla-threads":
+        begin_thread_collectives()
 
 
 def abort(backend: Backend, reason: str, failed: BaseException | None = None) -> None:

@@ -23,8 +23,8 @@ from tiekit import devices
 from tiekit.analyze import find_ties
 from tiekit.backends.base import Backend
 from tiekit.checkpoint.direct import host_bytes
-from tiekit.collective import thread_failure
 from tiekit.errors import ReplicaStopped, TiekitError
+from tiekit.launch_threads import thread_failure
 from tiekit.retie import verify
 from tiekit.train import coordinate, joining, state
 from tiekit.train.config import Job, LossFn, Outcome
@@ -102,6 +102,7 @@ def run_replica(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
 
     Collective: every replica of the run calls it (see `tiekit.train.coordinate`). A replica
     that fails releases the peers waiting for it in this process (launch threads)."""
+    coordinate.begin(backend)
     try:
         return _run(job, backend)
     except BaseException as exc:
