@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import errno
+import io
 import json
+import os
 import re
 import subprocess
 import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -107,6 +111,34 @@ def test_a_damaged_record_is_named_with_its_file_and_key(saved: tuple[nn.Module,
     with pytest.raises(tiekit.CheckpointError, match=said) as refused:
         tiekit.convert(path, tmp_path / "model.safetensors")
     assert "weights_only" not in str(refused.value)  # torch's advice to unpickle anything is not repeated
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+class FailingReads(io.BufferedReader):
+    """A shard file whose reads fail as a failing disk's do (EIO): the fault injected at the system's boundary."""
+
+    def readinto(self, buffer: Any) -> int:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+
+def test_a_record_the_system_will_not_read_is_not_called_damaged(
+    saved: tuple[nn.Module, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """convert called a read error (EIO) inside a record "damaged, its record does not read", as if
+    its bytes were changed (verify said "cannot read"): no byte was seen, so none is blamed."""
+    from tiekit.dcp import chunks
+
+    _, path = saved
+
+    def failing_open(file: Path, key: str) -> io.BufferedReader:
+        return FailingReads(io.FileIO(file, "rb"))  # closed by convert, as the file it stands for
+
+    monkeypatch.setattr(chunks, "_open_shard", failing_open)
+    with pytest.raises(
+        tiekit.CheckpointError, match=r"__0_0\.distcp: cannot read: Input/output error \(it holds key "
+    ) as e:
+        tiekit.convert(path, tmp_path / "model.safetensors")
+    assert "damaged" not in str(e.value)
     assert not (tmp_path / "model.safetensors").exists()
 
 

@@ -130,8 +130,10 @@ def _load_record(
             cast(IO[bytes], FileSlice(files[name], offset, length)), map_location="cpu", weights_only=True
         )
     except Exception as exc:
-        from tiekit.dcp.damage import damaged_text  # damage reads records through this module's FileSlice
+        from tiekit.dcp.damage import damaged_text, unreadable_text  # damage reads through this module's FileSlice
 
+        if isinstance(exc, OSError) and exc.errno is not None:
+            raise CheckpointError(unreadable_text(path, key, exc)) from exc
         raise CheckpointError(damaged_text(path, key, offset, length, exc)) from exc
     if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape or tensor.dtype != dtype:
         got = f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor) else "no tensor"

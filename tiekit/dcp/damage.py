@@ -64,8 +64,7 @@ def damaged_record(folder: Path, metadata: Any, keys: Collection[str]) -> Checkp
         except OSError as exc:
             if exc.errno is None:  # raised by _read_record: the record is cut short, which is damage
                 return _damaged(file, key, offset, length, exc)
-            # The file's, not the record's (permissions, EIO): no byte was seen, none is blamed.
-            return CheckpointError(f"{file}: cannot read: {exc.strerror or exc} (it holds key {key!r})")
+            return CheckpointError(unreadable_text(file, key, exc))
         except Exception as exc:  # noqa: BLE001 - any failure to read it is the damage reported
             return _damaged(file, key, offset, length, exc)
     return None
@@ -77,6 +76,12 @@ def damaged_text(file: Path, key: str, offset: int, length: int, exc: Exception)
     cause in one line (`_cause`: not torch's advice to unpickle with ``weights_only=False``)."""
     where = f"{file}: key {key!r} (bytes {offset} to {offset + length})"
     return f"{where} is damaged, its record does not read ({_cause(exc)})"
+
+
+def unreadable_text(file: Path, key: str, exc: OSError) -> str:
+    """How every reader names a shard file the system would not read (permissions, EIO): the
+    file's failure, not the record's; no byte was seen, so none is called damaged."""
+    return f"{file}: cannot read: {exc.strerror or exc} (it holds key {key!r})"
 
 
 def _damaged(file: Path, key: str, offset: int, length: int, exc: Exception) -> CheckpointError:
