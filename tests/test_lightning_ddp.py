@@ -102,6 +102,59 @@ def test_ddp_spawn_without_checkpoints_hands_back_weights_and_copies_view_buffer
         assert f"rank {rank}: tied True, view False" in run.output
 
 
+STAGE_AFTER_A_RANK_0_LOAD = """
+import sys
+
+sys.path.insert(0, sys.argv[1])
+import lightning.pytorch as pl
+import torch
+from launch_lightning import TiedLM, data
+
+from tiekit.integrations.lightning import KeepTies
+
+
+class LM(TiedLM):
+    def validation_step(self, batch, batch_idx):
+        return self.training_step(batch, batch_idx)
+
+
+if __name__ == "__main__":
+    model = LM()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=2, callbacks=[KeepTies()], enable_checkpointing=False,
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(model, data())
+    if trainer.global_rank == 0:  # weights loaded on rank 0 alone, with assign=True: its tie breaks
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    print(f"rank {trainer.global_rank}: tied {model.head.weight is model.embed.weight}", flush=True)
+    try:
+        trainer.validate(model, data(), verbose=False)
+    except Exception as exc:
+        print(f"rank {trainer.global_rank}: {type(exc).__name__}: {exc}", flush=True)
+        raise
+"""
+
+
+@pytest.mark.newest_torch_only
+def test_a_tie_broken_on_one_rank_between_stages_is_refused_on_every_rank(tmp_path: Path) -> None:
+    """KeepTies' between-stage check ran per rank: rank 0 raised its TieError alone and rank 1
+    failed in DDP's first broadcast ("Connection closed by peer"), naming no tie. The ranks
+    compare what they found: each raises a TieError naming every rank's."""
+    (tmp_path / "probe.py").write_text(STAGE_AFTER_A_RANK_0_LOAD)
+    [run] = run_together([[str(BIN / "python"), "probe.py", str(EXAMPLES)]], env=base_env(), cwd=tmp_path)
+    assert run.returncode != 0
+    assert "rank 0: tied False" in run.output and "rank 1: tied True" in run.output  # the break, on rank 0 only
+    said = (
+        "TieError: KeepTies: at the start of validate, the ranks' LM no longer hold the same ties they held at the "
+        "end of the stage before (rank 0: head.weight is not embed.weight, embed_t is not a view of embed.weight; "
+        "rank 1: holds every tie)"
+    )
+    for rank in range(2):
+        assert f"rank {rank}: {said}" in run.output, run.output[-3000:]
+    assert "Connection closed by peer" not in run.output
+
+
 XLA_TWO_DEVICES = """
 import sys
 

@@ -12,6 +12,7 @@ from typing import Any
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
+from tiekit.collective import collective_gather, ranks
 from tiekit.declared_groups import checked_declared
 from tiekit.errors import TieError, TiekitError, TieWarning
 from tiekit.integrations.lightning.checkpoint_io import TiedCheckpointIO, local_path
@@ -38,6 +39,9 @@ class KeepTies(Callback):
     (its names given separate tensors, or gone) is a `tiekit.TieError` naming them, raised before
     the stage plans again. Not an error: another module object (planned afresh), ties added, and
     a tie whose member's submodule was replaced by another module object (that part was rebuilt).
+    With several ranks that check is collective (``setup``, which Lightning calls on every rank,
+    gathers each rank's finding): ranks that found different broken ties raise a `tiekit.TieError`
+    on every rank naming each rank's, whatever ``on_error`` says.
 
     ``plan=tiekit.find_ties(module)``, made before ``trainer.fit``, is used instead of planning
     at setup. ``strategy="ddp_spawn"`` on the CPU needs it when buffers are views of weights:
@@ -106,14 +110,19 @@ class KeepTies(Callback):
         """Refuse a stage whose module lost a tie of the plan the last stage kept.
 
         Planning again from the module as it is would take the broken tie for two tensors, and
-        the stage would run untied with nothing said."""
+        the stage would run untied with nothing said. Collective with several ranks (every rank
+        runs a stage's setup): ranks whose modules differ (a tie broken on rank 0 alone) are a
+        `TieError` on every rank naming each rank's, whatever ``on_error`` says; the rank that
+        raised alone left the others failing in DDP's first broadcast, naming no tie."""
         kept, plan = self._kept, self.plan
-        if kept is None or plan is None or kept[0]() is not pl_module:
+        if kept is None or plan is None:
             return
-        broken = _broken_since(pl_module, plan, kept[1])
+        broken = _broken_since(pl_module, plan, kept[1]) if kept[0]() is pl_module else []
+        stage = getattr(stage, "value", stage)  # Lightning passes its TrainerFn, a str enum
+        if ranks().world > 1:
+            _refuse_ranks_that_differ(collective_gather(broken, operation="KeepTies"), pl_module, stage)
         if not broken:
             return
-        stage = getattr(stage, "value", stage)  # Lightning passes its TrainerFn, a str enum
         message = (
             f"KeepTies: at the start of {stage}, {type(pl_module).__name__} no longer holds ties it held at the end "
             f"of the stage before: {'; '.join(broken)}. Something between the stages gave the tied names separate "
@@ -188,6 +197,22 @@ class KeepTies(Callback):
             # The wrappers are instance attributes over the class's methods: removing them restores those.
             strategy.__dict__.pop(name, None)
         self._wrapped = None
+
+
+def _refuse_ranks_that_differ(everyone: list[list[str]], pl_module: nn.Module, stage: str) -> None:
+    """`TieError` (on every rank: each has ``everyone``) unless every rank's module lost the same ties."""
+    if all(broken == everyone[0] for broken in everyone):
+        return
+    said = "; ".join(
+        f"rank {rank}: {', '.join(broken) if broken else 'holds every tie'}" for rank, broken in enumerate(everyone)
+    )
+    raise TieError(
+        f"KeepTies: at the start of {stage}, the ranks' {type(pl_module).__name__} no longer hold the same ties "
+        f"they held at the end of the stage before ({said}). Something between the stages changed the module on "
+        "some ranks only (weights loaded on rank 0 alone with load_state_dict(..., assign=True)?), and the ranks "
+        "cannot train modules whose parameters differ. Tie them again with tiekit.retie(module, keep.plan) on "
+        "those ranks, or load the same weights on every rank without assign=True"
+    )
 
 
 def _checkpoint_io_chain(strategy: Any) -> list[Any]:
