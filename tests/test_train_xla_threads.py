@@ -199,36 +199,51 @@ def test_replica_0s_own_error_names_replica_0(tmp_path: Path) -> None:
     assert error["notes"] == ["tiekit.fit: raised in replica 0 of 2"]
 
 
-# Inside your own torch_xla.launch: a fit whose replica 1 fails (the error caught), then two more.
+# Inside your own torch_xla.launch: a fit whose replica 1 cannot build its model (a 64 MiB one),
+# while replica 0 waits in fit's check that both hold the same model; the error caught, a
+# collective of your own, then two more fits.
 FIT_AFTER_A_FAILED_FIT = """
-import json, sys, threading, time, torch.nn.functional as F, torch_xla
+import gc, json, sys, threading, time, traceback, weakref, torch, torch.nn.functional as F, torch_xla
 import torch_xla.runtime as xr
 import tiekit
 from models import WeightSharingModule
 from examples.weight_sharing import dataset
 
 lock = threading.Lock()
-calls = {}
+built = {}
 
-def fails_on_replica_1(out, target):
-    ordinal = xr.global_ordinal()
-    calls[ordinal] = calls.get(ordinal, 0) + 1
-    if ordinal == 1 and calls[ordinal] == 3:
-        raise ValueError("replica 1 fails")
-    return F.mse_loss(out, target)
+def record(**fields):
+    with lock:
+        print("RECORD " + json.dumps(fields), flush=True)
+
+def model_replica_1_cannot_build():
+    model = WeightSharingModule()
+    if xr.global_ordinal() == 1:
+        model.register_buffer("ballast", torch.zeros(16, 1024, 1024))
+        built[1] = weakref.ref(model)
+        raise ValueError("replica 1 cannot build its model")
+    return model
+
+def described(exc):
+    return f"{type(exc).__name__}: {exc}"
 
 def replica(index):
-    for run, loss_fn in enumerate([fails_on_replica_1, F.mse_loss, F.mse_loss]):
-        started = time.time()
+    for run, factory in enumerate([model_replica_1_cannot_build, WeightSharingModule, WeightSharingModule]):
+        started, error, cause = time.time(), None, ""
         try:
-            tiekit.fit(WeightSharingModule, dataset(256), loss_fn=loss_fn, strategy="xla", max_steps=6,
-                       batch_size=8, progress=False)
-            error = None
+            tiekit.fit(factory, dataset(256), loss_fn=F.mse_loss, strategy="xla", max_steps=6, batch_size=8,
+                       progress=False)
         except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        with lock:
-            print("RECORD " + json.dumps({"ordinal": index, "run": run, "error": error,
-                                          "seconds": time.time() - started}), flush=True)
+            error, cause = described(exc), str(exc.__cause__)
+        record(ordinal=index, run=run, error=error, cause=cause, seconds=time.time() - started)
+        if run == 0:
+            gc.collect()
+            record(ordinal=index, freed=built[1]() is None if 1 in built else None)
+            try:
+                tiekit.collective_check_same_model(WeightSharingModule())
+                record(ordinal=index, own="ok")
+            except Exception as exc:
+                record(ordinal=index, own=described(exc))
 
 if __name__ == "__main__":
     torch_xla.launch(replica)
@@ -236,24 +251,31 @@ if __name__ == "__main__":
 
 
 def test_a_fit_after_a_failed_fit_in_your_own_launch_is_refused_naming_the_failure(tmp_path: Path) -> None:
-    """The launch threads' collectives kept the failure of the first fit: every later fit in the
-    launch raised "stopped because another replica failed", though none had. Counted per fit, the
-    next fit trained on, and XLA aborted the process ("Termination timeout for all reduce"): the
-    failed fit left computations traced on its devices. The later fits are refused, saying so."""
+    """The launch threads' collectives kept the failure of the first fit: every later collective
+    of the launch raised "stopped because another replica failed", though none had. Counted per
+    fit, the next fit trained on, and XLA aborted the process ("Termination timeout for all
+    reduce"): the failed fit left computations traced on its devices. Later fits and your own
+    collectives are refused, saying so; replica 0, released from a gather, carries replica 1's
+    traceback as its cause; that traceback is kept as text, not holding replica 1's model."""
     done, records = run_file(tmp_path, FIT_AFTER_A_FAILED_FIT, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]  # no XLA abort
-    errors = {(r["ordinal"], r["run"]): r["error"] for r in records}
-    assert sorted(errors) == [(o, run) for o in (0, 1) for run in range(3)]
-    assert errors[(1, 0)] == "ValueError: replica 1 fails"
-    assert errors[(0, 0)].startswith("ReplicaStopped: replica 0 stopped because another replica failed")
+    fits = {(r["ordinal"], r["run"]): r for r in records if "run" in r}
+    assert sorted(fits) == [(o, run) for o in (0, 1) for run in range(3)]
+    failed = "ValueError: replica 1 cannot build its model"
+    assert fits[(1, 0)]["error"] == failed
+    assert fits[(0, 0)]["error"].startswith("ReplicaStopped: replica 0: stopped because another replica failed")
+    assert fits[(0, 0)]["error"].endswith(failed)
+    cause = fits[(0, 0)]["cause"]  # the failing replica's traceback: the line of the user's factory
+    assert "in model_replica_1_cannot_build" in cause and 'raise ValueError("replica 1 cannot build' in cause, cause
+    assert [r["freed"] for r in records if "freed" in r] == [True, True]  # replica 1's 64 MiB model is gone
+    refused = f"ReplicaStopped: replica {{}}: a tiekit.fit in this torch_xla.launch failed ({failed})"
     for ordinal in (0, 1):
+        [own] = [r["own"] for r in records if r["ordinal"] == ordinal and "own" in r]
+        assert own.startswith(refused.format(ordinal)), own
         for run in (1, 2):
-            assert errors[(ordinal, run)].startswith(
-                f"ReplicaStopped: replica {ordinal}: an earlier tiekit.fit in this torch_xla.launch failed "
-                "(ValueError: replica 1 fails)"
-            ), errors[(ordinal, run)]
-            assert "new torch_xla.launch" in errors[(ordinal, run)]
-    assert all(r["seconds"] < 30 for r in records if r["run"] > 0)  # refused at once, no timeout
+            error = fits[(ordinal, run)]["error"]
+            assert error.startswith(refused.format(ordinal)) and "in a new torch_xla.launch" in error, error
+            assert fits[(ordinal, run)]["seconds"] < 30  # refused at once, no timeout
 
 
 # fit(strategy="xla", devices=2) on XLA:CPU: the replicas are launch threads of one process.

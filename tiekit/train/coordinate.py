@@ -50,8 +50,8 @@ from tiekit.collective import (
 )
 from tiekit.dcp import SaveHandle
 from tiekit.dcp.saving import save_sharded_staged
-from tiekit.errors import CheckpointError, TieError, TiekitError
-from tiekit.launch_threads import abort_thread_collectives, begin_thread_collectives
+from tiekit.errors import CheckpointError, ReplicaStopped, TieError, TiekitError
+from tiekit.launch_threads import abort_thread_collectives, begin_thread_collectives, end_thread_collectives
 from tiekit.plan import TiePlan
 from tiekit.train import agreements, resuming, state
 from tiekit.train.config import FitConfig
@@ -107,6 +107,8 @@ class Coordinator:
             return
         try:
             collective_check_same_model(model, plan)
+        except ReplicaStopped:
+            raise  # another replica failed (building its model, say): no difference was found
         except TiekitError as exc:
             raise TiekitError(
                 f"{exc}. The model factory must build the same model, with the same ties, on every rank of a run"
@@ -357,6 +359,13 @@ def begin(backend: Backend) -> None:
     fit's in the same launch, and refuse to train after one that failed (you caught its error)."""
     if backend.ranks.kind == "xla-threads":
         begin_thread_collectives()
+
+
+def end(backend: Backend) -> None:
+    """Local: this rank's fit is over (returned or raised); launch threads refuse every later
+    collective of the launch after a fit that failed."""
+    if backend.ranks.kind == "xla-threads":
+        end_thread_collectives()
 
 
 def abort(backend: Backend, reason: str, failed: BaseException | None = None) -> None:

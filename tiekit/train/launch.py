@@ -52,7 +52,7 @@ from tiekit.backends.xla_spmd import SpmdBackend
 from tiekit.collective import collective_gather
 from tiekit.errors import TiekitError
 from tiekit.tracebacks import drop_library_locals
-from tiekit.train import relayed_warnings, reports
+from tiekit.train import coordinate, relayed_warnings, reports
 from tiekit.train.config import Job, Outcome
 from tiekit.train.loop import run_replica
 
@@ -89,10 +89,13 @@ def _here(job: Job, backend: Backend) -> tuple[list[Outcome], nn.Module]:
     several processes (torchrun, your own ``torch_xla.launch``, SPMD hosts), collective (each
     sends its outcome once trained), so that every rank's result holds every replica's digest
     and rank 0's losses (only rank 0 logs them)."""
-    outcome, model = run_replica(job, backend)
-    if backend.ranks.world == 1:
-        return [outcome], model
-    return collective_gather(outcome), model
+    try:
+        outcome, model = run_replica(job, backend)
+        if backend.ranks.world == 1:
+            return [outcome], model
+        return collective_gather(outcome), model
+    finally:
+        coordinate.end(backend)  # launch threads: what follows in your launch is after this fit
 
 
 def _single_backend(requested: int | str) -> Backend:

@@ -107,18 +107,17 @@ def run_replica(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
         return _run(job, backend)
     except BaseException as exc:
         reason = f"{type(exc).__name__}: {exc}"
-        # First: the failure is recorded before any peer is released (their errors carry it).
+        threads = backend.ranks.kind == "xla-threads"
+        if threads and not isinstance(exc, ReplicaStopped):
+            # The launch raises replica 0's exception: released by a peer's failure, it names that
+            # replica; its own named none (and the traceback its peers show carries the note).
+            exc.add_note(f"tiekit.fit: raised in replica {backend.replica_rank} of {backend.replica_count}")
+        # Before any peer is released: the failure (its traceback) is what their errors carry.
         coordinate.abort(backend, reason, exc)  # peers waiting in one of fit's collectives
         backend.abort(reason)  # XLA:CPU threads: peers waiting in the step's compile gate
-        if backend.ranks.kind == "xla-threads" and isinstance(exc, ReplicaStopped):
-            # The launch raises replica 0's exception: released by a peer's failure, it shows
-            # that replica's traceback (the line of your loss_fn), not only its message.
-            failed = thread_failure()
-            if failed is not None and failed is not exc and exc.__cause__ is None:
-                exc.__cause__ = failed
-        elif backend.ranks.kind == "xla-threads":
-            # Replica 0's own error named no replica.
-            exc.add_note(f"tiekit.fit: raised in replica {backend.replica_rank} of {backend.replica_count}")
+        if threads and isinstance(exc, ReplicaStopped) and exc.__cause__ is None:
+            # Stopped in the compile gate: the failing replica's traceback (the line of your loss_fn).
+            exc.__cause__ = thread_failure()
         if isinstance(exc, RuntimeError) and "device_ready_queues_" in str(exc):
             raise TiekitError(
                 "this process ran a backward pass before the XLA runtime started, and torch's autograd "
