@@ -365,10 +365,11 @@ def test_move_applies_a_mixins_declared_tie_it_was_built_without(how: str, neste
     prefix = "inner." if nested else ""
     assert not torch.equal(inner.head.weight, inner.embed.weight)  # never tied: the values differ
     source = inner.embed.weight.detach().clone()
-    control = copy.deepcopy(model)  # planned without the declarations, as the move planned before
-    broken = pytest.raises(TieError, match=f"Before: {3 if nested else 2} After: 1")
-    with broken, tiekit.preserve_ties(control, plan=find_ties(control)):
-        control.to(torch.float64)
+    control = copy.deepcopy(model)
+    without = find_ties(control)  # planned without the declarations, as the move planned before
+    control.to(torch.float64)  # the mixin ties them: that plan's check then fails
+    with pytest.raises(TieError, match=f"Before: {3 if nested else 2} After: 1"):
+        tiekit.verify(control, without)
     if how == "move":
         tiekit.move(model, torch.float64)
     else:
@@ -378,6 +379,48 @@ def test_move_applies_a_mixins_declared_tie_it_was_built_without(how: str, neste
     assert inner.head.weight is inner.embed.weight
     assert torch.equal(inner.embed.weight, source.double())  # the target took the source's values
     assert unique_params(model) == 1
+
+
+@pytest.mark.parametrize("how", ["move", "preserve_ties"])
+def test_a_given_plan_without_a_mixins_declared_tie_is_refused_before_the_move(how: str) -> None:
+    """A plan from find_ties (which reads no tied_weights) of a mixin model built without its tie:
+    the mixin tied the model during the move, then the plan's count check raised "no longer
+    shared ... Before: 2 After: 1" on a model already converted (probe today51)."""
+    model = DeclaredTies(tie=False)
+    plan = find_ties(model)
+    assert plan.groups == ()
+    control = DeclaredTies(tie=False)  # the mixin alone ties it when converted: the plan would be wrong
+    control.double()
+    assert control.head.weight is control.embed.weight
+    said = r"the plan given does not tie 'head.weight' to 'embed.weight', which a TPUMixin's tied_weights"
+    with pytest.raises(TieError, match=said):
+        if how == "move":
+            tiekit.move(model, torch.float64, plan=plan)
+        else:
+            with tiekit.preserve_ties(model, plan=plan):
+                model.double()
+    assert model.head.weight is not model.embed.weight and model.embed.weight.dtype == torch.float32  # untouched
+    tiekit.move(model, torch.float64, plan=find_ties(model, declared={"head.weight": "embed.weight"}))  # the advice
+    assert model.head.weight is model.embed.weight
+
+
+def test_declared_that_contradicts_a_mixins_tied_weights_is_refused() -> None:
+    """declared= overrode the mixin's declaration without a word: preserve_ties tied head to other,
+    and the model's own next .to raised a conflict (probe today51)."""
+
+    class WithOther(DeclaredTies):
+        def __init__(self) -> None:
+            super().__init__(tie=False)
+            self.other = nn.Embedding(11, 4)
+
+    model = WithOther()
+    refused = pytest.raises(TieError, match=r"declared ties 'head.weight' to 'other.weight', but a TPUMixin's")
+    with refused, tiekit.preserve_ties(model, declared={"head.weight": "other.weight"}):
+        model.double()
+    assert model.head.weight is not model.other.weight and model.head.weight.dtype == torch.float32
+    with tiekit.preserve_ties(model, declared={"head.weight": "embed.weight"}):  # the same tie: no conflict
+        model.double()
+    assert model.head.weight is model.embed.weight
 
 
 @pytest.mark.parametrize("nested", [False, True])

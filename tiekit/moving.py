@@ -61,7 +61,7 @@ def move(
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TieError(f"tiekit.move: optimizer must be a torch.optim.Optimizer, not a {type(optimizer).__name__}")
     # A plan made here is checked too: one retie could not apply must refuse before anything moves.
-    planned = moving_plan(model, None) if plan is None else _given_plan(model, plan)
+    planned = moving_plan(model, None) if plan is None else _given_plan(model, plan, "move")
     plan = fitting_plan(model, planned, counted=on_error == "raise")
     names = {id(p): n for n, p in model.named_parameters()} if optimizer is not None else {}
     kwargs: dict[str, object] = {}
@@ -102,15 +102,42 @@ def moving_plan(model: nn.Module, declared: Mapping[str, str] | None) -> TiePlan
     except CheckpointError as exc:  # a tied_weights name that does not resolve
         raise TieError(str(exc)) from exc
     mixins = declared_in_mixins(model) if isinstance(model, nn.Module) else {}  # else find_ties names it
+    for target, source in (declared or {}).items() if isinstance(declared, Mapping) else ():
+        if mixins.get(target, source) != source:
+            raise TieError(
+                f"declared ties {target!r} to {source!r}, but a TPUMixin's tied_weights in the model ties it to "
+                f"{mixins[target]!r} (applied at every conversion of the model); nothing was changed"
+            )
     merged = {**holding, **mixins, **(declared or {})}
     return find_ties(model, declared=merged or None)
 
 
-def _given_plan(model: nn.Module, plan: TiePlan) -> TiePlan:
+def refuse_plan_without_mixin_ties(model: nn.Module, plan: TiePlan, where: str) -> None:
+    """`TieError` naming the tie when ``plan`` (given, not made by `moving_plan`) leaves out a tie
+    a `TPUMixin`'s ``tied_weights`` in ``model`` declares: the mixin applies it at the conversion,
+    and the plan's count check then refused a model already converted. Raised before anything moves."""
+    from tiekit.mixin import declared_in_mixins
+
+    if not isinstance(model, nn.Module) or not isinstance(plan, TiePlan):
+        return  # not a model or plan: the caller's check names the mistake
+    for target, source in declared_in_mixins(model).items():
+        if isinstance(target, str) and isinstance(source, str) and plan.source_of(target) != plan.source_of(source):
+            raise TieError(
+                f"{where}: the plan given does not tie {target!r} to {source!r}, which a TPUMixin's tied_weights in "
+                f"{type(model).__name__} declares (the mixin ties them at every conversion, against the plan); "
+                "nothing was converted. Make the plan once the tie holds (after model.tie_weights()), or with "
+                f"tiekit.find_ties(model, declared={{{target!r}: {source!r}}})"
+            )
+
+
+def _given_plan(model: nn.Module, plan: TiePlan, where: str) -> TiePlan:
     """``plan`` with the model's views in another dtype, which a plan from JSON does not carry:
     the move refuses them rather than leave each a copy of its own."""
-    if not isinstance(plan, TiePlan) or plan.reinterpreting:
+    if not isinstance(plan, TiePlan):
         return plan  # not a plan: fitting_plan names the mistake
+    refuse_plan_without_mixin_ties(model, plan, "tiekit.move" if where == "move" else "tiekit.preserve_ties")
+    if plan.reinterpreting:
+        return plan
     views = reinterpreting_views(model)
     return dataclasses.replace(plan, reinterpreting=views) if views else plan
 
@@ -265,7 +292,7 @@ def preserve_ties(
     it becomes the tie's; different values given to two names raise `TieError`.
     """
     checked_on_error(on_error, "tiekit.preserve_ties")
-    planned = moving_plan(model, declared) if plan is None else _given_plan(model, plan)
+    planned = moving_plan(model, declared) if plan is None else _given_plan(model, plan, "preserve_ties")
     plan = fitting_plan(model, planned, counted=on_error == "raise")
     entry = tensors_at_entry(model, plan)
     with retied_if_interrupted(model, plan), converting_once(model):

@@ -16,7 +16,7 @@ from tiekit.collective import collective_gather, ranks
 from tiekit.declared_groups import checked_declared
 from tiekit.errors import TieError, TiekitError, TieWarning
 from tiekit.integrations.lightning.checkpoint_io import TiedCheckpointIO, local_path
-from tiekit.moving import moving_plan
+from tiekit.moving import moving_plan, refuse_plan_without_mixin_ties
 from tiekit.plan import TieGroup, TiePlan
 from tiekit.retie import OnError, checked_on_error, lasting_tie_changes, member_holds, retie, verify
 from tiekit.sharding.check import check_sharding
@@ -96,6 +96,7 @@ class KeepTies(Callback):
             self._check_configured(pl_module, before)
             if self._given is not None:
                 _refuse_unfitting_plan(pl_module, self._given)
+                refuse_plan_without_mixin_ties(pl_module, self._given, "KeepTies")
             originals["setup"](trainer_)
 
         def model_to_device() -> None:
