@@ -423,6 +423,31 @@ def test_declared_that_contradicts_a_mixins_tied_weights_is_refused() -> None:
     assert model.head.weight is model.embed.weight
 
 
+def test_saving_a_mixin_model_that_does_not_hold_its_declared_tie_warns(tmp_path: Path) -> None:
+    """save_model wrote the two tensors without a word, and a new model of the class (which ties
+    them) then refused the file with "load into a model built without this tie", which that class
+    cannot be (probe today51). The save says so, and how to store one copy."""
+    model = DeclaredTies(tie=False)
+    path = tmp_path / "untied.safetensors"
+    with pytest.warns(
+        TieWarning, match=r"DeclaredTies declares ties .* do not hold.*: head.weight -> embed.weight"
+    ) as w:
+        tiekit.save_model(model, path)
+    assert [warning.filename for warning in w] == [__file__]  # the line that saved
+    with pytest.warns(TieWarning, match=r"declares ties .* do not hold") as w:
+        tiekit.save_checkpoint(tmp_path / "training.safetensors", model=model, step=1)  # another depth, one line
+    assert [warning.filename for warning in w] == [__file__]
+    with pytest.raises(tiekit.CheckpointError, match=r"saved from a model that did not hold this tie .*tie_weights"):
+        tiekit.load_model(DeclaredTies(), path)
+    model.tie_weights()  # the advice: one copy, the source's values, and no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TieWarning)
+        tiekit.save_model(model, tmp_path / "tied.safetensors")
+    loaded = DeclaredTies(tie=False)
+    tiekit.load_model(loaded, tmp_path / "tied.safetensors")
+    assert loaded.head.weight is loaded.embed.weight and torch.equal(loaded.embed.weight, model.embed.weight)
+
+
 @pytest.mark.parametrize("nested", [False, True])
 def test_tied_weights_that_are_no_mapping_are_a_tie_error_naming_the_class(nested: bool, tmp_path: Path) -> None:
     """Reading every mixin's declarations called .items() on them first: a list was a bare

@@ -84,8 +84,9 @@ def test_bf16_on_xla_and_the_16_bit_note(xla_device: torch.device) -> None:
     tiekit.fit(mixed, data(), precision="bf16-mixed", **kw)
     assert mixed.seen == {(torch.float32, True)}
     half = DtypeProbe()
-    with pytest.warns(UserWarning, match=r'"16-true" on XLA trains in bfloat16'):
+    with pytest.warns(UserWarning, match=r'"16-true" on XLA trains in bfloat16') as noted:
         result = tiekit.fit(half, data(), precision="16-true", **kw)
+    assert [w.filename for w in noted] == [__file__]  # your fit line, not tiekit's (it named loop.py)
     assert half.seen == {(torch.bfloat16, False)}
     assert result.precision == "bf16-true" and result.ties_kept
     assert half.layer_2.weight is half.layer_1.weight and half.layer_1.weight.dtype == torch.float32

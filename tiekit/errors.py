@@ -1,6 +1,11 @@
-"""tiekit's exception and warning hierarchy."""
+"""tiekit's exception and warning hierarchy, and where its warnings point."""
 
 from __future__ import annotations
+
+import os
+import sys
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 class TiekitError(Exception):
@@ -24,3 +29,13 @@ class ReplicaStopped(TiekitError):
 
 class TieWarning(UserWarning):
     """A tie problem reported with ``on_error="warn"`` instead of raised."""
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a ``warnings.warn`` in the calling function point at the first
+    line outside tiekit (your call of ``save_checkpoint``, ``fit``...), however deep it is. Local."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -4,6 +4,7 @@ training checkpoint's tensors and record. Local; `CheckpointError` on what canno
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -17,8 +18,9 @@ from tiekit.checkpoint.codec import Fallback, encode
 from tiekit.checkpoint.layout import PLAN_KEY, nbytes
 from tiekit.checkpoint.optimizer import optimizer_record
 from tiekit.declarations import declared_ties_holding
-from tiekit.errors import CheckpointError, TieError
+from tiekit.errors import CheckpointError, TieError, TieWarning, user_stacklevel
 from tiekit.header import DTYPE_CODES
+from tiekit.mixin import declared_in_mixins
 from tiekit.plan import TiePlan
 from tiekit.retie import tie_changes
 from tiekit.slots import resolve
@@ -28,14 +30,34 @@ def saving_plan(model: nn.Module) -> TiePlan:
     """The model's ties, plus the declared ties that hold in its current tensors.
 
     A declared tie whose two tensors differ (a tie broken by a move, then trained) is left
-    out: dropping one of them would lose data. The file then records two tensors.
+    out: dropping one of them would lose data. The file then records two tensors; for a tie a
+    `TPUMixin` declares (which a fresh model of its class holds, so the file will not load into
+    one), with a `TieWarning` saying so.
     """
     declared = declared_ties_holding(model)
     try:
         plan = find_ties(model, declared=declared or None)
     except TieError as exc:
         raise CheckpointError(f"cannot save {type(model).__name__}: {exc}") from exc
+    _warn_of_unheld_mixin_ties(model, plan)
     return stored_only(plan, set(model.state_dict(keep_vars=True)))
+
+
+def _warn_of_unheld_mixin_ties(model: nn.Module, plan: TiePlan) -> None:
+    unheld = [
+        f"{target} -> {source}"
+        for target, source in declared_in_mixins(model).items()
+        if isinstance(target, str) and isinstance(source, str) and plan.source_of(target) != plan.source_of(source)
+    ]
+    if unheld:
+        warnings.warn(
+            f"{type(model).__name__} declares ties (TPUMixin.tied_weights) its tensors do not hold, with different "
+            f"values: {'; '.join(unheld)}. They are saved as separate tensors, which a model that holds the tie (a "
+            f"new {type(model).__name__}, or this one after tie_weights() or a move) cannot load. Call "
+            "model.tie_weights() before saving to store one copy (the source's values)",
+            TieWarning,
+            stacklevel=user_stacklevel(),
+        )
 
 
 def stored_only(plan: TiePlan, stored: set[str]) -> TiePlan:

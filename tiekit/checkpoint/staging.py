@@ -315,7 +315,11 @@ def _different_copies(source: Source, name: str, key: str, model_plan: TiePlan) 
             "the plan does not describe what was saved (edited or damaged). Restore the plan as the save wrote "
             "it, or save the checkpoint again"
         )
-    return CheckpointError(f"{said}, but the model ties them; load into a model built without this tie")
+    return CheckpointError(
+        f"{said}, but the model ties them: the file was saved from a model that did not hold this tie (broken and "
+        "trained apart, or a TPUMixin model saved before tie_weights() applied its tied_weights); load into a model "
+        "built without this tie"
+    )
 
 
 def _stored(source: Source, key: str) -> torch.Tensor:

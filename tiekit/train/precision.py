@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from tiekit.errors import TiekitError
+from tiekit.errors import TiekitError, user_stacklevel
 
 PRECISIONS = ("32-true", "bf16-true", "bf16-mixed", "16-true")
 
@@ -73,7 +73,7 @@ def resolve_precision(name: str, half_dtype: torch.dtype, device_type: str) -> P
             f'precision="16-true" on {device_type.upper()} trains in bfloat16 ("bf16-true"): {device_type.upper()} '
             "devices compute 16-bit floating point as bfloat16; pass precision='bf16-true' to silence this note",
             UserWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
         return Precision("bf16-true", torch.bfloat16, None)
     return Precision(name, torch.float16, None)
