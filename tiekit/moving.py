@@ -61,7 +61,7 @@ def move(
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TieError(f"tiekit.move: optimizer must be a torch.optim.Optimizer, not a {type(optimizer).__name__}")
     # A plan made here is checked too: one retie could not apply must refuse before anything moves.
-    planned = moving_plan(model, None) if plan is None else _given_plan(model, plan, "move")
+    planned = moving_plan(model, None) if plan is None else _given_plan(model, plan, "tiekit.move")
     plan = fitting_plan(model, planned, counted=on_error == "raise")
     names = {id(p): n for n, p in model.named_parameters()} if optimizer is not None else {}
     kwargs: dict[str, object] = {}
@@ -135,7 +135,7 @@ def _given_plan(model: nn.Module, plan: TiePlan, where: str) -> TiePlan:
     the move refuses them rather than leave each a copy of its own."""
     if not isinstance(plan, TiePlan):
         return plan  # not a plan: fitting_plan names the mistake
-    refuse_plan_without_mixin_ties(model, plan, "tiekit.move" if where == "move" else "tiekit.preserve_ties")
+    refuse_plan_without_mixin_ties(model, plan, where)
     if plan.reinterpreting:
         return plan
     views = reinterpreting_views(model)
@@ -292,7 +292,7 @@ def preserve_ties(
     it becomes the tie's; different values given to two names raise `TieError`.
     """
     checked_on_error(on_error, "tiekit.preserve_ties")
-    planned = moving_plan(model, declared) if plan is None else _given_plan(model, plan, "preserve_ties")
+    planned = moving_plan(model, declared) if plan is None else _given_plan(model, plan, "tiekit.preserve_ties")
     plan = fitting_plan(model, planned, counted=on_error == "raise")
     entry = tensors_at_entry(model, plan)
     with retied_if_interrupted(model, plan), converting_once(model):
