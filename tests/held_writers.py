@@ -12,10 +12,10 @@ def writer_held(kind: str = "file") -> Iterator[None]:
     """The background writer of single-file (``"file"``) or sharded (``"sharded"``) saves busy
     until the block ends: saves made inside stay queued."""
     from tiekit.checkpoint.saving import _background
-    from tiekit.dcp.saving import _background_writer
+    from tiekit.dcp.background import background_writer
 
     release = threading.Event()
-    (_background() if kind == "file" else _background_writer()).submit(release.wait, 60)
+    (_background() if kind == "file" else background_writer()).submit(release.wait, 60)
     try:
         yield
     finally:

@@ -83,14 +83,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 import tiekit
-from tiekit.dcp.saving import _background_writer
+from tiekit.dcp.background import background_writer
 
 def worker(rank, port, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     model = nn.Sequential(nn.Embedding(30, 8), nn.Linear(8, 30, bias=False))
     model[1].weight = model[0].weight
     release = threading.Event()
-    _background_writer().submit(release.wait, 60)  # the save starts only after the destroy below
+    background_writer().submit(release.wait, 60)  # the save starts only after the destroy below
     handle = tiekit.save_sharded(model, out, blocking=False)
     dist.destroy_process_group()
     release.set()
@@ -127,7 +127,7 @@ import os, sys, threading, time, warnings
 import torch.distributed as dist
 from torch import nn
 import tiekit
-from tiekit.dcp.saving import _background_writer
+from tiekit.dcp.background import background_writer
 
 rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -136,7 +136,7 @@ model[1].weight = model[0].weight
 flag = f"{out}-filter-set"
 release = threading.Event()
 if rank == 1:
-    _background_writer().submit(release.wait, 60)  # rank 0's writer waits in DCP for this one's
+    background_writer().submit(release.wait, 60)  # rank 0's writer waits in DCP for this one's
 handle = tiekit.save_sharded(model, out, blocking=False)
 if rank == 0:
     time.sleep(2)  # its writer is inside DCP's save by now, waiting for rank 1's
@@ -194,9 +194,9 @@ def test_a_failed_background_save_keeps_no_copy_of_the_state(
     # The writing thread ends its work item just after the handle is done: wait until it took
     # the next one, so that what is left is what the handle keeps.
     from tiekit.checkpoint.saving import _background
-    from tiekit.dcp.saving import _background_writer
+    from tiekit.dcp.background import background_writer
 
-    (_background_writer() if kind == "sharded" else _background()).submit(lambda: None).result(60)
+    (background_writer() if kind == "sharded" else _background()).submit(lambda: None).result(60)
     gc.collect()
     own, size = model[0].weight.untyped_storage().data_ptr(), model[0].weight.numel()
     with warnings.catch_warnings():  # isinstance on torch.distributed's deprecated objects warns
@@ -223,8 +223,8 @@ model[1].weight = model[0].weight
 resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.RLIM_INFINITY))  # the disk refuses > 64 KiB
 handle = tiekit.save_sharded(model, sys.argv[1], blocking=False)
 handle.join()
-from tiekit.dcp.saving import _background_writer
-_background_writer().submit(lambda: None).result(60)  # its work item over: what is left is the handle's
+from tiekit.dcp.background import background_writer
+background_writer().submit(lambda: None).result(60)  # its work item over: what is left is the handle's
 gc.collect()
 own, size = model[0].weight.untyped_storage().data_ptr(), model[0].weight.numel()
 tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.numel() == size]

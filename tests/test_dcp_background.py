@@ -14,8 +14,8 @@ from models import WeightSharingModule, filled
 
 import tiekit
 from tiekit.dcp import MARKER_NAME
+from tiekit.dcp.background import background_writer
 from tiekit.dcp.layout import committed_save_id
-from tiekit.dcp.saving import _background_writer
 
 
 def test_a_save_through_a_symlink_waits_for_the_pending_save_into_the_same_folder(tmp_path: Path) -> None:
@@ -24,7 +24,7 @@ def test_a_save_through_a_symlink_waits_for_the_pending_save_into_the_same_folde
     here; the later one when the older was already writing, and the folder kept the older)."""
     (tmp_path / "latest").symlink_to(tmp_path / "ck")
     release = threading.Event()
-    _background_writer().submit(release.wait, 60)
+    background_writer().submit(release.wait, 60)
     older = tiekit.save_sharded(filled(1.0), tmp_path / "ck", blocking=False)
     threading.Timer(1.0, release.set).start()  # the save below must wait for the older one, held until then
     tiekit.save_sharded(filled(2.0), tmp_path / "latest")

@@ -116,7 +116,7 @@ def refuse_different_options(root: Path, options: list[dict[str, Any]]) -> None:
     gathered: ``blocking`` and `extra_keys`) do not go together: ``blocking`` differs (a blocking
     rank would wait in DCP's collectives for ranks writing in the background), or a rank's
     ``extra`` has keys rank 0's lacks (only rank 0's is stored: they would be lost; ``extra`` on
-    rank 0 alone is fine). Local."""
+    rank 0 alone is fine when it holds no tensors, which every rank writes as the model's). Local."""
     if any(o["blocking"] != options[0]["blocking"] for o in options):
         shown = "; ".join(f"rank {r}: {o['blocking']}" for r, o in enumerate(options))
         raise CheckpointError(

@@ -22,7 +22,6 @@ import os
 import shutil
 import weakref
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from tiekit.checkpoint.deferred import DeferredCopies, deferrable_storages
 from tiekit.checkpoint.handle import SaveHandle, after_earlier_saves, register_pending
 from tiekit.checkpoint.layout import PathLike
 from tiekit.collective import collective_gather, ranks
+from tiekit.dcp.background import background_writer
 from tiekit.dcp.layout import SAVE_PREFIX, committed_save_id, new_save_id, remove_stale, write_marker
 from tiekit.dcp.ranks import (
     distributed,
@@ -203,7 +203,7 @@ def save_sharded_staged(
             if copies is not None and copies.lent is not None:
                 copies.lent.close()  # written or failed: the training thread takes nothing aside
 
-    future = _background_writer().submit(write)
+    future = background_writer().submit(write)
     commit = functools.partial(_commit_or_remove, root, save_id, state, before, made) if writes_marker else None
     handle = SaveHandle(root, save_id, future, commit)
     register_pending(root, handle, key)
@@ -220,18 +220,6 @@ def _spmd_planner() -> Any:
     from tiekit.backends.xla_spmd import spmd_save_planner
 
     return spmd_save_planner()
-
-
-_writer: ThreadPoolExecutor | None = None
-
-
-def _background_writer() -> ThreadPoolExecutor:
-    """The thread that writes this process's background saves, in the order they were made (DCP's
-    own ``async_save`` would write each from a new thread, from a copy it makes in the call)."""
-    global _writer
-    if _writer is None:
-        _writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiekit-dcp-save")
-    return _writer
 
 
 def _prepare(

@@ -49,6 +49,7 @@ from tiekit.collective import (
     failure_message,
 )
 from tiekit.dcp import SaveHandle
+from tiekit.dcp.background import abandon_writes
 from tiekit.dcp.saving import save_sharded_staged
 from tiekit.errors import CheckpointError, ReplicaStopped, TieError, TiekitError
 from tiekit.launch_threads import abort_thread_collectives, begin_thread_collectives, end_thread_collectives
@@ -95,6 +96,14 @@ class Coordinator:
             self.pending._when_finished(lambda _: lock.release())
         else:
             lock.release()
+
+    def after_failure(self) -> None:
+        """Local: this rank's training failed. With other ranks, its background sharded save may
+        never finish (their writers wait for their training threads, which wait for this rank in
+        a training collective): the process's exit does not wait for it for good
+        (`tiekit.dcp.background.abandon_writes`), so that it ends, and the others' collectives fail."""
+        if self.ranks.world > 1 and self.pending is not None and not self.pending.done():
+            abandon_writes()
 
     def gather(self, value: Any) -> list[Any]:
         """Collective: every rank's ``value`` in rank order (``[value]`` in a run of one rank)."""

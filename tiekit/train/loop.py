@@ -134,6 +134,7 @@ def _run(job: Job, backend: Backend) -> tuple[Outcome, nn.Module]:
     try:
         return _trained(job, backend, coordinator, passed, started)
     except BaseException as exc:
+        coordinator.after_failure()  # a background save other ranks share may never finish
         passed.after_failure(exc)  # the module passed to fit back where it was, not left on the device
         raise
     finally:
