@@ -111,7 +111,7 @@ def test_ten_bf16_mixed_fits_inside_your_own_launch_never_race(tmp_path: Path) -
 
 
 FAILING_REPLICA = """
-import json, sys, time, torch, torch.nn.functional as F
+import json, sys, time, warnings, torch, torch.nn.functional as F
 import torch_xla.runtime as xr
 from torch.utils.data import Dataset
 import tiekit
@@ -149,14 +149,17 @@ if __name__ == "__main__":
         data, loss_fn = dataset(256), loss_on_replica_1_fails_at_step_4
     else:
         data, loss_fn = SampleOfReplica1Fails(), F.mse_loss
-    try:
-        tiekit.fit(WeightSharingModule, data, loss_fn=loss_fn, strategy="xla", devices=2, max_steps=12, batch_size=8,
-                   shuffle=False, progress=False)
-        error = None
-    except Exception as exc:
-        error = {"type": type(exc).__name__, "tiekit": isinstance(exc, tiekit.TiekitError), "message": str(exc),
-                 "notes": getattr(exc, "__notes__", []), "traceback": str(exc.__cause__)}
-    print("RECORD " + json.dumps({"error": error, "seconds": time.time() - started}), flush=True)
+    with warnings.catch_warnings(record=True) as caught:  # "16-true" is bfloat16 on XLA: a note says so
+        warnings.simplefilter("always")
+        try:
+            tiekit.fit(WeightSharingModule, data, loss_fn=loss_fn, strategy="xla", devices=2, max_steps=12,
+                       batch_size=8, shuffle=False, progress=False, precision="16-true")
+            error = None
+        except Exception as exc:
+            error = {"type": type(exc).__name__, "tiekit": isinstance(exc, tiekit.TiekitError), "message": str(exc),
+                     "notes": getattr(exc, "__notes__", []), "traceback": str(exc.__cause__)}
+    notes = [[w.filename, str(w.message)] for w in caught if "16-true" in str(w.message)]
+    print("RECORD " + json.dumps({"error": error, "seconds": time.time() - started, "notes": notes}), flush=True)
 """
 
 
@@ -185,6 +188,10 @@ def test_a_replica_that_raises_releases_its_peer_with_a_tiekit_error(
     # 1's traceback as its cause, down to the line of the user's code: it was the message alone.
     assert 'job.py", line' in error["traceback"] and line in error["traceback"], error["traceback"][-3000:]
     assert "The above exception was the direct cause" in error["traceback"]
+    # The replicas' warnings reach the caller (they went to the launched process's stderr), once,
+    # at the line that called fit (they were given in tiekit's loop, in a launch thread).
+    [[filename, note]] = records[-1]["notes"]
+    assert filename == str(tmp_path / "job.py") and note.startswith('precision="16-true" on XLA trains in bfloat16')
     assert time.monotonic() - started < 120  # released at once, not after XLA's or a collective's timeout
 
 

@@ -157,15 +157,28 @@ def _xla(job: Job, requested: int | str) -> tuple[list[Outcome], nn.Module]:
             with _picklable(job.strategy):
                 xla_launch(_xla_entry, (spawned,), count)
         except BrokenProcessPool as exc:  # the process ended: nothing of it reports how
+            with contextlib.suppress(Warning):
+                relayed_warnings.relay(Path(folder))
             raise TiekitError(
                 f"the process running the {count or 'XLA'} replicas ended before they finished: killed (by a "
                 "signal, or the out-of-memory killer), or aborted by XLA, which then prints why above"
                 f"{reports.last_checkpoint_note(spawned)}"
             ) from exc
+        except BaseException:
+            with contextlib.suppress(Warning):  # a warning made an error (-W error) must not hide the failure
+                relayed_warnings.relay(Path(folder))
+            raise
+        relayed_warnings.relay(Path(folder))
         return reports.collect(spawned)
 
 
 def _xla_entry(ordinal: int, job: Job) -> None:
+    assert job.result_dir is not None
+    with relayed_warnings.recorded_in_threads(job.result_dir / f"warnings-{ordinal}.json"):  # the caller shows them
+        _xla_replica(ordinal, job)
+
+
+def _xla_replica(ordinal: int, job: Job) -> None:
     backend = XlaReplicaBackend()
     wanted = job.config.devices
     if isinstance(wanted, int) and wanted != backend.replica_count:  # a TPU launches on every core
