@@ -82,7 +82,7 @@ class KeepTies(Callback):
         tie raise `tiekit.TieError` naming them (`tiekit.check_sharding`), before the first step.
         A model ``configure_model`` builds itself is checked as it stands after the hook."""
         self._unwrap()
-        self._check_kept(pl_module, stage)
+        self._check_kept(trainer, pl_module, stage)
         strategy = trainer.strategy
         _refuse_tied_io_where_unused(strategy)
         _refuse_tied_io_in_async(strategy)
@@ -107,12 +107,13 @@ class KeepTies(Callback):
         strategy.model_to_device = model_to_device
         self._wrapped = (strategy, originals)
 
-    def _check_kept(self, pl_module: nn.Module, stage: str) -> None:
+    def _check_kept(self, trainer: Any, pl_module: nn.Module, stage: str) -> None:
         """Refuse a stage whose module lost a tie of the plan the last stage kept.
 
         Planning again from the module as it is would take the broken tie for two tensors, and
-        the stage would run untied with nothing said. Collective with several ranks (every rank
-        runs a stage's setup): ranks whose modules differ (a tie broken on rank 0 alone) are a
+        the stage would run untied with nothing said. Collective when the stage's trainer has
+        several ranks (every one of them runs its setup; a one-device trainer that rank 0 alone
+        runs after a DDP fit checks alone): ranks whose modules differ (a tie broken on rank 0 alone) are a
         `TieError` on every rank naming each rank's, whatever ``on_error`` says; the rank that
         raised alone left the others failing in DDP's first broadcast, naming no tie."""
         kept, plan = self._kept, self.plan
@@ -120,7 +121,8 @@ class KeepTies(Callback):
             return
         broken = _broken_since(pl_module, plan, kept[1]) if kept[0]() is pl_module else []
         stage = getattr(stage, "value", stage)  # Lightning passes its TrainerFn, a str enum
-        if ranks().world > 1:
+        world = getattr(trainer, "world_size", 1)
+        if world > 1 and ranks().world == world:
             _refuse_ranks_that_differ(collective_gather(broken, operation="KeepTies"), pl_module, stage)
         if not broken:
             return
