@@ -132,6 +132,18 @@ _pending: dict[str, list[SaveHandle | int]] = {}
 _pending_lock = threading.Lock()
 
 
+def _forget_the_parents_saves() -> None:
+    # A fork child inherits the parent's background saves, whose writing threads are not in it:
+    # they would never finish here, and the child's next save of the same path would wait for good.
+    global _pending_lock, _unseen_lock
+    _pending.clear()
+    _unseen.clear()
+    _pending_lock, _unseen_lock = threading.Lock(), threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_the_parents_saves)
+
+
 def register_pending(target: Path, handle: SaveHandle, key: str | None = None) -> None:
     """Local: ``handle`` is a background save of ``target`` (a file, or a sharded save's folder),
     for the next save of ``target`` in this process to wait for (`after_earlier_saves`). ``key``:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import operator
+import os
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -293,6 +294,10 @@ def _background() -> ThreadPoolExecutor:
     """The one thread writing `save_checkpoint(blocking=False)` files: in call order, and joined
     (so finished) when the interpreter exits."""
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiekit-save")
+
+
+# A fork child makes its own: the parent's thread is not in it, and its saves would never run.
+os.register_at_fork(after_in_child=_background.cache_clear)
 
 
 def _shares_memory(host: torch.Tensor, original: torch.Tensor) -> bool:

@@ -9,20 +9,25 @@ exit without a bound, and the failed rank never exited (nor, then, did its peers
 a daemon, joined at exit by `_join_at_exit`: without a bound (a script that exits without
 ``wait()`` still commits its save), or for a few seconds once a failed ``fit`` abandoned the
 writes (`abandon_writes`): the process then exits, its peers' collectives fail, and so do they.
+The join runs where Python joins its own threads (``threading``'s exit hooks, as
+``concurrent.futures`` does), which a ``multiprocessing`` child started by fork also runs (it
+leaves by ``os._exit``, skipping ``atexit``); a fork child gets a writer of its own (the parent's
+thread is not in it).
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
+import os
 import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-# Its atexit report of failures nothing waited for is registered first, so it runs after this
-# module's join (atexit runs last-registered first): the writes' failures are known by then.
+# Its atexit report of failures nothing waited for runs after this module's join (threading's
+# exit hooks run before atexit's): the writes' failures are known by then.
 import tiekit.checkpoint.handle  # noqa: F401
 
 #: How long the exit of a process whose fit failed waits for its background writes.
@@ -35,6 +40,7 @@ class _Writer:
         self._thread = threading.Thread(target=self._run, name="tiekit-dcp-save", daemon=True)
         self._thread.start()
         self.abandoned = False
+        self.pid = os.getpid()
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         """``fn(*args)``, written after the saves submitted before it."""
@@ -66,7 +72,7 @@ def background_writer() -> _Writer:
     """Local: the thread that writes this process's background sharded saves, started on first use."""
     global _writer
     with _lock:
-        if _writer is None:
+        if _writer is None or _writer.pid != os.getpid():  # a fork child: the parent's thread is not here
             _writer = _Writer()
         return _writer
 
@@ -79,7 +85,11 @@ def abandon_writes() -> None:
         _writer.abandoned = True
 
 
-@atexit.register
 def _join_at_exit() -> None:
-    if _writer is not None:
+    if _writer is not None and _writer.pid == os.getpid():
         _writer.join()
+
+
+# threading's exit hooks run before Python joins its threads, at the exit of the main interpreter
+# and of a fork child; atexit's only at the former (and after them).
+getattr(threading, "_register_atexit", atexit.register)(_join_at_exit)
