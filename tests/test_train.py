@@ -569,6 +569,33 @@ class DtypeProbe(nn.Module):
         return F.mse_loss(out.float(), y.float())
 
 
+class DeclaresItsTie(tiekit.TPUMixin, nn.Module):
+    """A mixin model built without its declared tie (never called tie_weights()): the mixin ties it
+    at its first conversion."""
+
+    tied_weights = {"head.weight": "embed.weight"}  # noqa: RUF012 - the mixin's class attribute
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 4)
+        self.head = nn.Linear(4, 11, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids))
+
+
+def test_fit_ties_a_mixin_model_built_without_its_declared_tie_as_tiekit_move_does() -> None:
+    """fit planned with find_ties, which reads no tied_weights: the move refused the plan ("the plan
+    given does not tie 'head.weight' to 'embed.weight'"; before that, "Before: 2 After: 1"), where
+    tiekit.move of the same model ties it (probe today52)."""
+    model = DeclaresItsTie()
+    assert model.head.weight is not model.embed.weight  # built untied
+    data = TensorDataset(torch.randint(0, 11, (16,)), torch.randn(16, 11))
+    result = tiekit.fit(model, data, loss_fn=F.mse_loss, max_steps=2, batch_size=4, **CPU)
+    assert result.ties_kept and result.model.head.weight is result.model.embed.weight
+    assert len(list(result.model.parameters())) == 1
+
+
 @pytest.mark.parametrize(
     ("precision", "seen"),
     [

@@ -20,11 +20,11 @@ import torch
 from torch import nn
 
 from tiekit import devices
-from tiekit.analyze import find_ties
 from tiekit.backends.base import Backend
 from tiekit.checkpoint.direct import host_bytes
 from tiekit.errors import ReplicaStopped, TiekitError
 from tiekit.launch_threads import thread_failure
+from tiekit.moving import moving_plan
 from tiekit.retie import verify
 from tiekit.train import coordinate, joining, state
 from tiekit.train.config import Job, LossFn, Outcome
@@ -150,7 +150,9 @@ def _trained(
     model, original_dtype = _build(job, backend)
     own_dtypes = floating_dtypes(model)  # precision casts every floating tensor: each gets its own back
     was_training = model.training
-    plan = find_ties(model)  # before the move: what must still be one tensor on the device
+    # Before the move: what must be one tensor on the device; as tiekit.move plans (a TPUMixin's
+    # tied_weights too, which the mixin ties at the move: a plan without them refused the model).
+    plan = moving_plan(model, None)
     coordinator.agree_on_model(plan, model)
     resume_from = coordinator.choose_checkpoint(cfg)  # one nobody can open stops the run before the move
     passed.remember(model, plan, alone=backend.unplaces_alone)
