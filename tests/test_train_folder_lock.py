@@ -110,13 +110,19 @@ def test_a_second_run_in_a_folder_another_run_holds_is_refused_on_every_rank(tmp
     assert not (folder / LOCK_NAME).exists()
 
 
-def test_the_lock_is_held_until_a_failed_runs_background_save_is_written(tmp_path: Path) -> None:
+def test_the_lock_is_held_until_a_failed_runs_background_save_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A run that fails goes on writing its last background save into the folder after fit raised;
-    its lock was released at once, and another run could take the folder meanwhile (probe)."""
+    its lock was released at once, and another run could take the folder meanwhile (probe). A run
+    this process starts next (a resume right after the failed fit) waits for that save: it was
+    refused as "in use by another tiekit.fit run", naming this very process (probe today52)."""
+    import threading
     from concurrent.futures import Future
 
     from tiekit.checkpoint.handle import SaveHandle
     from tiekit.collective import Ranks
+    from tiekit.train import folder_lock
     from tiekit.train.coordinate import Coordinator
     from tiekit.train.folder_lock import lock_checkpoint_dir
 
@@ -125,10 +131,14 @@ def test_the_lock_is_held_until_a_failed_runs_background_save_is_written(tmp_pat
     pending = SaveHandle(folder / "step-00000002.safetensors", "", writing)
     run = Coordinator(Ranks(0, 1, "single"), "run-a", pending=pending, folder_lock=lock_checkpoint_dir(folder, "run-a"))
     run.release()  # fit's end, the save still being written
+    monkeypatch.setattr(folder_lock, "ENDED_RUN_WAIT_SECONDS", 0.2)  # not written within the wait: refused
     with pytest.raises(tiekit.TiekitError, match=re.escape('in use by another tiekit.fit run ({"run": "run-a"')):
         lock_checkpoint_dir(folder, "run-b")
-    writing.set_result(None)  # written: the folder is free
-    lock_checkpoint_dir(folder, "run-b").release()
+    monkeypatch.setattr(folder_lock, "ENDED_RUN_WAIT_SECONDS", 60.0)
+    threading.Timer(0.5, writing.set_result, [None]).start()  # written meanwhile: the folder is free then
+    started = time.monotonic()
+    lock_checkpoint_dir(folder, "run-b").release()  # waited for the save, not refused
+    assert writing.done() and time.monotonic() - started >= 0.4
     assert not folder.exists()  # made by the first lock, empty: removed by the last release
 
 

@@ -93,7 +93,7 @@ class Coordinator:
         if lock is None:
             return
         if self.pending is not None and not self.pending.done():
-            self.pending._when_finished(lambda _: lock.release())
+            lock.release_once_finished(self.pending)
         else:
             lock.release()
 

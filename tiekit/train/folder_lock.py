@@ -18,13 +18,24 @@ import datetime
 import json
 import os
 import socket
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from tiekit.errors import TiekitError
 
 LOCK_NAME = ".tiekit-fit.lock"
+
+#: How long a run waits for this process's ended run to let go of the folder (its last
+#: background save still writing, which holds the lock until it is written).
+ENDED_RUN_WAIT_SECONDS = 300.0
+
+# Folders whose lock an ended run of this process holds until its last background save is
+# written: a run started next in this process (a resume right after a failed fit) waits for it
+# instead of calling it another run.
+_letting_go: dict[str, threading.Event] = {}
+_letting_go_lock = threading.Lock()
 
 
 @dataclass
@@ -34,6 +45,23 @@ class FolderLock:
     folder: Path
     file: IO[str] | None
     made: Path | None = None  # the outermost folder the lock made: removed again if the run wrote nothing
+
+    def release_once_finished(self, handle: Any) -> None:
+        """Local: `release` once ``handle`` (the run's last background save) is written or failed;
+        a run this process starts meanwhile waits for it (`lock_checkpoint_dir`)."""
+        key = os.path.realpath(self.folder)
+        gone = threading.Event()
+        with _letting_go_lock:
+            _letting_go[key] = gone
+
+        def let_go(_: Any) -> None:
+            self.release()
+            with _letting_go_lock:
+                if _letting_go.get(key) is gone:
+                    del _letting_go[key]
+            gone.set()
+
+        handle._when_finished(let_go)
 
     def release(self) -> None:
         """Local: remove the lock file (and the folder, if it made it and it is empty) and let the
@@ -62,12 +90,12 @@ def lock_checkpoint_dir(folder: Path, run_id: str) -> FolderLock:
         import fcntl
     except ImportError:  # not a POSIX system: nothing to lock with
         return FolderLock(folder, None)
-    made = None
-    for ancestor in (folder, *folder.parents):
-        if ancestor.exists():
-            break
-        made = ancestor
     while True:
+        made = None  # asked again on each try: an ended run's release may remove what it made
+        for ancestor in (folder, *folder.parents):
+            if ancestor.exists():
+                break
+            made = ancestor
         try:
             folder.mkdir(parents=True, exist_ok=True)
             file = open(folder / LOCK_NAME, "a+", encoding="utf-8")  # noqa: SIM115 - held open for the run
@@ -76,6 +104,11 @@ def lock_checkpoint_dir(folder: Path, run_id: str) -> FolderLock:
         try:
             fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            with _letting_go_lock:
+                ending = _letting_go.get(os.path.realpath(folder))
+            if ending is not None and ending.wait(ENDED_RUN_WAIT_SECONDS):
+                file.close()
+                continue  # this process's ended run let go once its last save was written
             file.seek(0)
             holder = file.read().strip() or "a run that has not written its name yet"
             file.close()
