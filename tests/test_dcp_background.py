@@ -10,6 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 from held_writers import writer_held
 from launching import ROOT, base_env
@@ -75,6 +76,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.newest_torch_only  # tiekit's own writer threads, the same on both stacks: run once
 def test_a_fork_child_writes_its_background_saves_and_commits_them_without_wait(tmp_path: Path) -> None:
     script = tmp_path / "fork_child.py"
     script.write_text(FORK_CHILD_SAVES)

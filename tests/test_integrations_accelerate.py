@@ -196,6 +196,7 @@ class DeclaringLM(tiekit.TPUMixin, torch.nn.Module):
         self.head = torch.nn.Linear(4, 11, bias=False)
 
 
+@pytest.mark.newest_torch_only  # tiekit's plan, the same on both stacks: run once
 @pytest.mark.parametrize("device_placement", [True, False])
 def test_prepare_tied_applies_a_mixins_declared_tie_with_or_without_the_move(
     cpu_accelerator: accelerate.Accelerator, device_placement: bool
