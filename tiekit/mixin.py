@@ -168,6 +168,17 @@ def declared_in_mixins(model: nn.Module) -> dict[str, str]:
     return declared
 
 
+def mixin_ties_outside(model: nn.Module, plan: TiePlan) -> list[tuple[str, str]]:
+    """The ``(target, source)`` ties the `TPUMixin` ``tied_weights`` in ``model`` declare
+    (`declared_in_mixins`) that ``plan`` does not tie: a plan given to a move, or a save's plan of
+    a model that never applied them. Local."""
+    return [
+        (target, source)
+        for target, source in declared_in_mixins(model).items()
+        if isinstance(target, str) and isinstance(source, str) and plan.source_of(target) != plan.source_of(source)
+    ]
+
+
 def tied_weights_of(module: TPUMixin) -> Mapping[str, str]:
     """``module.tied_weights``; `TieError` naming its class unless it is a mapping (a list of pairs)."""
     declared = module.tied_weights

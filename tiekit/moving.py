@@ -116,18 +116,19 @@ def refuse_plan_without_mixin_ties(model: nn.Module, plan: TiePlan, where: str) 
     """`TieError` naming the tie when ``plan`` (given, not made by `moving_plan`) leaves out a tie
     a `TPUMixin`'s ``tied_weights`` in ``model`` declares: the mixin applies it at the conversion,
     and the plan's count check then refused a model already converted. Raised before anything moves."""
-    from tiekit.mixin import declared_in_mixins
+    from tiekit.mixin import mixin_ties_outside
 
     if not isinstance(model, nn.Module) or not isinstance(plan, TiePlan):
         return  # not a model or plan: the caller's check names the mistake
-    for target, source in declared_in_mixins(model).items():
-        if isinstance(target, str) and isinstance(source, str) and plan.source_of(target) != plan.source_of(source):
-            raise TieError(
-                f"{where}: the plan given does not tie {target!r} to {source!r}, which a TPUMixin's tied_weights in "
-                f"{type(model).__name__} declares (the mixin ties them at every conversion, against the plan); "
-                "nothing was converted. Make the plan once the tie holds (after model.tie_weights()), or with "
-                f"tiekit.find_ties(model, declared={{{target!r}: {source!r}}})"
-            )
+    missing = mixin_ties_outside(model, plan)
+    if missing:
+        target, source = missing[0]
+        raise TieError(
+            f"{where}: the plan given does not tie {target!r} to {source!r}, which a TPUMixin's tied_weights in "
+            f"{type(model).__name__} declares (the mixin ties them at every conversion, against the plan); "
+            "nothing was converted. Make the plan once the tie holds (after model.tie_weights()), or with "
+            f"tiekit.find_ties(model, declared={{{target!r}: {source!r}}})"
+        )
 
 
 def _given_plan(model: nn.Module, plan: TiePlan, where: str) -> TiePlan:

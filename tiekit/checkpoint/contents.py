@@ -20,7 +20,7 @@ from tiekit.checkpoint.optimizer import optimizer_record
 from tiekit.declarations import declared_ties_holding
 from tiekit.errors import CheckpointError, TieError, TieWarning, user_stacklevel
 from tiekit.header import DTYPE_CODES
-from tiekit.mixin import declared_in_mixins
+from tiekit.mixin import mixin_ties_outside
 from tiekit.plan import TiePlan
 from tiekit.retie import tie_changes
 from tiekit.slots import resolve
@@ -44,11 +44,7 @@ def saving_plan(model: nn.Module) -> TiePlan:
 
 
 def _warn_of_unheld_mixin_ties(model: nn.Module, plan: TiePlan) -> None:
-    unheld = [
-        f"{target} -> {source}"
-        for target, source in declared_in_mixins(model).items()
-        if isinstance(target, str) and isinstance(source, str) and plan.source_of(target) != plan.source_of(source)
-    ]
+    unheld = [f"{target} -> {source}" for target, source in mixin_ties_outside(model, plan)]
     if unheld:
         warnings.warn(
             f"{type(model).__name__} declares ties (TPUMixin.tied_weights) its tensors do not hold, with different "
